@@ -1,0 +1,3 @@
+"""zoo-gym: federated community learning for open language models."""
+
+__version__ = "0.1.0"

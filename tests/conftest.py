@@ -1,0 +1,30 @@
+"""Shared fixtures: a tiny coordinator home built once per session."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="session")
+def tiny_home_template(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A coordinator home made by `init_home(tiny=True)` (copied per test)."""
+    from zoo_gym.coordinator.setup import init_home
+
+    home = tmp_path_factory.mktemp("template") / "coordinator"
+    init_home(home, tiny=True, settings="")
+    return home
+
+
+@pytest.fixture
+def tiny_home(tiny_home_template: Path, tmp_path: Path) -> Path:
+    home = tmp_path / "coordinator"
+    shutil.copytree(tiny_home_template, home)
+    return home

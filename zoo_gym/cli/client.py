@@ -1,0 +1,98 @@
+"""`gym-client`: contribute to a zoo-gym network."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from zoo_gym.cli.common import console, friendly, setup_logging
+
+app = typer.Typer(help="Contribute to a zoo-gym network.", no_args_is_help=True, add_completion=False)
+
+CONFIG = "client.toml"
+
+
+@app.command()
+@friendly
+def init(
+    home: Annotated[Path, typer.Option(help="directory for your key, config and local state")] = Path("contributor"),
+    name: Annotated[str, typer.Option(help="name shown to the operator")] = "contributor",
+) -> None:
+    """Create an Ed25519 identity and a config file."""
+    from zoo_gym.core.identity import Identity
+
+    home.mkdir(parents=True, exist_ok=True)
+    if (home / "client.key").exists():
+        raise FileExistsError(f"{home / 'client.key'} exists; your identity is already set up")
+    identity = Identity.generate()
+    identity.save(home / "client.key")
+    (home / CONFIG).write_text(f'name = "{name}"\nkey = "client.key"\n')
+    console.print(f"contributor {identity.contributor_id} ready in {home}")
+
+
+@app.command()
+@friendly
+def join(
+    coordinator: Annotated[str, typer.Argument(help="HOST:PORT of the coordinator")],
+    data: Annotated[Path | None, typer.Option(help="your training data (Alpaca/ShareGPT JSONL)")] = None,
+    home: Annotated[Path, typer.Option(help="directory made by `gym-client init`")] = Path("contributor"),
+    method: Annotated[str, typer.Option(help="training method")] = "sft",
+    ca_cert: Annotated[Path | None, typer.Option(help="CA certificate for a TLS coordinator")] = None,
+    max_rounds: Annotated[int | None, typer.Option(help="leave after this many submissions")] = None,
+    device: Annotated[str | None, typer.Option(help="cpu, cuda, cuda:1 ...")] = None,
+    verbose: Annotated[bool, typer.Option("--verbose", "-v")] = False,
+) -> None:
+    """Register, then train and submit an update every round until stopped (Ctrl-C)."""
+    from zoo_gym.cli.progress import JoinDisplay
+    from zoo_gym.client.config import ClientConfig, load_client_config
+    from zoo_gym.client.session import JoinError, join as run_join
+
+    setup_logging(verbose)
+    if method != "sft":
+        raise JoinError(f"method {method!r} is not available; use --method sft")
+    cfg = load_client_config(home / CONFIG)
+    overrides = {"coordinator": coordinator, "data": data and data.resolve(), "ca_cert": ca_cert,
+                 "max_rounds": max_rounds, "device": device}
+    cfg = ClientConfig.model_validate({**cfg.model_dump(), **{k: v for k, v in overrides.items() if v is not None}})
+    with JoinDisplay(console) as display:
+        made = run_join(cfg, on_event=display.event, say=display.say)
+    console.print(f"left after {made} submission(s)")
+
+
+@app.command()
+@friendly
+def status(
+    home: Annotated[Path, typer.Option(help="directory made by `gym-client init`")] = Path("contributor"),
+    format: Annotated[str, typer.Option("--format", help="table or json")] = "table",
+) -> None:
+    """Show local state: identity, coordinator and contributions."""
+    from dataclasses import asdict
+
+    from rich.table import Table
+
+    from zoo_gym.client.state import LocalState
+
+    state = LocalState.load(home / "state" / "state.json")
+    rows = [asdict(c) for c in sorted(state.contributions.values(), key=lambda c: c.round)]
+    if format == "json":
+        console.print_json(json.dumps({"contributor_id": state.contributor_id,
+                                       "coordinator": state.coordinator, "contributions": rows}))
+        return
+    table = Table(title=f"contributor {state.contributor_id[:16] or '(not joined yet)'} @ {state.coordinator or '-'}")
+    for col in ("round", "base", "decision", "reason", "upload bytes", "train loss"):
+        table.add_column(col)
+    for r in rows:
+        table.add_row(str(r["round"]), r["base_version"], r["decision"], r["reason"], str(r["payload_bytes"]),
+                      f"{r['train_loss']:.4f}")
+    console.print(table)
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,137 @@
+"""`gym-client join`: the contributor's long-lived loop.
+
+Register, pin the coordinator key, fetch the current base, then: long-poll for
+a task, run the ClientApp on it, stream the reply up, report the decision, and
+later the round's outcome. Ctrl-C leaves between calls; nothing accepted is lost.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+from flwr.app import Context, RecordDict
+
+from zoo_gym.client.app import make_client_app
+from zoo_gym.client.config import ClientConfig
+from zoo_gym.client.data import load_records
+from zoo_gym.client.runtime import ClientRuntime, RoundEvent
+from zoo_gym.client.state import Contribution
+from zoo_gym.core.identity import Identity
+from zoo_gym.core.manifest import read_verified
+from zoo_gym.transport.client import FederationClient, TransportError
+
+log = logging.getLogger(__name__)
+
+
+class JoinError(RuntimeError):
+    """Joining cannot go on; the message says why and what to do."""
+
+
+def join(
+    config: ClientConfig,
+    *,
+    stop: threading.Event | None = None,
+    on_event: Callable[[RoundEvent], None] | None = None,
+    say: Callable[[str], None] = print,
+) -> int:
+    """Contribute until `max_rounds` submissions were made or `stop` is set; returns submissions made."""
+    stop = stop or threading.Event()
+    if not config.coordinator:
+        raise JoinError("no coordinator address; pass HOST:PORT to `gym-client join`")
+    if config.data is None:
+        raise JoinError("no training data; pass --data FILE.jsonl")
+    conversations = load_records(config.path(config.data))
+    identity = Identity.load(config.path(config.key))
+    roots = config.path(config.ca_cert).read_bytes() if config.ca_cert else None
+    client = FederationClient(config.coordinator, identity, root_certificates=roots)
+    try:
+        reg = client.register(config.name)
+        home = config.home
+        runtime_home = home / "state"
+        runtime_home.mkdir(parents=True, exist_ok=True)
+
+        def source(version: str, directory: Path) -> None:
+            try:
+                read_verified(directory, reg.coordinator_key)
+            except (OSError, ValueError):
+                client.fetch_model(version, directory, reg.coordinator_key)
+
+        runtime = ClientRuntime(
+            identity=identity, conversations=conversations, home=runtime_home,
+            model_source=source, device=config.device, on_event=on_event,
+        )
+        pinned = runtime.state.coordinator_key
+        if pinned and pinned != reg.coordinator_key.hex():
+            raise JoinError(
+                f"the coordinator at {config.coordinator} signs with a different key than the one pinned in "
+                f"{runtime.state.path}; if the operator rotated it, delete that file to trust the new key"
+            )
+        runtime.state.coordinator = config.coordinator
+        runtime.state.coordinator_key = reg.coordinator_key.hex()
+        runtime.state.contributor_id = reg.contributor_id
+        runtime.state.save()
+        say(f"joined {config.coordinator} as {reg.contributor_id[:16]} ({reg.status}); "
+            f"{len(conversations)} local examples; current base {reg.current_version}")
+        if reg.status == "banned":
+            raise JoinError("this key is banned by the operator")
+        app = make_client_app(runtime)
+        context = Context(run_id=1, node_id=reg.node_id, node_config={}, state=RecordDict(), run_config={})
+        made = 0
+        while not stop.is_set() and (config.max_rounds == 0 or made < config.max_rounds):
+            _report_outcomes(client, runtime, say)
+            task = client.poll(config.poll_wait_s)
+            if task is None:
+                continue
+            if runtime.state.submitted(task.round):
+                say(f"round {task.round}: already submitted from this machine; not submitting twice")
+                stop.wait(config.poll_wait_s)
+                continue
+            say(f"round {task.round}: training on {task.base_version}")
+            reply = app(task.message, context)
+            result = client.submit(task, reply)
+            metrics = reply.content.metric_records["metrics"]
+            runtime.state.record(Contribution(
+                round=task.round, message_id=task.message.metadata.message_id,
+                base_version=task.base_version, decision="accepted" if result.accepted else "rejected",
+                reason=result.reason, payload_bytes=result.payload_bytes,
+                raw_bytes=int(float(metrics["raw_bytes"])), train_loss=float(metrics["train_loss"]),
+            ))
+            say(f"round {task.round}: uploaded {result.payload_bytes} bytes "
+                f"(bf16 would be {int(float(metrics['raw_bytes']))}); "
+                f"{'accepted' if result.accepted else 'REJECTED'}: {result.reason}")
+            made += 1
+        _report_outcomes(client, runtime, say, wait_s=config.poll_wait_s if made else 0.0, stop=stop)
+        return made
+    finally:
+        client.close()
+
+
+def _report_outcomes(
+    client: FederationClient, runtime: ClientRuntime, say: Callable[[str], None],
+    *, wait_s: float = 0.0, stop: threading.Event | None = None,
+) -> None:
+    """Tell the contributor what became of earlier submissions once their rounds closed."""
+    import time
+
+    deadline = time.monotonic() + wait_s
+    while True:
+        pending = [c for c in runtime.state.contributions.values() if not c.final]
+        for c in pending:
+            try:
+                out = client.outcome(c.round)
+            except TransportError:
+                return
+            if out.round_status in ("", "open", "aggregating"):
+                continue
+            c.final, c.quality, c.reward = True, out.quality, out.reward
+            c.decision, c.reason = out.decision, out.reason
+            runtime.state.record(c)
+            say(f"round {c.round} closed ({out.round_status}{', now ' + out.published_version if out.published_version else ''}): "
+                f"your update {out.decision}: {out.reason}")
+        if all(c.final for c in runtime.state.contributions.values()) or time.monotonic() > deadline:
+            return
+        if stop is not None and stop.wait(0.5):
+            return

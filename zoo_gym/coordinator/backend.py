@@ -1,0 +1,249 @@
+"""The coordinator's answers to contributors: registration, auth and intake.
+
+Intake is where an untrusted upload becomes a ledger row. Checks run cheapest
+first: who sent it, is it signed, is it for the open round and the current
+base, is its size and hash what it claims, does its envelope describe exactly
+the tensors this round trains. Every refusal of a known contributor is
+recorded with its reason, so the contributor can see why it earned nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from flwr.app import ConfigRecord, MetricRecord, RecordDict
+from sqlalchemy import Engine
+from sqlmodel import Session
+
+from zoo_gym import ledger
+from zoo_gym.compression import EnvelopeError, inspect_envelope
+from zoo_gym.core.delta import Layout
+from zoo_gym.core.hashing import sha256_file
+from zoo_gym.core.identity import Identity, contributor_id, node_id, verify
+from zoo_gym.core.protocol import (
+    SUBMISSION,
+    TRAIN_METRICS,
+    Outcome,
+    Registration,
+    RequestError,
+    Submission,
+    Verdict,
+    register_statement,
+    request_statement,
+)
+from zoo_gym.coordinator.registry import ModelRegistry
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class OpenRound:
+    """What intake needs to know about the round being collected."""
+
+    number: int
+    base_version: str
+    layout: Layout
+    deadline_ms: int
+    accepting: bool = True
+    accepted: set[str] = field(default_factory=set)
+
+
+class CoordinatorBackend:
+    def __init__(
+        self,
+        *,
+        engine: Engine,
+        registry: ModelRegistry,
+        signer: Identity,
+        payload_dir: Path,
+        max_upload_bytes: int,
+        clock_skew_s: float = 300.0,
+        require_approval: bool = False,
+    ) -> None:
+        self.engine = engine
+        self.registry = registry
+        self.signer = signer
+        self.payload_dir = payload_dir
+        self.max_upload_bytes = max_upload_bytes
+        self.clock_skew_s = clock_skew_s
+        self.require_approval = require_approval
+        self.lock = threading.Lock()
+        self.open_round: OpenRound | None = None
+        self._keys: dict[str, bytes] = {}
+        payload_dir.mkdir(parents=True, exist_ok=True)
+
+    # -- identity ---------------------------------------------------------
+    def _check_clock(self, timestamp_ms: int) -> None:
+        skew = timestamp_ms / 1000 - time.time()
+        if abs(skew) > self.clock_skew_s:
+            raise RequestError(
+                "UNAUTHENTICATED",
+                f"your clock is {skew:+.0f} s off the coordinator's (limit ±{self.clock_skew_s:.0f} s); "
+                "synchronise it (e.g. enable NTP) and retry",
+            )
+
+    def register(self, *, public_key: bytes, name: str, timestamp_ms: int, signature: bytes) -> Registration:
+        if len(public_key) != 32:
+            raise RequestError("INVALID_ARGUMENT", "public key must be a raw 32-byte Ed25519 key")
+        self._check_clock(timestamp_ms)
+        if not verify(public_key, signature, register_statement(public_key, name, timestamp_ms)):
+            raise RequestError("UNAUTHENTICATED", "registration signature does not match the key; check your key file")
+        cid = contributor_id(public_key)
+        with Session(self.engine) as session:
+            row = ledger.register_contributor(
+                session, contributor_id=cid, public_key=public_key, name=name[:64],
+                status="pending" if self.require_approval else "active",
+            )
+            status = row.status
+        self._keys[cid] = public_key
+        return Registration(cid, node_id(public_key), status, self.current_version(), self.signer.public_key)
+
+    def _contributor(self, cid: str) -> tuple[bytes, str, str]:
+        with Session(self.engine) as session:
+            row = ledger.get_contributor(session, contributor_id=cid)
+            if row is None:
+                raise RequestError(
+                    "UNAUTHENTICATED",
+                    f"contributor {cid[:12]} is not registered here; run `gym-client join` to register your key",
+                )
+            key = row.public_key if isinstance(row.public_key, bytes) else bytes.fromhex(row.public_key)
+            return key, row.status, row.status_reason or ""
+
+    def authenticate(self, *, method: str, contributor_id: str, timestamp_ms: int, digest: str, signature: bytes) -> int:
+        key, status, reason = self._contributor(contributor_id)
+        if not verify(key, signature, request_statement(method, contributor_id, timestamp_ms, digest)):
+            raise RequestError("UNAUTHENTICATED", "request signature does not match your registered key; use the key you registered with")
+        self._check_clock(timestamp_ms)
+        if status == "banned":
+            raise RequestError("PERMISSION_DENIED", f"this key is banned ({reason or 'no reason given'}); contact the operator")
+        if status == "pending" and method != "outcome":
+            raise RequestError("PERMISSION_DENIED", "your registration awaits operator approval; try again later")
+        return node_id(key)
+
+    # -- models -------------------------------------------------------------
+    def current_version(self) -> str:
+        try:
+            return self.registry.latest().version
+        except FileNotFoundError:
+            return ""
+
+    def manifest(self, version: str) -> tuple[bytes, bytes]:
+        directory = self.registry.root / version
+        if "/" in version or not (directory / "manifest.json").exists():
+            raise RequestError("NOT_FOUND", f"model version {version!r} is not published here")
+        return (directory / "manifest.json").read_bytes(), (directory / "manifest.sig").read_bytes()
+
+    def model_file(self, version: str, name: str) -> Path:
+        try:
+            published = self.registry.get(version)
+        except KeyError:
+            raise RequestError("NOT_FOUND", f"model version {version!r} is not published here") from None
+        if name not in published.manifest.files:
+            raise RequestError("NOT_FOUND", f"{name!r} is not a file of {version}")
+        return published.directory / name
+
+    # -- intake -------------------------------------------------------------
+    def _record(self, sub: Submission, *, accepted: bool, reason: str) -> Verdict:
+        with Session(self.engine) as session:
+            round_number = sub.round
+            if ledger.get_round(session, number=round_number) is None:
+                latest = ledger.latest_round(session)
+                round_number = latest.number if latest is not None else 0
+            if round_number == 0:
+                return Verdict(False, reason)
+            try:
+                row = ledger.record_submission(
+                    session, round_number=round_number, contributor_id=sub.contributor_id,
+                    nonce=sub.nonce.hex(), base_version=sub.base_version,
+                    payload_sha256=sub.payload_sha256, size_bytes=sub.payload_size,
+                    decision="accepted" if accepted else "rejected", reason=reason,
+                )
+            except ledger.ReplayedNonce:
+                return Verdict(False, "this submission's nonce was already used (a replay); each submission needs a fresh nonce")
+            except ledger.DuplicateSubmission:
+                reason = f"you already have an accepted submission for round {sub.round}; only one counts"
+                return Verdict(False, reason)
+            return Verdict(accepted, reason, int(row.id or 0))
+
+    def refuse(self, sub: Submission, reason: str) -> Verdict:
+        """Record a rejection that happened before the payload was read."""
+        verdict = self._record(sub, accepted=False, reason=reason)
+        log.info("rejected %s round %d: %s", sub.contributor_id[:12], sub.round, verdict.reason)
+        return verdict
+
+    def check(self, sub: Submission, payload: Path, *, node: int) -> str:
+        """Empty string when `sub` may be accepted, else the reason it may not."""
+        key, status, _ = self._contributor(sub.contributor_id)
+        if node_id(key) != node:
+            return "submission names a different contributor than the one that sent it"
+        if status != "active":
+            return f"contributor is {status}"
+        if not verify(key, sub.signature, sub.statement()):
+            return "submission signature does not match your key; it was altered or signed with another key"
+        current = self.open_round
+        if current is None or not current.accepting:
+            return f"round {sub.round} is not open for submissions; wait for the next task"
+        if sub.round != current.number:
+            return f"submission is for round {sub.round} but round {current.number} is open (stale round); train on the current task"
+        if sub.base_version != current.base_version:
+            return f"update was trained on {sub.base_version} but round {current.number} builds on {current.base_version} (stale base); fetch the current model"
+        if current.deadline_ms and time.time() * 1000 > current.deadline_ms:
+            return f"round {current.number} closed for submissions at its deadline"
+        if sub.payload_size > self.max_upload_bytes:
+            return f"update of {sub.payload_size} bytes exceeds the {self.max_upload_bytes}-byte limit"
+        if payload.stat().st_size != sub.payload_size or sha256_file(payload) != sub.payload_sha256:
+            return "payload size or SHA-256 differs from the signed statement"
+        data = payload.read_bytes()
+        try:
+            header = inspect_envelope(data, max_elements=sum(s.numel for s in current.layout))
+        except EnvelopeError as exc:
+            return f"update envelope is invalid: {exc}"
+        if tuple((s.name, s.shape) for s in header.layout) != tuple((s.name, s.shape) for s in current.layout):
+            return "update tensors (names or shapes) differ from what this round trains; use the task's LoRA settings"
+        if sub.contributor_id in current.accepted:
+            return f"you already have an accepted submission for round {sub.round}; only one counts"
+        return ""
+
+    def receive(self, sub: Submission, payload: Path, content: RecordDict, *, node_id: int) -> tuple[Verdict, RecordDict]:
+        with self.lock:
+            reason = self.check(sub, payload, node=node_id)
+            if reason:
+                verdict = self.refuse(sub, reason)
+            else:
+                stored = self.payload_dir / f"{sub.payload_sha256}.zgde"
+                shutil.copyfile(payload, stored)
+                verdict = self._record(sub, accepted=True, reason="accepted at intake")
+                if verdict.accepted and self.open_round is not None:
+                    self.open_round.accepted.add(sub.contributor_id)
+        record = ConfigRecord({
+            "contributor_id": sub.contributor_id,
+            "accepted": verdict.accepted,
+            "reason": verdict.reason,
+            "submission_id": verdict.submission_id,
+            "payload_sha256": sub.payload_sha256,
+            "payload_size": sub.payload_size,
+        })
+        metrics = content.metric_records.get(TRAIN_METRICS, MetricRecord())
+        return verdict, RecordDict({SUBMISSION: record, TRAIN_METRICS: metrics})
+
+    def payload_path(self, sha256: str) -> Path:
+        return self.payload_dir / f"{sha256}.zgde"
+
+    def outcome(self, contributor_id: str, round_number: int) -> Outcome:
+        with Session(self.engine) as session:
+            rnd = ledger.get_round(session, number=round_number)
+            subs = ledger.list_submissions(session, round_number=round_number, contributor_id=contributor_id)
+            if rnd is None or not subs:
+                return Outcome("none", "no submission from you for this round",
+                               round_status=rnd.status if rnd else "")
+            sub = sorted(subs, key=lambda s: (s.decision == "accepted", s.id or 0))[-1]
+            reason = sub.aggregation_reason or sub.reason
+            return Outcome(
+                sub.decision, reason, float(sub.quality or 0.0), float(sub.reward or 0.0),
+                rnd.status, rnd.new_version or "",
+            )

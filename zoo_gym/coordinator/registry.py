@@ -1,0 +1,100 @@
+"""Published base models on disk: one directory per version, signed manifests.
+
+`models/v0000` is the base the operator started from; each published round
+adds the next version. A version directory is a normal Hugging Face model
+directory (config, tokenizer, `model.safetensors`), so any tool loads it.
+"""
+
+from __future__ import annotations
+
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from zoo_gym.core.identity import Identity
+from zoo_gym.core.manifest import MANIFEST, SIGNATURE, ModelManifest, build_manifest, read_verified, write_signed
+
+WEIGHTS = "model.safetensors"
+
+
+def version_name(index: int) -> str:
+    return f"v{index:04d}"
+
+
+@dataclass(frozen=True)
+class Published:
+    version: str
+    directory: Path
+    manifest: ModelManifest
+
+
+class ModelRegistry:
+    def __init__(self, root: Path, signer: Identity) -> None:
+        self.root = root
+        self.signer = signer
+        root.mkdir(parents=True, exist_ok=True)
+
+    def versions(self) -> list[str]:
+        return sorted(p.name for p in self.root.iterdir() if (p / MANIFEST).exists())
+
+    def latest(self) -> Published:
+        versions = self.versions()
+        if not versions:
+            raise FileNotFoundError(f"no published model under {self.root}; run `gym-coordinator init`")
+        return self.get(versions[-1])
+
+    def get(self, version: str) -> Published:
+        directory = self.root / version
+        if not (directory / MANIFEST).exists():
+            raise KeyError(version)
+        return Published(version, directory, ModelManifest.from_bytes((directory / MANIFEST).read_bytes()))
+
+    def verify(self, version: str) -> ModelManifest:
+        return read_verified(self.root / version, self.signer.public_key)
+
+    def import_base(self, source: Path) -> Published:
+        """Publish a Hugging Face model directory (safetensors weights) as v0000."""
+        target = self.root / version_name(0)
+        shutil.copytree(source, target, dirs_exist_ok=True)
+        manifest = build_manifest(target, version=version_name(0), parent=None, round=0)
+        write_signed(target, manifest, self.signer)
+        return Published(manifest.version, target, manifest)
+
+    def load_state_dict(self, version: str) -> dict[str, torch.Tensor]:
+        return load_file(self.root / version / WEIGHTS)
+
+    def publish(
+        self,
+        state_dict: dict[str, torch.Tensor],
+        *,
+        parent: str,
+        round_number: int,
+        aggregator: str,
+        contributors: tuple[str, ...],
+        metrics: dict[str, float],
+        epsilon: float | None = None,
+    ) -> Published:
+        """Write the next version: parent's non-weight files + new weights + signed manifest."""
+        index = int(parent.removeprefix("v")) + 1
+        version = version_name(index)
+        staging = self.root / f".{version}.tmp"
+        if staging.exists():
+            shutil.rmtree(staging)
+        staging.mkdir()
+        for item in (self.root / parent).iterdir():
+            if item.is_file() and item.name not in (WEIGHTS, MANIFEST, SIGNATURE):
+                shutil.copy2(item, staging / item.name)
+        save_file({k: v.contiguous() for k, v in state_dict.items()}, staging / WEIGHTS, metadata={"format": "pt"})
+        manifest = build_manifest(
+            staging, version=version, parent=parent, round=round_number, aggregator=aggregator,
+            contributors=contributors, metrics=metrics, epsilon=epsilon,
+        )
+        write_signed(staging, manifest, self.signer)
+        target = self.root / version
+        if target.exists():
+            shutil.rmtree(target)
+        staging.rename(target)  # a version appears whole or not at all
+        return Published(version, target, manifest)

@@ -1,0 +1,167 @@
+"""The round loop: one long, linear program run as a Flower ServerApp.
+
+Per round: open it in the ledger, send the task to the sampled contributors,
+collect signed submissions until every one answered or the deadline passed,
+aggregate what intake accepted, merge the aggregate into the base, check the
+quality gate on the private validation set, and publish a new signed version
+or record the round as rolled back.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+from flwr.app import ArrayRecord, ConfigRecord, Context
+from flwr.serverapp import Grid, ServerApp
+from sqlmodel import Session
+
+from zoo_gym import ledger
+from zoo_gym.core.delta import Layout, TensorSpec
+from zoo_gym.core.lora import LoraSpec, merge_ffa, target_weights, update_key
+from zoo_gym.core.protocol import TaskConfig
+from zoo_gym.coordinator.backend import OpenRound
+from zoo_gym.coordinator.service import Coordinator
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RoundSummary:
+    round: int
+    base_version: str
+    status: str
+    published_version: str
+    participants: int
+    received: int
+    accepted: int
+    rejected: int
+    aggregated: int
+    loss_before: float
+    loss_after: float
+    seconds: float
+
+
+def round_seed(run_seed: int, round_number: int) -> int:
+    """The seed every client generates round `round_number`'s frozen LoRA A from."""
+    digest = hashlib.sha256(f"zoo-gym/round-seed|{run_seed}|{round_number}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") >> 1
+
+
+def lora_spec(co: Coordinator) -> LoraSpec:
+    t = co.config.training
+    return LoraSpec(rank=t.lora_rank, alpha=t.lora_alpha, target_modules=tuple(t.target_modules))
+
+
+def update_layout(state: dict[str, object], spec: LoraSpec) -> Layout:
+    """Names and shapes of the B matrices a round's update consists of."""
+    shapes = target_weights(state, spec)  # type: ignore[arg-type]
+    return tuple(
+        TensorSpec(update_key(module), (out, spec.rank)) for module, (out, _in) in sorted(shapes.items())
+    )
+
+
+def run_rounds(co: Coordinator, grid: Grid, *, on_round: Callable[[RoundSummary], None] | None = None) -> None:
+    config = co.config
+    spec = lora_spec(co)
+    base = co.registry.latest()
+    state = co.registry.load_state_dict(base.version)
+    layout = update_layout(state, spec)  # type: ignore[arg-type]
+    strategy = co.make_strategy(lambda: layout)
+    loss = co.evaluator.loss(state)
+    with Session(co.engine) as session:
+        last = ledger.latest_round(session)
+        first = 1 if last is None else last.number + 1
+        if last is not None and last.status in ("open", "aggregating"):
+            ledger.close_round(session, number=last.number, status="aborted",
+                               metrics={"reason": "coordinator restarted during the round"})
+    log.info("starting at round %d on %s (validation loss %.4f)", first, base.version, loss)
+
+    done = 0
+    round_number = first
+    while not co.stop.is_set() and (config.rounds == 0 or done < config.rounds):
+        started = time.perf_counter()
+        seed = round_seed(config.seed, round_number)
+        deadline_ms = int((time.time() + config.round_timeout_s) * 1000)
+        t = config.training
+        task = TaskConfig(
+            round=round_number, base_version=base.version, seed=seed, method=t.method,
+            lora_rank=t.lora_rank, lora_alpha=t.lora_alpha, target_modules=tuple(t.target_modules),
+            steps=t.steps, learning_rate=t.learning_rate, batch_size=t.batch_size,
+            max_length=t.max_length, clip_norm=t.clip_norm, codec=t.codec, group_size=t.group_size,
+            deadline_ms=deadline_ms,
+        )
+        messages = list(strategy.configure_train(round_number, ArrayRecord(), ConfigRecord(task.to_record()), grid))
+        if not messages:
+            log.warning("no contributors connected; stopping")
+            break
+        with Session(co.engine) as session:
+            ledger.open_round(session, number=round_number, base_version=base.version, seed=seed,
+                              aggregator=config.aggregator, codec=t.codec)
+        co.backend.open_round = OpenRound(round_number, base.version, layout, deadline_ms)
+        replies = list(grid.send_and_receive(messages, timeout=config.round_timeout_s))
+        co.backend.open_round.accepting = False
+
+        arrays, _ = strategy.aggregate_train(round_number, replies)
+        agg = strategy.last
+        received = agg.received if agg else 0
+        accepted = agg.accepted if agg else 0
+        new_loss = loss
+        published = ""
+        if arrays is None or agg is None:
+            status = "aborted"
+        else:
+            candidate = {k: v.clone() for k, v in state.items()}
+            merge_ffa(candidate, agg.update, spec=spec, seed=seed)
+            new_loss = co.evaluator.loss(candidate)
+            if new_loss <= loss * (1.0 + config.quality_gate_tolerance):
+                status = "published"
+                metrics = {"validation_loss": new_loss, "parent_validation_loss": loss}
+                pub = co.registry.publish(
+                    candidate, parent=base.version, round_number=round_number,
+                    aggregator=config.aggregator, contributors=agg.contributors, metrics=metrics,
+                )
+                published = pub.version
+                with Session(co.engine) as session:
+                    ledger.record_model_version(
+                        session, version=pub.version, parent=base.version, round_number=round_number,
+                        manifest_sha256=hashlib.sha256(pub.manifest.to_bytes()).hexdigest(),
+                        path=str(pub.directory), metrics=metrics,
+                    )
+                state, base = candidate, pub
+            else:
+                status = "rolled_back"
+        summary = RoundSummary(
+            round=round_number, base_version=task.base_version, status=status, published_version=published,
+            participants=len(messages), received=received, accepted=accepted, rejected=received - accepted,
+            aggregated=len(agg.contributors) if agg else 0, loss_before=loss, loss_after=new_loss,
+            seconds=time.perf_counter() - started,
+        )
+        with Session(co.engine) as session:
+            ledger.close_round(session, number=round_number, status=status,
+                               new_version=published or None, metrics=asdict(summary))
+        if status == "published":
+            loss = new_loss
+        co.backend.open_round = None
+        with co.config.path("rounds.jsonl").open("a") as fh:
+            fh.write(json.dumps(asdict(summary)) + "\n")
+        log.info("round %d %s: %d/%d accepted, loss %.4f -> %.4f%s", round_number, status, accepted,
+                 received, summary.loss_before, new_loss, f", published {published}" if published else "")
+        if on_round is not None:
+            on_round(summary)
+        done += 1
+        round_number += 1
+
+
+def make_server_app(co: Coordinator, *, on_round: Callable[[RoundSummary], None] | None = None) -> ServerApp:
+    app = ServerApp()
+
+    @app.main()
+    def main(grid: Grid, context: Context) -> None:
+        run_rounds(co, grid, on_round=on_round)
+
+    return app

@@ -1,0 +1,106 @@
+"""The coordinator process: composition root for `gym-coordinator serve`.
+
+It wires the ledger, the model registry, intake, the strategy and the round
+loop, then serves gRPC (contributors), REST (operators) and runs the ServerApp
+over the gRPC Grid until the configured rounds are done or it is stopped.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from types import FrameType
+from typing import TYPE_CHECKING
+
+from flwr.app import Context, RecordDict
+from flwr.supercore.task_identity import TaskIdentity
+
+from zoo_gym import ledger
+from zoo_gym.core.delta import Layout
+from zoo_gym.core.identity import Identity
+from zoo_gym.coordinator.backend import CoordinatorBackend
+from zoo_gym.coordinator.config import CoordinatorConfig
+from zoo_gym.coordinator.evaluation import Evaluator
+from zoo_gym.coordinator.registry import ModelRegistry
+from zoo_gym.coordinator.strategy import ZooStrategy
+
+if TYPE_CHECKING:
+    from zoo_gym.coordinator.rounds import RoundSummary
+
+log = logging.getLogger(__name__)
+SERVERAPP_NODE_ID = 0
+
+
+class Coordinator:
+    def __init__(self, config: CoordinatorConfig) -> None:
+        self.config = config
+        self.signer = Identity.load(config.path(config.signing_key))
+        self.engine = ledger.open_database(config.ledger_url)
+        self.registry = ModelRegistry(config.path("models"), self.signer)
+        self.backend = CoordinatorBackend(
+            engine=self.engine, registry=self.registry, signer=self.signer,
+            payload_dir=config.path("payloads"), max_upload_bytes=config.max_upload_bytes,
+            clock_skew_s=config.clock_skew_s, require_approval=config.require_approval,
+        )
+        self.evaluator = Evaluator(
+            self.registry.latest().directory, config.path(config.validation_data),
+            max_length=config.training.max_length,
+        )
+        self.stop = threading.Event()
+
+    def make_strategy(self, layout: Callable[[], Layout]) -> ZooStrategy:
+        c = self.config
+        return ZooStrategy(
+            self.backend, rule=c.aggregator, f=c.byzantine_f, min_clients=c.min_clients,
+            clients_per_round=c.clients_per_round, quorum=c.quorum,
+            wait_for_clients_s=c.wait_for_clients_s, stop=self.stop, layout=layout,
+        )
+
+    def run(self, grid: object, *, on_round: Callable[[RoundSummary], None] | None = None) -> None:
+        """Run the ServerApp on `grid` in this thread."""
+        from zoo_gym.coordinator.rounds import make_server_app
+
+        TaskIdentity.run_id = 1
+        TaskIdentity.node_id = SERVERAPP_NODE_ID
+        TaskIdentity.task_id = 1
+        context = Context(run_id=1, node_id=SERVERAPP_NODE_ID, node_config={}, state=RecordDict(), run_config={})
+        make_server_app(self, on_round=on_round)(grid, context)  # type: ignore[arg-type]
+
+    def serve(self) -> None:
+        """gRPC + REST + the round loop, until done or SIGINT/SIGTERM."""
+        from zoo_gym.coordinator.api.app import RestServer
+        from zoo_gym.transport.grid import GrpcGrid
+        from zoo_gym.transport.mailbox import Mailbox
+        from zoo_gym.transport.server import start_server
+
+        c = self.config
+        tls = None
+        if c.tls_cert is not None and c.tls_key is not None:
+            tls = (c.path(c.tls_cert).read_bytes(), c.path(c.tls_key).read_bytes())
+        mailbox = Mailbox()
+        grpc_server = start_server(self.backend, mailbox, address=c.listen, spool=c.path("spool"), tls=tls)
+        rest = RestServer(self, c.rest_listen)
+        rest.start()
+
+        def _stop(signum: int, frame: FrameType | None) -> None:
+            log.info("stopping (signal %d)", signum)
+            self.stop.set()
+
+        signal.signal(signal.SIGINT, _stop)
+        signal.signal(signal.SIGTERM, _stop)
+        try:
+            self.run(GrpcGrid(mailbox))
+            log.info("round loop finished")
+            if c.rounds > 0:
+                return
+            self.stop.wait()
+        finally:
+            grpc_server.stop()
+            rest.stop()
+
+
+def home_of(config_path: Path) -> Path:
+    return config_path.resolve().parent

@@ -1,0 +1,155 @@
+"""Flower strategy adapter: Flower's FedAvg with zoo-gym's task and aggregation.
+
+Flower keeps node sampling and message construction. We override what must be
+ours: the task carries a round config and a model *version* (contributors fetch
+weights once per version, not per message), and aggregation decodes accepted
+envelopes straight into one preallocated `(n, d)` buffer and runs the
+configured robust rule, whose per-update decisions go to the ledger.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import threading
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+import torch
+from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
+from flwr.serverapp import Grid
+from flwr.serverapp.strategy import FedAvg
+from sqlmodel import Session
+
+from zoo_gym import ledger
+from zoo_gym.aggregation import Aggregate, aggregate
+from zoo_gym.compression import EnvelopeError, decode_into
+from zoo_gym.core.delta import Layout, numel, unflatten
+from zoo_gym.core.protocol import SUBMISSION, TASK_CONFIG, TRAIN_METRICS
+from zoo_gym.coordinator.backend import CoordinatorBackend
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RoundAggregate:
+    """What one round's aggregation produced."""
+
+    update: dict[str, torch.Tensor]
+    contributors: tuple[str, ...]
+    received: int
+    accepted: int
+    decisions: dict[str, str] = field(default_factory=dict)
+    seconds: float = 0.0
+
+
+class ZooStrategy(FedAvg):
+    def __init__(
+        self,
+        backend: CoordinatorBackend,
+        *,
+        rule: str,
+        f: int,
+        min_clients: int,
+        clients_per_round: int,
+        quorum: int,
+        wait_for_clients_s: float,
+        stop: threading.Event,
+        layout: Callable[[], Layout],
+    ) -> None:
+        super().__init__(
+            fraction_train=1.0, fraction_evaluate=0.0, min_train_nodes=min_clients,
+            min_available_nodes=min_clients, configrecord_key=TASK_CONFIG,
+        )
+        self.backend = backend
+        self.rule = rule
+        self.f = f
+        self.clients_per_round = clients_per_round
+        self.quorum = quorum
+        self.wait_for_clients_s = wait_for_clients_s
+        self.stop = stop
+        self.layout = layout
+        self.last: RoundAggregate | None = None
+
+    def wait_for_nodes(self, grid: Grid) -> list[int]:
+        deadline = time.monotonic() + self.wait_for_clients_s
+        while not self.stop.is_set():
+            nodes = list(grid.get_node_ids())
+            if len(nodes) >= self.min_available_nodes:
+                return nodes
+            if time.monotonic() > deadline:
+                break
+            self.stop.wait(0.5)
+        return []
+
+    def configure_train(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
+        nodes = self.wait_for_nodes(grid)
+        if not nodes:
+            return []
+        if 0 < self.clients_per_round < len(nodes):
+            nodes = random.sample(nodes, self.clients_per_round)
+        return self._construct_messages(RecordDict({TASK_CONFIG: config}), sorted(nodes), MessageType.TRAIN)
+
+    def aggregate_train(
+        self, server_round: int, replies: Iterable[Message]
+    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        started = time.perf_counter()
+        replies = [r for r in replies if not r.has_error()]
+        accepted = [r for r in replies if bool(r.content.config_records[SUBMISSION]["accepted"])]
+        layout = self.layout()
+        self.last = RoundAggregate({}, (), len(replies), len(accepted))
+        if len(accepted) < self.quorum:
+            log.warning("round %d: %d accepted updates, quorum is %d", server_round, len(accepted), self.quorum)
+            return None, None
+        # (n, d) float32, filled row by row straight from the envelopes
+        updates = torch.empty((len(accepted), numel(layout)), dtype=torch.float32)
+        rows: list[Message] = []
+        for reply in accepted:
+            record = reply.content.config_records[SUBMISSION]
+            data = self.backend.payload_path(str(record["payload_sha256"])).read_bytes()
+            try:
+                decode_into(data, updates[len(rows)], layout, max_elements=numel(layout))
+            except EnvelopeError as exc:
+                self._decide(record, selected=False, reason=f"could not be decoded: {exc}")
+                continue
+            if not torch.isfinite(updates[len(rows)]).all():
+                self._decide(record, selected=False, reason="update contains NaN or Inf values")
+                continue
+            rows.append(reply)
+        if len(rows) < self.quorum:
+            return None, None
+        updates = updates[: len(rows)]
+        weights = torch.tensor(
+            [float(r.content.metric_records.get(TRAIN_METRICS, MetricRecord()).get("num_examples", 1.0)) for r in rows],
+            dtype=torch.float64,
+        )
+        result: Aggregate = aggregate(self.rule, updates, f=self.f, weights=weights)
+        decisions: dict[str, str] = {}
+        contributors: list[str] = []
+        for reply, decision in zip(rows, result.decisions, strict=True):
+            record = reply.content.config_records[SUBMISSION]
+            self._decide(record, selected=decision.selected, reason=decision.reason, decision=decision)
+            decisions[str(record["contributor_id"])] = decision.reason
+            if decision.selected or decision.weight > 0:
+                contributors.append(str(record["contributor_id"]))
+        update = {k: v.clone() for k, v in unflatten(result.vector.float(), layout).items()}
+        self.last = RoundAggregate(
+            update, tuple(contributors), len(replies), len(accepted), decisions, time.perf_counter() - started
+        )
+        metrics = MetricRecord({"accepted": len(accepted), "aggregated": len(rows)})
+        return ArrayRecord(torch_state_dict=update), metrics
+
+    def _decide(self, record: ConfigRecord, *, selected: bool, reason: str, decision: object | None = None) -> None:
+        with Session(self.backend.engine) as session:
+            ledger.record_aggregation(
+                session,
+                submission_id=int(record["submission_id"]),  # type: ignore[arg-type]
+                selected=selected,
+                weight=float(getattr(decision, "weight", 0.0)),
+                trimmed_share=float(getattr(decision, "trimmed_share", 0.0)),
+                score=getattr(decision, "score", None),
+                reason=reason,
+            )

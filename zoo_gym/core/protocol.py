@@ -1,0 +1,155 @@
+"""What client and coordinator agree on, independent of the wire.
+
+The transport moves these values; the client produces them and the coordinator
+checks them. Every signed byte string starts with a domain-separation prefix
+and the protocol version, so a signature for one purpose is never valid for
+another.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from zoo_gym.core.hashing import canonical_json
+
+PROTOCOL_VERSION = 1
+PREFIX = f"zoo-gym/v{PROTOCOL_VERSION}"
+
+# Keys of the Flower RecordDict exchanged by the ServerApp and ClientApp.
+TASK_CONFIG = "task"
+SUBMISSION = "submission"
+TRAIN_METRICS = "metrics"
+PAYLOAD = "payload"
+
+
+def register_statement(public_key: bytes, name: str, timestamp_ms: int) -> bytes:
+    """Bytes a contributor signs to register `public_key`."""
+    return f"{PREFIX}|register|{public_key.hex()}|{name}|{timestamp_ms}".encode()
+
+
+def request_statement(method: str, contributor_id: str, timestamp_ms: int, digest: str) -> bytes:
+    """Bytes a contributor signs to authenticate one call (`digest` names its arguments)."""
+    return f"{PREFIX}|{method}|{contributor_id}|{timestamp_ms}|{digest}".encode()
+
+
+@dataclass(frozen=True)
+class Submission:
+    """A contributor's signed claim: "this payload is my update for this round and base".
+
+    The signature covers every field except `signature`, so a payload cannot be
+    moved to another round, another base version or another contributor, and
+    the nonce makes each statement unique (replays are refused by nonce).
+    """
+
+    contributor_id: str
+    round: int
+    base_version: str
+    message_id: str
+    nonce: bytes
+    payload_sha256: str
+    payload_size: int
+    signature: bytes = b""
+
+    def statement(self) -> bytes:
+        body = {
+            "contributor_id": self.contributor_id,
+            "round": self.round,
+            "base_version": self.base_version,
+            "message_id": self.message_id,
+            "nonce": self.nonce.hex(),
+            "payload_sha256": self.payload_sha256,
+            "payload_size": self.payload_size,
+        }
+        return f"{PREFIX}|submission|".encode() + canonical_json(body)
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """The coordinator's answer to a submission at intake."""
+
+    accepted: bool
+    reason: str
+    submission_id: int = 0
+
+
+@dataclass(frozen=True)
+class Registration:
+    contributor_id: str
+    node_id: int
+    status: str
+    current_version: str
+    coordinator_key: bytes
+
+
+@dataclass(frozen=True)
+class Outcome:
+    decision: str
+    reason: str
+    quality: float = 0.0
+    reward: float = 0.0
+    round_status: str = ""
+    published_version: str = ""
+
+
+@dataclass(frozen=True)
+class TaskConfig:
+    """The round task a ClientApp receives (the ConfigRecord under TASK_CONFIG)."""
+
+    round: int
+    base_version: str
+    seed: int
+    method: str = "ffa_lora"
+    lora_rank: int = 8
+    lora_alpha: float = 16.0
+    target_modules: tuple[str, ...] = (
+        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+    )
+    steps: int = 30
+    learning_rate: float = 5e-3
+    batch_size: int = 8
+    max_length: int = 96
+    clip_norm: float = 0.0
+    codec: str = "bitdelta"
+    group_size: int = 128
+    deadline_ms: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def to_record(self) -> dict[str, Any]:
+        """Flat scalars/lists for a Flower ConfigRecord."""
+        record: dict[str, Any] = {
+            "round": self.round, "base_version": self.base_version, "seed": self.seed,
+            "method": self.method, "lora_rank": self.lora_rank, "lora_alpha": self.lora_alpha,
+            "target_modules": list(self.target_modules), "steps": self.steps,
+            "learning_rate": self.learning_rate, "batch_size": self.batch_size,
+            "max_length": self.max_length, "clip_norm": self.clip_norm, "codec": self.codec,
+            "group_size": self.group_size, "deadline_ms": self.deadline_ms,
+        }
+        record.update({f"x.{k}": v for k, v in self.extra.items()})
+        return record
+
+    @classmethod
+    def from_record(cls, record: Any) -> TaskConfig:
+        r = dict(record)
+        extra = {k[2:]: v for k, v in r.items() if k.startswith("x.")}
+        return cls(
+            round=int(r["round"]), base_version=str(r["base_version"]), seed=int(r["seed"]),
+            method=str(r["method"]), lora_rank=int(r["lora_rank"]),
+            lora_alpha=float(r["lora_alpha"]), target_modules=tuple(r["target_modules"]),
+            steps=int(r["steps"]), learning_rate=float(r["learning_rate"]),
+            batch_size=int(r["batch_size"]), max_length=int(r["max_length"]),
+            clip_norm=float(r["clip_norm"]), codec=str(r["codec"]),
+            group_size=int(r["group_size"]), deadline_ms=int(r["deadline_ms"]), extra=extra,
+        )
+
+
+class RequestError(Exception):
+    """A request the coordinator refuses; `code` names the gRPC status to answer with.
+
+    The message is one line for the contributor: what was wrong and what to do.
+    """
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message

@@ -1,0 +1,166 @@
+"""A whole federation on one machine: coordinator and contributors as real processes.
+
+Everything runs on 127.0.0.1 with free ports, a tiny model and per-client
+shards of the synthetic task. Every process started here is stopped here, by
+PID, whatever happens.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+from zoo_gym.core.synthetic import make_examples, shard, write_jsonl
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _python(module: str, *args: str) -> list[str]:
+    return [sys.executable, "-m", module, *args]
+
+
+@dataclass
+class Federation:
+    """A coordinator and its clients as child processes."""
+
+    workdir: Path
+    clients: int = 3
+    rounds: int = 3
+    aggregator: str = "fedavg"
+    steps: int = 30
+    examples_per_client: int = 120
+    codec: str = "bitdelta"
+    seed: int = 0
+    byzantine: int = 0
+    extra_config: dict[str, Any] = field(default_factory=dict)
+    processes: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
+    logs: list[IO[bytes]] = field(default_factory=list)
+    port: int = 0
+    rest_port: int = 0
+
+    @property
+    def coordinator_home(self) -> Path:
+        return self.workdir / "coordinator"
+
+    def client_home(self, i: int) -> Path:
+        return self.workdir / f"client-{i}"
+
+    def prepare(self) -> None:
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.port, self.rest_port = free_port(), free_port()
+        subprocess.run(
+            _python("zoo_gym.cli.coordinator", "init", "--tiny", "--home", str(self.coordinator_home),
+                    "--listen", f"127.0.0.1:{self.port}", "--rest-listen", f"127.0.0.1:{self.rest_port}",
+                    "--seed", str(self.seed)),
+            check=True, capture_output=True,
+        )
+        config = self.coordinator_home / "coordinator.toml"
+        lines = [
+            f'listen = "127.0.0.1:{self.port}"', f'rest_listen = "127.0.0.1:{self.rest_port}"',
+            f'validation_data = "{(self.coordinator_home / "validation.jsonl").resolve()}"',
+            f"seed = {self.seed}", f"rounds = {self.rounds}", f"min_clients = {self.clients}",
+            f'aggregator = "{self.aggregator}"', "round_timeout_s = 300", "wait_for_clients_s = 120",
+            *(f"{k} = {json.dumps(v)}" for k, v in self.extra_config.items()),
+            "", "[training]", f"steps = {self.steps}", "learning_rate = 0.005", f'codec = "{self.codec}"',
+        ]
+        config.write_text("\n".join(lines) + "\n")
+        records = make_examples(self.clients * self.examples_per_client, seed=self.seed + 1)
+        for i, part in enumerate(shard(records, self.clients)):
+            home = self.client_home(i)
+            subprocess.run(_python("zoo_gym.cli.client", "init", "--home", str(home), "--name", f"client-{i}"),
+                           check=True, capture_output=True)
+            write_jsonl(part, home / "data.jsonl")
+
+    def _spawn(self, name: str, argv: list[str]) -> subprocess.Popen[bytes]:
+        log = (self.workdir / f"{name}.log").open("wb")
+        self.logs.append(log)
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        self.processes[name] = proc
+        return proc
+
+    def start(self) -> None:
+        self._spawn("coordinator", _python("zoo_gym.cli.coordinator", "serve", "-c",
+                                           str(self.coordinator_home / "coordinator.toml")))
+        for i in range(self.clients):
+            self.start_client(i)
+
+    def start_client(self, i: int, *extra: str) -> subprocess.Popen[bytes]:
+        return self._spawn(f"client-{i}", _python(
+            "zoo_gym.cli.client", "join", f"127.0.0.1:{self.port}", "--home", str(self.client_home(i)),
+            "--data", str(self.client_home(i) / "data.jsonl"), "--max-rounds", str(self.rounds), *extra))
+
+    def summaries(self) -> list[dict[str, Any]]:
+        path = self.coordinator_home / "rounds.jsonl"
+        if not path.exists():
+            return []
+        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+    def wait(self, *, timeout_s: float, on_round: Callable[[dict[str, Any]], None] | None = None) -> None:
+        """Until the coordinator exits; raises if it fails or runs past `timeout_s`."""
+        seen = 0
+        deadline = time.monotonic() + timeout_s
+        coordinator = self.processes["coordinator"]
+        while True:
+            rows = self.summaries()
+            for row in rows[seen:]:
+                if on_round is not None:
+                    on_round(row)
+            seen = len(rows)
+            code = coordinator.poll()
+            if code is not None:
+                if code != 0:
+                    raise RuntimeError(f"coordinator exited with {code}; see {self.workdir / 'coordinator.log'}")
+                return
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"federation did not finish in {timeout_s:.0f} s; see logs in {self.workdir}")
+            time.sleep(0.5)
+
+    def wait_clients(self, timeout_s: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        for name, proc in self.processes.items():
+            if name.startswith("client-"):
+                try:
+                    proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    pass
+
+    def stop(self) -> None:
+        """Stop every process this federation started (SIGTERM, then SIGKILL), by PID."""
+        for proc in self.processes.values():
+            if proc.poll() is None:
+                try:
+                    os.killpg(proc.pid, signal.SIGTERM)
+                except ProcessLookupError:
+                    pass
+        deadline = time.monotonic() + 10
+        for proc in self.processes.values():
+            try:
+                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                proc.wait()
+        for log in self.logs:
+            log.close()
+
+    def __enter__(self) -> Federation:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

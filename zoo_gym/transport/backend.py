@@ -1,0 +1,48 @@
+"""The coordinator as the transport sees it.
+
+The gRPC servicer and the loopback Grid call these methods; the coordinator
+implements them. Everything here speaks domain types (zoo_gym.core.protocol),
+never protobuf, so the coordinator does not depend on the wire format.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Protocol
+
+from flwr.app import RecordDict
+
+from zoo_gym.core.protocol import Outcome, Registration, Submission, Verdict
+
+
+class FederationBackend(Protocol):
+    max_upload_bytes: int
+
+    def register(
+        self, *, public_key: bytes, name: str, timestamp_ms: int, signature: bytes
+    ) -> Registration:
+        """Register a key (idempotent). Raises RequestError."""
+
+    def authenticate(
+        self, *, method: str, contributor_id: str, timestamp_ms: int, digest: str, signature: bytes
+    ) -> int:
+        """Check a signed call; return the caller's node id. Raises RequestError."""
+
+    def current_version(self) -> str: ...
+
+    def manifest(self, version: str) -> tuple[bytes, bytes]:
+        """(canonical manifest bytes, coordinator signature). Raises RequestError."""
+
+    def model_file(self, version: str, name: str) -> Path:
+        """Path of one file of a published version. Raises RequestError."""
+
+    def receive(
+        self, submission: Submission, payload: Path, content: RecordDict, *, node_id: int
+    ) -> tuple[Verdict, RecordDict]:
+        """Validate and record a submission whose payload was spooled to `payload`.
+
+        Returns the verdict and the content of the reply Message the ServerApp
+        will see (with the payload replaced by a reference to stored bytes).
+        """
+
+    def outcome(self, contributor_id: str, round_number: int) -> Outcome: ...

@@ -1,0 +1,243 @@
+"""The contributor's side of the wire.
+
+`FederationClient` registers, long-polls, downloads signed models with resume,
+and streams a ClientApp's reply up in chunks. gRPC failures become
+`TransportError` with one line a person can act on.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+from flwr.app import ConfigRecord, Message, RecordDict
+
+from zoo_gym.core.identity import Identity
+from zoo_gym.core.manifest import ModelManifest, read_verified
+from zoo_gym.core.protocol import (
+    PAYLOAD,
+    PROTOCOL_VERSION,
+    SUBMISSION,
+    Outcome,
+    Registration,
+    register_statement,
+    request_statement,
+)
+from zoo_gym.core.identity import verify
+from zoo_gym.proto.v1 import federation_pb2 as pb
+from zoo_gym.proto.v1 import federation_pb2_grpc as pb_grpc
+from zoo_gym.transport.server import CHUNK_BYTES, MAX_HEADER_BYTES, parse_message, serialize_message
+
+
+class TransportError(RuntimeError):
+    """The coordinator refused a call or could not be reached; the message says what to do."""
+
+    def __init__(self, message: str, *, code: str = "") -> None:
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass(frozen=True)
+class ReceivedTask:
+    message: Message
+    round: int
+    base_version: str
+    deadline_ms: int
+    max_upload_bytes: int
+
+
+@dataclass(frozen=True)
+class SubmitResult:
+    accepted: bool
+    reason: str
+    submission_id: int
+    payload_bytes: int
+
+
+def _describe(err: grpc.RpcError, target: str) -> TransportError:
+    code = err.code()
+    if code == grpc.StatusCode.UNAVAILABLE:
+        return TransportError(
+            f"cannot reach the coordinator at {target} ({err.details()}); check the address and that it is running",
+            code=code.name,
+        )
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return TransportError(f"the coordinator at {target} did not answer in time; try again", code=code.name)
+    return TransportError(str(err.details()), code=code.name)
+
+
+class FederationClient:
+    def __init__(
+        self,
+        target: str,
+        identity: Identity,
+        *,
+        root_certificates: bytes | None = None,
+        timeout_s: float = 30.0,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.target = target
+        self.identity = identity
+        self.timeout_s = timeout_s
+        self.clock = clock
+        options = [
+            ("grpc.max_receive_message_length", CHUNK_BYTES * 4 + MAX_HEADER_BYTES),
+            ("grpc.max_send_message_length", CHUNK_BYTES * 4 + MAX_HEADER_BYTES),
+        ]
+        if root_certificates is None:
+            self.channel = grpc.insecure_channel(target, options=options)
+        else:
+            creds = grpc.ssl_channel_credentials(root_certificates=root_certificates)
+            self.channel = grpc.secure_channel(target, creds, options=options)
+        self.stub = pb_grpc.FederationStub(self.channel)
+        self.coordinator_key = b""
+
+    def close(self) -> None:
+        self.channel.close()
+
+    def _now_ms(self) -> int:
+        return int(self.clock() * 1000)
+
+    def _auth(self, method: str, digest: str) -> pb.Auth:
+        ts = self._now_ms()
+        cid = self.identity.contributor_id
+        return pb.Auth(
+            contributor_id=cid,
+            timestamp_ms=ts,
+            signature=self.identity.sign(request_statement(method, cid, ts, digest)),
+        )
+
+    def register(self, name: str) -> Registration:
+        ts = self._now_ms()
+        key = self.identity.public_key
+        request = pb.RegisterRequest(
+            protocol_version=PROTOCOL_VERSION,
+            public_key=key,
+            name=name,
+            timestamp_ms=ts,
+            signature=self.identity.sign(register_statement(key, name, ts)),
+        )
+        try:
+            reply = self.stub.Register(request, timeout=self.timeout_s, wait_for_ready=False)
+        except grpc.RpcError as err:
+            raise _describe(err, self.target) from None
+        self.coordinator_key = reply.coordinator_key
+        return Registration(
+            contributor_id=reply.contributor_id,
+            node_id=reply.node_id,
+            status=reply.status,
+            current_version=reply.current_version,
+            coordinator_key=reply.coordinator_key,
+        )
+
+    def poll(self, wait_s: float = 10.0) -> ReceivedTask | None:
+        try:
+            reply = self.stub.PollTask(
+                pb.PollRequest(auth=self._auth("poll", ""), wait_s=wait_s),
+                timeout=wait_s + self.timeout_s,
+            )
+        except grpc.RpcError as err:
+            raise _describe(err, self.target) from None
+        if not reply.HasField("task"):
+            return None
+        task = reply.task
+        return ReceivedTask(
+            message=parse_message(task.flower_message),
+            round=task.round,
+            base_version=task.base_version,
+            deadline_ms=task.deadline_ms,
+            max_upload_bytes=task.max_upload_bytes,
+        )
+
+    def fetch_model(self, version: str, directory: Path, coordinator_key: bytes) -> ModelManifest:
+        """Download `version` into `directory`, resuming partial files; verify signature and hashes."""
+        directory.mkdir(parents=True, exist_ok=True)
+        try:
+            reply = self.stub.GetManifest(
+                pb.ManifestRequest(auth=self._auth("manifest", version), version=version),
+                timeout=self.timeout_s,
+            )
+        except grpc.RpcError as err:
+            raise _describe(err, self.target) from None
+        if not verify(coordinator_key, reply.signature, reply.manifest):
+            raise TransportError(
+                f"manifest of {version} is not signed by the coordinator key you registered with; "
+                "refusing it (is this the right coordinator?)"
+            )
+        manifest = ModelManifest.from_bytes(reply.manifest)
+        for name, entry in manifest.files.items():
+            path = directory / name
+            for attempt in range(2):
+                if path.exists() and path.stat().st_size == entry.size and _sha(path) == entry.sha256:
+                    break
+                if path.exists() and (attempt > 0 or path.stat().st_size >= entry.size):
+                    path.unlink()  # corrupt or complete-but-wrong: start over
+                self._download(version, name, path)
+            else:
+                raise TransportError(f"{name} of {version} does not match its manifest hash after download")
+        (directory / "manifest.json").write_bytes(reply.manifest)
+        (directory / "manifest.sig").write_bytes(reply.signature)
+        return read_verified(directory, coordinator_key)
+
+    def _download(self, version: str, name: str, path: Path) -> None:
+        offset = path.stat().st_size if path.exists() else 0
+        request = pb.DownloadRequest(
+            auth=self._auth("download", f"{version}/{name}"), version=version, file=name, offset=offset
+        )
+        try:
+            with path.open("ab") as fh:
+                for chunk in self.stub.DownloadFile(request, timeout=self.timeout_s * 10):
+                    fh.write(chunk.data)
+        except grpc.RpcError as err:
+            raise _describe(err, self.target) from None
+
+    def submit(self, task: ReceivedTask, reply: Message) -> SubmitResult:
+        """Stream the reply of a ClientApp: header first, then the payload in chunks."""
+        record = reply.content.config_records[SUBMISSION]
+        payload = bytes(record[PAYLOAD])  # type: ignore[arg-type]
+        stripped = ConfigRecord({k: v for k, v in record.items() if k != PAYLOAD})
+        content = RecordDict({**dict(reply.content.items()), SUBMISSION: stripped})
+        header_message = Message(content, reply_to=task.message)
+        sha = hashlib.sha256(payload).hexdigest()
+        header = pb.SubmissionHeader(
+            auth=self._auth("submit", f"{task.message.metadata.message_id}|{sha}"),
+            message_id=task.message.metadata.message_id,
+            round=int(record["round"]),  # type: ignore[arg-type]
+            base_version=str(record["base_version"]),
+            nonce=bytes(record["nonce"]),  # type: ignore[arg-type]
+            payload_sha256=sha,
+            payload_size=len(payload),
+            signature=bytes(record["signature"]),  # type: ignore[arg-type]
+            flower_reply=serialize_message(header_message),
+        )
+
+        def chunks() -> Iterator[pb.UpdateChunk]:
+            yield pb.UpdateChunk(header=header)
+            for start in range(0, len(payload), CHUNK_BYTES):
+                yield pb.UpdateChunk(data=payload[start : start + CHUNK_BYTES])
+
+        try:
+            result = self.stub.SubmitUpdate(chunks(), timeout=self.timeout_s * 10)
+        except grpc.RpcError as err:
+            raise _describe(err, self.target) from None
+        return SubmitResult(result.decision == "accepted", result.reason, result.submission_id, len(payload))
+
+    def outcome(self, round_number: int) -> Outcome:
+        try:
+            r = self.stub.GetOutcome(
+                pb.OutcomeRequest(auth=self._auth("outcome", str(round_number)), round=round_number),
+                timeout=self.timeout_s,
+            )
+        except grpc.RpcError as err:
+            raise _describe(err, self.target) from None
+        return Outcome(r.decision, r.reason, r.quality, r.reward, r.round_status, r.published_version)
+
+
+def _sha(path: Path) -> str:
+    from zoo_gym.core.hashing import sha256_file
+
+    return sha256_file(path)

@@ -1,0 +1,71 @@
+"""Flower's Grid over the zoo-gym gRPC transport.
+
+`GrpcGrid` is what a Flower ServerApp sees in deployment: pushing a Message
+puts it in the destination node's mailbox, the contributor's `join` process
+pulls it over gRPC, runs its ClientApp and streams the reply up; the servicer
+turns that into a reply Message. The ServerApp code is unchanged between this
+Grid, the loopback Grid and Flower's simulation engine.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterable
+
+from flwr.app import Message, RecordDict
+from flwr.serverapp import Grid
+from flwr.supercore.run import Run
+
+from zoo_gym.core.protocol import TASK_CONFIG
+from zoo_gym.transport.mailbox import Mailbox, PendingTask
+
+
+class GrpcGrid(Grid):
+    def __init__(self, mailbox: Mailbox, *, run_id: int = 1) -> None:
+        self.mailbox = mailbox
+        self._run = Run.create_empty(run_id)
+
+    def set_run(self, run: Run) -> None:
+        self._run = run
+
+    @property
+    def run(self) -> Run:
+        return self._run
+
+    def create_message(
+        self,
+        content: RecordDict,
+        message_type: str,
+        dst_node_id: int,
+        group_id: str,
+        ttl: float | None = None,
+    ) -> Message:
+        return Message(content, dst_node_id, message_type, ttl=ttl, group_id=group_id)
+
+    def get_node_ids(self) -> Iterable[int]:
+        return self.mailbox.online()
+
+    def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
+        ids: list[str] = []
+        for message in messages:
+            message.metadata.__dict__["_message_id"] = uuid.uuid4().hex
+            config = message.content.config_records.get(TASK_CONFIG)
+            round_number = int(config["round"]) if config else 0  # type: ignore[arg-type]
+            base_version = str(config["base_version"]) if config else ""
+            deadline_ms = int(config["deadline_ms"]) if config else 0  # type: ignore[arg-type]
+            task = PendingTask(message, round_number, base_version, deadline_ms)
+            self.mailbox.put(message.metadata.dst_node_id, task)
+            ids.append(message.metadata.message_id)
+        return ids
+
+    def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:
+        return self.mailbox.collect(set(message_ids))
+
+    def send_and_receive(
+        self, messages: Iterable[Message], *, timeout: float | None = None
+    ) -> Iterable[Message]:
+        ids = set(self.push_messages(messages))
+        self.mailbox.wait_replies(ids, timeout)
+        replies = self.mailbox.collect(ids)
+        self.mailbox.withdraw(ids - {m.metadata.reply_to_message_id for m in replies})
+        return replies

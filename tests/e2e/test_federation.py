@@ -34,7 +34,7 @@ def test_three_clients_two_rounds(tmp_path: Path) -> None:
 
     # one ledger row per submission, with its decision
     db = sqlite3.connect(fed.coordinator_home / "ledger.db")
-    subs = db.execute("SELECT round_number, contributor_id, decision, base_version FROM submission").fetchall()
+    subs = db.execute("SELECT round_number, contributor_id, decision, base_version FROM submissions").fetchall()
     assert len(subs) == 6
     assert {d for _, _, d, _ in subs} == {"accepted"}
     assert sorted({r for r, *_ in subs}) == [1, 2]

@@ -46,11 +46,12 @@ def join(
     verbose: Annotated[bool, typer.Option("--verbose", "-v")] = False,
 ) -> None:
     """Register, then train and submit an update every round until stopped (Ctrl-C)."""
+    setup_logging(verbose)
     from zoo_gym.cli.progress import JoinDisplay
     from zoo_gym.client.config import ClientConfig, load_client_config
-    from zoo_gym.client.session import JoinError, join as run_join
+    from zoo_gym.client.session import JoinError
+    from zoo_gym.client.session import join as run_join
 
-    setup_logging(verbose)
     if method != "sft":
         raise JoinError(f"method {method!r} is not available; use --method sft")
     cfg = load_client_config(home / CONFIG)

@@ -47,7 +47,7 @@ def friendly(fn: Callable[P, R]) -> Callable[P, R]:
             message = str(exc) or type(exc).__name__
             if isinstance(exc, (FileNotFoundError, PermissionError)) and exc.filename:
                 message = f"{exc.strerror}: {exc.filename}"
-            err_console.print(f"error: {message}", markup=False)
+            err_console.print(f"error: {message}", markup=False, soft_wrap=True)
             raise typer.Exit(1) from None
 
     return wrapper
@@ -61,3 +61,5 @@ def setup_logging(verbose: bool) -> None:
     )
     for noisy in ("flwr", "httpx", "uvicorn"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+    for quiet in ("bitsandbytes", "alembic", "opacus"):
+        logging.getLogger(quiet).setLevel(logging.ERROR)

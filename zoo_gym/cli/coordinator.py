@@ -50,10 +50,10 @@ def serve(
     verbose: Annotated[bool, typer.Option("--verbose", "-v")] = True,
 ) -> None:
     """Serve contributors (gRPC) and operators (REST) and run rounds."""
+    setup_logging(verbose)
     from zoo_gym.coordinator.config import CoordinatorConfig, load_config
     from zoo_gym.coordinator.service import Coordinator
 
-    setup_logging(verbose)
     cfg = load_config(config)
     overrides = {k: v for k, v in {"rounds": rounds, "min_clients": min_clients, "aggregator": aggregator,
                                    "listen": listen, "rest_listen": rest_listen}.items() if v is not None}

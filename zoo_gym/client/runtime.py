@@ -107,26 +107,29 @@ class ClientRuntime:
         self.feedback.save(self.home / "feedback.safetensors")
         raw_bytes = sum(t.numel() * 2 for t in update.values())  # as bf16
         self.on_event(RoundEvent("compressed", task.round, {"raw_bytes": raw_bytes, "payload_bytes": len(payload)}))
-        return self.reply(message, task, payload, {
+        return signed_reply(self.identity, message, task, payload, {
             "num_examples": float(result.num_examples), "train_loss": result.mean_loss,
             "tokens": float(result.tokens), "train_seconds": result.seconds,
             "update_norm": norm, "raw_bytes": float(raw_bytes), "payload_bytes": float(len(payload)),
         })
 
-    def reply(self, message: Message, task: TaskConfig, payload: bytes, metrics: dict[str, float]) -> Message:
-        """Sign `payload` as this contributor's update for `task` and wrap it as the reply."""
-        submission = Submission(
-            contributor_id=self.identity.contributor_id, round=task.round,
-            base_version=task.base_version, message_id=message.metadata.message_id,
-            nonce=os.urandom(16), payload_sha256=hashlib.sha256(payload).hexdigest(),
-            payload_size=len(payload),
-        )
-        record = ConfigRecord({
-            "contributor_id": submission.contributor_id, "round": submission.round,
-            "base_version": submission.base_version, "message_id": submission.message_id,
-            "nonce": submission.nonce, "payload_sha256": submission.payload_sha256,
-            "payload_size": submission.payload_size,
-            "signature": self.identity.sign(submission.statement()), PAYLOAD: payload,
-        })
-        content = RecordDict({SUBMISSION: record, TRAIN_METRICS: MetricRecord(metrics)})
-        return Message(content, reply_to=message)
+
+def signed_reply(
+    identity: Identity, message: Message, task: TaskConfig, payload: bytes, metrics: dict[str, float]
+) -> Message:
+    """Sign `payload` as `identity`'s update for `task` and wrap it as the reply to `message`."""
+    submission = Submission(
+        contributor_id=identity.contributor_id, round=task.round,
+        base_version=task.base_version, message_id=message.metadata.message_id,
+        nonce=os.urandom(16), payload_sha256=hashlib.sha256(payload).hexdigest(),
+        payload_size=len(payload),
+    )
+    record = ConfigRecord({
+        "contributor_id": submission.contributor_id, "round": submission.round,
+        "base_version": submission.base_version, "message_id": submission.message_id,
+        "nonce": submission.nonce, "payload_sha256": submission.payload_sha256,
+        "payload_size": submission.payload_size,
+        "signature": identity.sign(submission.statement()), PAYLOAD: payload,
+    })
+    content = RecordDict({SUBMISSION: record, TRAIN_METRICS: MetricRecord(metrics)})
+    return Message(content, reply_to=message)

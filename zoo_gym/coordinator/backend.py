@@ -83,7 +83,8 @@ class CoordinatorBackend:
         if abs(skew) > self.clock_skew_s:
             raise RequestError(
                 "UNAUTHENTICATED",
-                f"your clock is {skew:+.0f} s off the coordinator's (limit ±{self.clock_skew_s:.0f} s); "
+                f"your clock is {abs(skew):.0f} s {'ahead of' if skew > 0 else 'behind'} the coordinator's "
+                f"(limit {self.clock_skew_s:.0f} s); "
                 "synchronise it (e.g. enable NTP) and retry",
             )
 

@@ -45,4 +45,7 @@ class FederationBackend(Protocol):
         will see (with the payload replaced by a reference to stored bytes).
         """
 
+    def refuse(self, submission: Submission, reason: str) -> Verdict:
+        """Record a rejection decided before the payload was read."""
+
     def outcome(self, contributor_id: str, round_number: int) -> Outcome: ...

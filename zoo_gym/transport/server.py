@@ -149,6 +149,7 @@ class FederationServicer(pb_grpc.FederationServicer):
         node_id = self._auth(header.auth, "submit", f"{header.message_id}|{header.payload_sha256}", context)
         limit = self.backend.max_upload_bytes
         if header.payload_size > limit:
+            self.backend.refuse(_submission(header), f"update of {header.payload_size} bytes exceeds the {limit}-byte limit")
             context.abort(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
                 f"update of {header.payload_size} bytes exceeds the {limit}-byte limit; use a smaller codec or group size",
@@ -167,16 +168,7 @@ class FederationServicer(pb_grpc.FederationServicer):
                     f"payload SHA-256 {spooled.sha256[:16]}... differs from the header's; the upload was corrupted, send it again",
                 )
             reply = parse_message(header.flower_reply)
-            submission = Submission(
-                contributor_id=header.auth.contributor_id,
-                round=header.round,
-                base_version=header.base_version,
-                message_id=header.message_id,
-                nonce=header.nonce,
-                payload_sha256=header.payload_sha256,
-                payload_size=header.payload_size,
-                signature=header.signature,
-            )
+            submission = _submission(header)
             try:
                 verdict, content = self.backend.receive(submission, spooled.path, reply.content, node_id=node_id)
             except RequestError as exc:
@@ -198,6 +190,19 @@ class FederationServicer(pb_grpc.FederationServicer):
             decision=out.decision, reason=out.reason, quality=out.quality, reward=out.reward,
             round_status=out.round_status, published_version=out.published_version,
         )
+
+
+def _submission(header: pb.SubmissionHeader) -> Submission:
+    return Submission(
+        contributor_id=header.auth.contributor_id,
+        round=header.round,
+        base_version=header.base_version,
+        message_id=header.message_id,
+        nonce=header.nonce,
+        payload_sha256=header.payload_sha256,
+        payload_size=header.payload_size,
+        signature=header.signature,
+    )
 
 
 @dataclass

@@ -1,0 +1,112 @@
+import math
+
+import pytest
+import torch
+
+from zoo_gym.core.lora import (
+    LoraSpec,
+    dense_delta,
+    frozen_a,
+    merge_ffa,
+    module_of,
+    target_weights,
+    update_key,
+)
+from zoo_gym.core.tiny import build_tiny_model
+
+
+def test_frozen_a_is_a_pure_function_of_seed_and_module() -> None:
+    a = frozen_a(7, "model.layers.0.self_attn.q_proj", 64, 8)
+
+    assert a.shape == (8, 64) and a.dtype == torch.float32
+    assert torch.equal(a, frozen_a(7, "model.layers.0.self_attn.q_proj", 64, 8))
+    assert not torch.equal(a, frozen_a(8, "model.layers.0.self_attn.q_proj", 64, 8))
+    assert not torch.equal(a, frozen_a(7, "model.layers.0.self_attn.k_proj", 64, 8))
+
+
+def test_frozen_a_is_pinned() -> None:
+    # A must have the same bits on every machine and every release.
+    a = frozen_a(0, "m", 4, 2)
+
+    assert a[0].tolist() == [
+        0.24119263887405396,
+        -0.1959245800971985,
+        -0.3961511254310608,
+        -0.39659589529037476,
+    ]
+    assert a[1, 0].item() == 0.061565101146698
+
+
+def test_frozen_a_has_peft_kaiming_scale() -> None:
+    a = frozen_a(0, "x", 1024, 64)
+
+    bound = 1 / math.sqrt(1024)
+    assert float(a.abs().max()) <= bound
+    assert float(a.std()) == pytest.approx(bound / math.sqrt(3), rel=0.02)
+
+
+def test_dense_delta_by_hand() -> None:
+    spec = LoraSpec(rank=2, alpha=4.0)
+    b = torch.tensor([[1.0, 0.0], [0.0, 2.0], [1.0, 1.0]])  # (out=3, r=2)
+    a = frozen_a(5, "m.q_proj", 4, 2)  # (r=2, in=4)
+
+    dense = dense_delta({update_key("m.q_proj"): b}, spec=spec, seed=5, shapes={"m.q_proj": (3, 4)})
+
+    assert list(dense) == ["m.q_proj.weight"]
+    expected = 2.0 * torch.stack([a[0], 2 * a[1], a[0] + a[1]])
+    torch.testing.assert_close(dense["m.q_proj.weight"], expected)
+
+
+def test_dense_delta_rejects_bad_updates() -> None:
+    spec = LoraSpec(rank=2)
+
+    with pytest.raises(ValueError, match="expected"):
+        dense_delta(
+            {"m.q_proj.lora_B": torch.zeros(3, 4)}, spec=spec, seed=0, shapes={"m.q_proj": (3, 4)}
+        )
+    with pytest.raises(ValueError, match="not a target module"):
+        dense_delta({"m.x.lora_B": torch.zeros(3, 2)}, spec=spec, seed=0, shapes={})
+    with pytest.raises(ValueError, match="not an FFA-LoRA update key"):
+        module_of("m.q_proj.weight")
+
+
+def test_aggregation_of_b_is_exact() -> None:
+    spec = LoraSpec(rank=2)
+    shapes = {"m.q_proj": (3, 4)}
+    bs = [torch.randn(3, 2, generator=torch.Generator().manual_seed(i)) for i in range(3)]
+
+    of_mean = dense_delta({"m.q_proj.lora_B": sum(bs) / 3}, spec=spec, seed=1, shapes=shapes)
+    denses = [dense_delta({"m.q_proj.lora_B": b}, spec=spec, seed=1, shapes=shapes) for b in bs]
+
+    mean_of = sum(d["m.q_proj.weight"] for d in denses) / 3
+    torch.testing.assert_close(of_mean["m.q_proj.weight"], mean_of)
+
+
+def test_target_weights_of_tiny_model() -> None:
+    model = build_tiny_model(vocab_size=100)
+
+    targets = target_weights(model, LoraSpec())
+
+    assert len(targets) == 2 * 7
+    assert targets["model.layers.0.self_attn.q_proj"] == (64, 64)
+    assert targets["model.layers.0.self_attn.k_proj"] == (32, 64)
+    assert targets["model.layers.1.mlp.down_proj"] == (64, 128)
+    assert target_weights(model.state_dict(), LoraSpec(target_modules=("v_proj",))) == {
+        "model.layers.0.self_attn.v_proj": (32, 64),
+        "model.layers.1.self_attn.v_proj": (32, 64),
+    }
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_merge_ffa_in_place_keeps_dtype(dtype: torch.dtype) -> None:
+    spec = LoraSpec(rank=2, alpha=2.0)
+    weight = torch.ones(3, 4, dtype=dtype)
+    state = {"m.q_proj.weight": weight, "m.q_proj.bias": torch.zeros(3)}
+    update = {"m.q_proj.lora_B": torch.full((3, 2), 0.5)}
+
+    merge_ffa(state, update, spec=spec, seed=3)
+
+    expected = 1 + 0.5 * frozen_a(3, "m.q_proj", 4, 2).sum(0).expand(3, 4)
+    assert state["m.q_proj.weight"] is weight and weight.dtype == dtype
+    torch.testing.assert_close(weight.float(), expected.to(dtype).float())
+    assert torch.equal(state["m.q_proj.bias"], torch.zeros(3))

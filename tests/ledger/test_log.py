@@ -1,0 +1,93 @@
+"""The Merkle log in the database: records, checkpoints and proofs (RFC 9162 §2.1)."""
+
+from __future__ import annotations
+
+import json
+from typing import TYPE_CHECKING
+
+import pytest
+from sqlmodel import Session
+
+from zoo_gym.core.hashing import canonical_json
+from zoo_gym.core.identity import Identity, verify
+from zoo_gym.ledger import (
+    LogEntryPublic,
+    checkpoint,
+    get_consistency_proof,
+    get_inclusion_proof,
+    latest_checkpoint,
+    list_entries,
+    log_size,
+    merkle,
+    verify_ledger,
+)
+from zoo_gym.ledger import repository as repo
+from zoo_gym.ledger.log import checkpoint_message, leaf_hashes
+
+if TYPE_CHECKING:
+    from conftest import Populated
+
+
+def test_records_are_canonical_versioned_and_hashed(session: Session, populated: Populated) -> None:
+    entries = list_entries(session, limit=1000)
+    assert [e.index for e in entries] == list(range(len(entries)))
+    for entry in entries:
+        record = json.loads(entry.record)
+        assert canonical_json(record) == entry.record
+        assert (record["v"], record["index"], record["kind"]) == (1, entry.index, entry.kind)
+        assert entry.leaf_hash == merkle.leaf_hash(entry.record)
+    reward = json.loads(entries[populated.entries["reward"]].record)
+    assert reward["rows"][0]["fields"]["amount"] == 10.0
+    assert LogEntryPublic.model_validate(entries[0]).leaf_hash == entries[0].leaf_hash.hex()
+
+
+def test_checkpoint_is_signed_tree_head(session: Session, populated: Populated) -> None:
+    head = latest_checkpoint(session)
+    assert head is not None
+    size = log_size(session)
+    assert head.size == size
+    assert head.root == merkle.root(leaf_hashes(session, size=size)).hex()
+    message = checkpoint_message(size=head.size, root=head.root, signed_at=head.signed_at)
+    assert verify(populated.signer.public_key, bytes.fromhex(head.signature), message)
+    assert not verify(Identity.generate().public_key, bytes.fromhex(head.signature), message)
+
+
+def test_proofs_verify_against_checkpoints(session: Session, populated: Populated) -> None:
+    old = latest_checkpoint(session)
+    assert old is not None
+    for i in range(5):
+        repo.record_audit(session, actor="op", action="note", target=str(i), detail={})
+    new = checkpoint(session, signer=populated.signer)
+    assert new.size == old.size + 5
+    for index in range(new.size):
+        proof = get_inclusion_proof(session, index=index, tree_size=new.size)
+        assert proof.root.hex() == new.root
+        assert proof.verify()
+    for old_size in range(new.size + 1):
+        consistency = get_consistency_proof(session, old_size=old_size, new_size=new.size)
+        assert consistency.verify()
+    between = get_consistency_proof(session, old_size=old.size, new_size=new.size)
+    assert (between.old_root.hex(), between.new_root.hex()) == (old.root, new.root)
+    with pytest.raises(ValueError):
+        get_inclusion_proof(session, index=0, tree_size=new.size + 1)
+    with pytest.raises(ValueError):
+        get_consistency_proof(session, old_size=new.size, new_size=new.size - 1)
+    assert verify_ledger(session, public_key=populated.signer.public_key).ok
+
+
+def test_rejected_write_appends_nothing(session: Session, populated: Populated) -> None:
+    size = log_size(session)
+    with pytest.raises(repo.ReplayedNonce):
+        repo.record_submission(
+            session,
+            round_number=1,
+            contributor_id=populated.alice,
+            nonce="a-1",
+            base_version="v0000",
+            payload_sha256="00",
+            size_bytes=1,
+            decision="rejected",
+            reason="x",
+        )
+    assert log_size(session) == size
+    assert verify_ledger(session, public_key=populated.signer.public_key).ok

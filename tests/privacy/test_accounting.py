@@ -1,0 +1,49 @@
+import subprocess
+import sys
+
+import pytest
+from opacus.accountants import PRVAccountant, RDPAccountant
+
+from zoo_gym.privacy.accounting import epsilon, noise_for_epsilon
+
+
+@pytest.mark.parametrize("name", ["rdp", "prv"])
+def test_epsilon_equals_opacus(name: str) -> None:
+    reference = RDPAccountant() if name == "rdp" else PRVAccountant()
+    for _ in range(200):
+        reference.step(noise_multiplier=1.1, sample_rate=0.02)
+
+    assert epsilon(1.1, 0.02, 200, 1e-5, accountant=name) == pytest.approx(  # type: ignore[arg-type]
+        reference.get_epsilon(delta=1e-5), rel=1e-6
+    )
+
+
+def test_known_rdp_value() -> None:
+    # sigma 1.0, q 0.01, 1000 steps, delta 1e-5 under Opacus's RDP accountant.
+    assert epsilon(1.0, 0.01, 1000, 1e-5) == pytest.approx(2.1014, abs=1e-3)
+
+
+@pytest.mark.parametrize("name", ["rdp", "prv"])
+def test_noise_for_epsilon_reaches_the_target(name: str) -> None:
+    sigma = noise_for_epsilon(3.0, 0.01, 1000, 1e-5, accountant=name)  # type: ignore[arg-type]
+
+    assert 0.5 < sigma < 2.0
+    assert epsilon(sigma, 0.01, 1000, 1e-5, accountant=name) <= 3.0  # type: ignore[arg-type]
+    assert epsilon(sigma * 0.9, 0.01, 1000, 1e-5, accountant=name) > 3.0  # type: ignore[arg-type]
+
+
+def test_unknown_accountant() -> None:
+    with pytest.raises(ValueError, match="unknown accountant"):
+        epsilon(1.0, 0.01, 10, 1e-5, accountant="gdp")  # type: ignore[arg-type]
+
+
+def test_privacy_imports_nothing_forbidden() -> None:
+    code = (
+        "import sys, zoo_gym.privacy.clip, zoo_gym.privacy.noise, zoo_gym.privacy.accounting;"
+        "bad = {'grpc', 'flwr', 'sqlmodel', 'sqlalchemy', 'fastapi', 'typer', 'httpx'};"
+        "print(sorted({m.split('.')[0] for m in sys.modules} & bad))"
+    )
+
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+
+    assert out.stdout.strip() == "[]"

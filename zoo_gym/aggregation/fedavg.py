@@ -1,0 +1,32 @@
+"""Federated averaging [McMahan et al., 2017, "Communication-Efficient Learning of Deep
+Networks from Decentralized Data"].
+
+    aggregate = sum_i w_i x_i / sum_i w_i
+
+with `w_i` the given non-negative weights (for example example counts), uniform by default.
+Not robust: one update can move the aggregate arbitrarily far.
+"""
+
+from __future__ import annotations
+
+from torch import Tensor
+
+from ._core import Aggregate, Decision, check_updates, check_weights, pct, weighted_sum
+
+
+def fedavg(updates: Tensor, *, weights: Tensor | None = None) -> Aggregate:
+    """Weighted mean of the `(n, d)` updates; `weights` `(n,)` >= 0, uniform when None."""
+    n, _ = check_updates(updates, "fedavg")
+    w = check_weights(weights, n, "fedavg")  # (n,) float64, sums to 1
+    vector = weighted_sum(updates, w)
+    decisions = tuple(
+        Decision(
+            selected=wi > 0.0,
+            weight=wi,
+            trimmed_share=0.0 if wi > 0.0 else 1.0,
+            score=None,
+            reason=f"averaged with weight {pct(wi)}" if wi > 0.0 else "weight zero, not averaged",
+        )
+        for wi in w.tolist()
+    )
+    return Aggregate(vector, decisions)

@@ -1,0 +1,67 @@
+"""Geometric median by smoothed Weiszfeld iterations, the robust aggregator RFA [Pillutla,
+Kakade and Harchaoui, 2022, "Robust Aggregation for Federated Learning", IEEE TSP].
+
+    z* = argmin_z sum_i a_i ||z - x_i||
+
+with weights a_i >= 0 (uniform by default). Starting from the weighted mean, each step is
+
+    b_i = a_i / max(eps, ||z - x_i||),    z <- sum_i b_i x_i / sum_i b_i,
+
+where eps is the smoothing floor of RFA. Iteration stops after `iters` steps or when the
+objective improves by less than a relative `tol`.
+"""
+
+from __future__ import annotations
+
+from torch import Tensor
+
+from ._core import (
+    Aggregate,
+    Decision,
+    check_updates,
+    check_weights,
+    distances_to,
+    pct,
+    weighted_sum,
+)
+
+
+def geometric_median(
+    updates: Tensor,
+    *,
+    weights: Tensor | None = None,
+    iters: int = 100,
+    eps: float = 1e-8,
+    tol: float = 1e-7,
+) -> Aggregate:
+    """Smoothed Weiszfeld (RFA) geometric median of the `(n, d)` updates; `weights` `(n,)` >= 0."""
+    n, _ = check_updates(updates, "geometric_median")
+    if iters < 1 or eps <= 0.0:
+        raise ValueError("geometric_median: iters must be >= 1 and eps > 0")
+    a = check_weights(weights, n, "geometric_median")  # (n,) float64
+    z = weighted_sum(updates, a)  # (d,)
+    dist = distances_to(updates, z).cpu()  # (n,)
+    objective = float((a * dist).sum())
+    for _ in range(iters):
+        b = a / dist.clamp_min(eps)
+        b /= b.sum()
+        z = weighted_sum(updates, b)
+        dist = distances_to(updates, z).cpu()
+        new_objective = float((a * dist).sum())
+        done = objective - new_objective <= tol * max(objective, eps)
+        objective = new_objective
+        if done:
+            break
+    b = a / dist.clamp_min(eps)
+    b /= b.sum()
+    decisions = tuple(
+        Decision(
+            selected=bi > 0.0,
+            weight=bi,
+            trimmed_share=0.0 if bi > 0.0 else 1.0,
+            score=di,
+            reason=f"weight {pct(bi)} at distance {di:.4g} from the geometric median",
+        )
+        for bi, di in zip(b.tolist(), dist.tolist(), strict=True)
+    )
+    return Aggregate(z, decisions)

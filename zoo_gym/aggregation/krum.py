@@ -1,0 +1,93 @@
+"""Krum and Multi-Krum [Blanchard et al., 2017, "Machine Learning with Adversaries: Byzantine
+Tolerant Gradient Descent", NeurIPS].
+
+With n updates of which at most f are Byzantine, the score of update i is
+
+    score(i) = sum of ||x_i - x_j||^2 over the n - f - 2 updates j != i closest to x_i,
+
+which requires n >= 2f + 3. Krum returns the update with the lowest score; Multi-Krum
+returns the plain average of the m lowest-score updates (m = 1 is Krum). Ties go to the
+update with the smaller total distance to all others, then to the lower index.
+
+Distances come from one float64 Gram matrix of the centred deltas (see `_core.gram`), not
+from ||x||^2 + ||y||^2 - 2 x.y in float32 on full weights, which cancels catastrophically
+when updates are small next to the weights.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ._core import (
+    Aggregate,
+    Decision,
+    check_f,
+    check_updates,
+    require,
+    squared_distances,
+    weighted_sum,
+)
+
+
+def krum_scores(dist: Tensor, f: int) -> Tensor:
+    """Krum scores `(n,)` float64 from squared distances `dist` `(n, n)`.
+
+    Each score sums the k = n - f - 2 smallest off-diagonal entries of its row; k is kept in
+    [1, n - 1] so the recursion in Bulyan can score small remainders (k = 0 when n = 1).
+    """
+    n = dist.shape[0]
+    k = min(max(n - f - 2, 1), n - 1)
+    if k == 0:
+        return torch.zeros(n, dtype=torch.float64, device=dist.device)
+    off = dist.clone()
+    off.fill_diagonal_(float("inf"))
+    nearest, _ = torch.topk(off, k, dim=1, largest=False)  # (n, k)
+    return nearest.sum(dim=1)
+
+
+def lowest(scores: Tensor, m: int, dist: Tensor) -> list[int]:
+    """Indices of the m lowest scores.
+
+    Exact ties (a mutual nearest pair when n - f - 2 = 1) go to the update with the smaller
+    total distance to all others, then to the lower index, so the choice does not depend on
+    the order of the updates except in fully symmetric cases.
+    """
+    order = torch.sort(dist.sum(dim=1).cpu(), stable=True).indices
+    order = order[torch.sort(scores.cpu()[order], stable=True).indices]
+    return [int(i) for i in order[:m]]
+
+
+def krum(updates: Tensor, *, f: int, m: int = 1) -> Aggregate:
+    """Multi-Krum [Blanchard et al., 2017]: average the m updates with the lowest scores.
+
+    score(i) = sum of squared distances from update i to its n - f - 2 nearest neighbours.
+    `updates` is (n, d); distances come from one float64 Gram matrix. Requires n >= 2f + 3
+    and 1 <= m <= n.
+    """
+    n, _ = check_updates(updates, "krum")
+    check_f(f, "krum")
+    require(n, 2 * f + 3, f"krum with f={f}", "n >= 2f + 3")
+    if not 1 <= m <= n:
+        raise ValueError(f"krum: m must be between 1 and n={n}, got {m}")
+    dist = squared_distances(updates)  # (n, n)
+    scores = krum_scores(dist, f).cpu()  # (n,)
+    chosen = lowest(scores, m, dist)
+    weights = torch.zeros(n, dtype=torch.float64)
+    weights[chosen] = 1.0 / m
+    vector = weighted_sum(updates, weights)
+    picked = set(chosen)
+    what = "the lowest Krum score" if m == 1 else f"the {m} lowest Krum scores"
+    decisions = tuple(
+        Decision(
+            selected=i in picked,
+            weight=1.0 / m if i in picked else 0.0,
+            trimmed_share=0.0 if i in picked else 1.0,
+            score=float(s),
+            reason=f"{'among' if i in picked else 'not among'} {what} (score {s:.4g})"
+            if m > 1
+            else f"{'has' if i in picked else 'not'} {what} (score {s:.4g})",
+        )
+        for i, s in enumerate(scores.tolist())
+    )
+    return Aggregate(vector, decisions)

@@ -1,0 +1,256 @@
+"""FFA-LoRA supervised fine-tuning, one federated round at a time.
+
+One long, linear program. The model is loaded once and wrapped with peft LoRA
+once; each round (1) writes the round's frozen A matrices (`frozen_a`, shared by
+every client) and zeroes every B, (2) trains only B with AdamW on the
+completion-token loss, (3) returns the B matrices as the update. See FFA-LoRA
+[Sun et al., 2024] and LoRA [Hu et al., 2022].
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+from opacus import GradSampleModule
+from opacus.optimizers import DPOptimizer
+from peft import LoraConfig, PeftModel, get_peft_model
+from peft.tuners.lora import LoraLayer
+from torch import Tensor
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from zoo_gym.core.chat import Conversation, collate, encode_conversation, pad_id_of, token_nll
+from zoo_gym.core.delta import Delta
+from zoo_gym.core.lora import LoraSpec, frozen_a, target_weights, update_key
+from zoo_gym.privacy.noise import secure_generator
+
+logger = logging.getLogger(__name__)
+
+ADAPTER = "default"
+
+
+@dataclass(frozen=True)
+class DpConfig:
+    """DP-SGD [Abadi et al., 2016] on the B matrices, through Opacus.
+
+    Each step samples every example independently with probability
+    ``batch_size / len(data)`` (Poisson sampling, which the accountants assume),
+    clips each example's gradient to `max_grad_norm` and adds Gaussian noise of
+    std ``noise_multiplier * max_grad_norm`` from a CSPRNG-seeded generator.
+    Account with ``zoo_gym.privacy.accounting.epsilon(noise_multiplier,
+    RoundResult.sample_rate, steps, delta)``.
+    """
+
+    max_grad_norm: float = 1.0
+    noise_multiplier: float = 1.0
+
+
+@dataclass(frozen=True)
+class StepInfo:
+    """Progress of one optimisation step."""
+
+    step: int
+    steps: int
+    loss: float
+    tokens_per_s: float
+
+
+@dataclass(frozen=True)
+class RoundResult:
+    """What one round produced: ``update`` maps ``"<module>.lora_B"`` to `(out, rank)` float32."""
+
+    update: Delta
+    num_examples: int
+    mean_loss: float
+    tokens: int
+    seconds: float
+    sample_rate: float | None = None  # Poisson rate under DP-SGD, else None
+
+
+class FfaLoraTrainer:
+    """Keeps one peft-wrapped model across rounds and trains its B matrices per round."""
+
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        tokenizer: PreTrainedTokenizerBase,
+        *,
+        spec: LoraSpec,
+        device: str = "cpu",
+    ) -> None:
+        self.spec = spec
+        self.tokenizer = tokenizer
+        self.device = torch.device(device)
+        self.shapes = target_weights(model, spec)
+        if not self.shapes:
+            raise ValueError(f"the model has none of the target modules {spec.target_modules}")
+        config = LoraConfig(
+            r=spec.rank,
+            lora_alpha=spec.alpha,  # type: ignore[arg-type]
+            target_modules=list(spec.target_modules),
+            lora_dropout=0.0,
+            bias="none",
+        )
+        model.to(self.device)  # type: ignore[arg-type]
+        self.base = model
+        self.model: PeftModel = get_peft_model(model, config)  # wraps `model` in place
+        self.layers: dict[str, LoraLayer] = {
+            name: module
+            for name, module in self.base.named_modules()
+            if isinstance(module, LoraLayer)
+        }
+        if set(self.layers) != set(self.shapes):
+            raise RuntimeError("peft adapted a different set of modules than target_weights found")
+
+    def load_base(self, state_dict: dict[str, Tensor]) -> None:
+        """Copy a new published base version into the wrapped model, in place."""
+        mapped = {}
+        for key, tensor in state_dict.items():
+            module, _, leaf = key.rpartition(".")
+            mapped[f"{module}.base_layer.{leaf}" if module in self.layers else key] = tensor
+        result = self.base.load_state_dict(mapped, strict=False)
+        missing = [key for key in result.missing_keys if ".lora_" not in key]
+        if result.unexpected_keys or missing:
+            raise ValueError(
+                f"base state dict does not match the model: missing {missing[:3]}, "
+                f"unexpected {result.unexpected_keys[:3]}"
+            )
+
+    def adapter_b(self) -> Delta:
+        """The current B matrices, keyed like an update."""
+        return {
+            update_key(name): _lora(layer, "lora_B").detach().float().cpu().clone()
+            for name, layer in sorted(self.layers.items())
+        }
+
+    def reset_adapters(self, seed: int) -> list[torch.nn.Parameter]:
+        """Set every A to the round's frozen A and every B to zero; return the B parameters."""
+        params = []
+        with torch.no_grad():
+            for name, layer in sorted(self.layers.items()):
+                a = _lora(layer, "lora_A")  # (r, in)
+                a.copy_(frozen_a(seed, name, a.shape[1], self.spec.rank))
+                a.requires_grad_(False)
+                b = _lora(layer, "lora_B")  # (out, r)
+                b.zero_()
+                b.requires_grad_(True)
+                params.append(b)
+        return params
+
+    def train_round(
+        self,
+        conversations: Sequence[Conversation],
+        *,
+        seed: int,
+        steps: int,
+        lr: float,
+        batch_size: int,
+        max_length: int,
+        on_step: Callable[[StepInfo], None] | None = None,
+        dp: DpConfig | None = None,
+    ) -> RoundResult:
+        """Train B for `steps` AdamW steps on `conversations`.
+
+        Deterministic under `seed` without `dp`; with `dp` the noise is secret.
+        """
+        if not conversations:
+            raise ValueError("train_round needs at least one conversation")
+        start = time.perf_counter()
+        examples = [
+            encode_conversation(self.tokenizer, c, max_length=max_length) for c in conversations
+        ]
+        params = self.reset_adapters(seed)
+        optimizer: torch.optim.Optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+        generator = torch.Generator().manual_seed(seed)
+        forward: torch.nn.Module = self.model
+        sample_rate = None
+        if dp is None:
+            lengths = [len(ids) for ids, _ in examples]
+            batches = length_bucketed_batches(lengths, batch_size, generator)
+        else:  # hooks go on after reset_adapters: only parameters that require grad get them
+            sample_rate = min(1.0, batch_size / len(examples))
+            batches = poisson_batches(len(examples), sample_rate, generator)
+            forward = GradSampleModule(self.model, loss_reduction="mean")
+            optimizer = DPOptimizer(
+                optimizer,
+                noise_multiplier=dp.noise_multiplier,
+                max_grad_norm=dp.max_grad_norm,
+                expected_batch_size=batch_size,
+                loss_reduction="mean",
+                generator=secure_generator(),
+            )
+        pad_id = pad_id_of(self.tokenizer)
+        self.model.train()
+        losses: list[float] = []
+        tokens = 0
+        try:
+            for step in range(1, steps + 1):
+                rows = next(batches)
+                optimizer.zero_grad(set_to_none=True)
+                if rows:
+                    batch = collate([examples[i] for i in rows], pad_id=pad_id).to(self.device)
+                    nll, mask = token_nll(forward, batch)
+                    if dp is None:  # token mean over the batch
+                        loss = nll.sum() / mask.sum().clamp(min=1)
+                    else:  # mean of per-example token means, so each example is one term
+                        loss = (nll.sum(1) / mask.sum(1).clamp(min=1)).mean()
+                    loss.backward()  # type: ignore[no-untyped-call]
+                    losses.append(loss.item())
+                    tokens += batch.num_tokens
+                else:  # an empty Poisson batch still takes a (pure-noise) step
+                    for p in params:
+                        p.grad_sample = torch.zeros((0, *p.shape), device=p.device)  # type: ignore[attr-defined]
+                optimizer.step()
+                if on_step is not None:
+                    rate = tokens / max(time.perf_counter() - start, 1e-9)
+                    last = losses[-1] if losses else float("nan")
+                    on_step(StepInfo(step=step, steps=steps, loss=last, tokens_per_s=rate))
+        finally:
+            if isinstance(forward, GradSampleModule):
+                forward._close()
+        self.model.eval()
+        seconds = time.perf_counter() - start
+        logger.info("round trained: %d steps, mean loss %.4f, %.1fs", steps, _mean(losses), seconds)
+        return RoundResult(
+            update=self.adapter_b(),
+            num_examples=len(conversations),
+            mean_loss=_mean(losses),
+            tokens=tokens,
+            seconds=seconds,
+            sample_rate=sample_rate,
+        )
+
+
+def length_bucketed_batches(
+    lengths: Sequence[int], batch_size: int, generator: torch.Generator, *, pool: int = 16
+) -> Iterator[list[int]]:
+    """Endless batches of indices: shuffle, sort within pools of ``pool * batch_size`` by length,
+    cut into batches, shuffle the batches. Less padding, still random."""
+    while True:
+        order = torch.randperm(len(lengths), generator=generator).tolist()
+        batches: list[list[int]] = []
+        for s in range(0, len(order), pool * batch_size):
+            chunk = sorted(order[s : s + pool * batch_size], key=lambda i: lengths[i])
+            batches += [chunk[j : j + batch_size] for j in range(0, len(chunk), batch_size)]
+        for k in torch.randperm(len(batches), generator=generator).tolist():
+            yield batches[k]
+
+
+def poisson_batches(n: int, rate: float, generator: torch.Generator) -> Iterator[list[int]]:
+    """Endless Poisson-sampled batches: each of `n` indices is in a batch with probability `rate`."""
+    while True:
+        yield torch.nonzero(torch.rand(n, generator=generator) < rate).flatten().tolist()
+
+
+def _lora(layer: LoraLayer, which: str) -> torch.nn.Parameter:
+    """The weight of `layer`'s ``lora_A`` `(r, in)` or ``lora_B`` `(out, r)` for our adapter."""
+    weight = getattr(layer, which)[ADAPTER].weight
+    assert isinstance(weight, torch.nn.Parameter)
+    return weight
+
+
+def _mean(values: Sequence[float]) -> float:
+    return sum(values) / len(values) if values else float("nan")

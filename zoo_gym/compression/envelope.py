@@ -1,0 +1,342 @@
+"""The versioned envelope that carries one compressed delta.
+
+All integers are little-endian (`struct` format in brackets). Version 1:
+
+==========  ==================================================================================
+bytes       field
+==========  ==================================================================================
+4           magic ``b"ZGDE"``
+2 [H]       format version, 1
+1 [B]       codec id: none 0, fp16 1, bf16 2, bitdelta 3, int8 4, int4 5, int2 6, ternary 7
+1 [B]       granularity id: group 0, row 1, matrix 2
+4 [I]       group size (>= 1)
+1 [B]       scale dtype id: float16 0, bfloat16 1, float32 2
+3           reserved, zero
+4 [I]       tensor count T
+per tensor  name length [H], name (UTF-8, names strictly increasing as in `layout_of`),
+            dtype id [B] (float32 0, float16 1, bfloat16 2, float64 3), ndim [B] (<= 8),
+            shape (ndim x [Q])
+per tensor  scales (G values of the scale dtype, G = ceil(n / group length)), then packed
+            values (`zoo_gym.compression.codecs.data_nbytes` bytes), in table order
+32          SHA-256 of every byte before it
+==========  ==================================================================================
+
+The group length of a tensor of n values is the group size (granularity ``group``),
+``n / shape[0]`` (``row``) or ``n`` (``matrix``); the codecs without scales store none. Every
+size follows from the table, so a reader checks the declared sizes against the byte length
+and ``max_elements`` before it allocates anything; the dtype is informational (decoding always
+yields float32).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+import sys
+import warnings
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from zoo_gym.compression import codecs, kernels
+from zoo_gym.compression.errors import EnvelopeError
+from zoo_gym.compression.spec import (
+    CODEC_IDS,
+    GRANULARITIES,
+    SCALE_DTYPES,
+    CodecSpec,
+    group_length,
+    n_groups,
+)
+from zoo_gym.core.delta import Delta, Layout, TensorSpec, layout_of
+
+MAGIC = b"ZGDE"
+VERSION = 1
+MAX_NDIM = 8
+_HEAD = struct.Struct("<4sHBBIB3xI")
+_NAME = struct.Struct("<H")
+_DTYPE_NDIM = struct.Struct("<BB")
+_DIGEST = 32
+DTYPE_IDS = {"float32": 0, "float16": 1, "bfloat16": 2, "float64": 3}
+_SCALE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}
+_CODEC_NAMES = {v: k for k, v in CODEC_IDS.items()}
+_DTYPE_NAMES = {v: k for k, v in DTYPE_IDS.items()}
+
+
+@dataclass(frozen=True)
+class TensorSection:
+    """Where one tensor's scales and packed values lie in the payload."""
+
+    spec: TensorSpec
+    group: int
+    n_groups: int
+    scales_offset: int
+    scales_nbytes: int
+    data_offset: int
+    data_nbytes: int
+
+
+@dataclass(frozen=True)
+class EnvelopeHeader:
+    """The validated header of an envelope: codec, parameters, layout and sizes."""
+
+    version: int
+    spec: CodecSpec
+    layout: Layout
+    sections: tuple[TensorSection, ...]
+    total_elements: int
+    header_nbytes: int
+    payload_nbytes: int
+    total_nbytes: int
+
+    @property
+    def codec(self) -> str:
+        return self.spec.codec
+
+
+def _tensor_bytes(t: Tensor) -> bytes:
+    return t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes()
+
+
+def encode(delta: Delta, spec: CodecSpec) -> bytes:
+    """Compress `delta` into one envelope (format in the module docstring).
+
+    Tensors may have any floating dtype and live on any device; they are compressed as float32
+    in `layout_of` order. Raises ValueError for non-float or non-finite tensors and for
+    scales that overflow ``spec.scale_dtype``.
+    """
+    if sys.byteorder != "little":
+        raise RuntimeError("the envelope is written on little-endian hosts only")
+    layout = layout_of(delta)
+    chunks = [
+        _HEAD.pack(
+            MAGIC,
+            VERSION,
+            CODEC_IDS[spec.codec],
+            GRANULARITIES.index(spec.granularity),
+            spec.group_size,
+            SCALE_DTYPES.index(spec.scale_dtype),
+            len(layout),
+        )
+    ]
+    for ts in layout:
+        if ts.dtype not in DTYPE_IDS:
+            raise ValueError(f"{ts.name}: dtype {ts.dtype} is not a float type")
+        if len(ts.shape) > MAX_NDIM:
+            raise ValueError(f"{ts.name}: {len(ts.shape)} dimensions, at most {MAX_NDIM}")
+        name = ts.name.encode("utf-8")
+        chunks += [
+            _NAME.pack(len(name)),
+            name,
+            _DTYPE_NDIM.pack(DTYPE_IDS[ts.dtype], len(ts.shape)),
+        ]
+        chunks.append(struct.pack(f"<{len(ts.shape)}Q", *ts.shape))
+    for ts in layout:
+        x = delta[ts.name].detach().reshape(-1).to(torch.float32).contiguous()
+        if not bool(torch.isfinite(x).all()):
+            raise ValueError(f"{ts.name}: delta has NaN or Inf values")
+        scales, data = codecs.encode_tensor(
+            spec.codec, x, group_length(spec, ts.shape), spec.scale_dtype
+        )
+        chunks += [_tensor_bytes(scales) if spec.scaled else b"", _tensor_bytes(data)]
+    body = b"".join(chunks)
+    return body + hashlib.sha256(body).digest()
+
+
+def _parse_spec(payload: bytes) -> tuple[int, CodecSpec, int]:
+    if len(payload) < _HEAD.size + _DIGEST:
+        raise EnvelopeError(f"truncated envelope: {len(payload)} bytes is shorter than a header")
+    magic, version, codec_id, gran_id, group_size, scale_id, count = _HEAD.unpack_from(payload)
+    if magic != MAGIC:
+        raise EnvelopeError(f"bad magic {magic!r}, expected {MAGIC!r}: not a zoo-gym delta")
+    if version != VERSION:
+        raise EnvelopeError(f"unsupported envelope version {version}, this reader knows {VERSION}")
+    if codec_id not in _CODEC_NAMES:
+        raise EnvelopeError(f"unknown codec id {codec_id}")
+    if gran_id >= len(GRANULARITIES) or scale_id >= len(SCALE_DTYPES):
+        raise EnvelopeError(f"unknown granularity id {gran_id} or scale dtype id {scale_id}")
+    if payload[_HEAD.size - 7 : _HEAD.size - 4] != b"\0\0\0":
+        raise EnvelopeError("reserved header bytes are not zero")
+    if group_size < 1:
+        raise EnvelopeError("group size 0 in envelope header")
+    digest = hashlib.sha256(memoryview(payload)[:-_DIGEST]).digest()
+    if digest != payload[-_DIGEST:]:
+        raise EnvelopeError("SHA-256 mismatch: the envelope is corrupted or was modified")
+    try:
+        spec = CodecSpec(
+            _CODEC_NAMES[codec_id], group_size, GRANULARITIES[gran_id], SCALE_DTYPES[scale_id]
+        )
+    except ValueError as exc:
+        raise EnvelopeError(f"invalid codec parameters: {exc}") from exc
+    return version, spec, count
+
+
+def _parse_table(payload: bytes, count: int, end: int) -> tuple[Layout, int]:
+    offset = _HEAD.size
+    if count > (end - offset) // (_NAME.size + _DTYPE_NDIM.size):
+        raise EnvelopeError(f"tensor count {count} does not fit in {len(payload)} bytes")
+    layout: list[TensorSpec] = []
+    try:
+        for _ in range(count):
+            (name_len,) = _NAME.unpack_from(payload, offset)
+            offset += _NAME.size
+            if offset + name_len > end:
+                raise EnvelopeError("truncated envelope: tensor name runs past the end")
+            name = payload[offset : offset + name_len].decode("utf-8")
+            offset += name_len
+            dtype_id, ndim = _DTYPE_NDIM.unpack_from(payload, offset)
+            offset += _DTYPE_NDIM.size
+            if dtype_id not in _DTYPE_NAMES or ndim > MAX_NDIM:
+                raise EnvelopeError(f"{name}: unknown dtype id {dtype_id} or {ndim} dimensions")
+            if offset + 8 * ndim > end:
+                raise EnvelopeError("truncated envelope: tensor shape runs past the end")
+            shape = struct.unpack_from(f"<{ndim}Q", payload, offset)
+            offset += 8 * ndim
+            if layout and name <= layout[-1].name:
+                raise EnvelopeError(f"tensor names not strictly increasing at {name!r}")
+            layout.append(TensorSpec(name, tuple(shape), _DTYPE_NAMES[dtype_id]))
+    except struct.error as exc:
+        raise EnvelopeError(f"truncated envelope: tensor table runs past the end ({exc})") from exc
+    except UnicodeDecodeError as exc:
+        raise EnvelopeError("tensor name is not valid UTF-8") from exc
+    return tuple(layout), offset
+
+
+def inspect_envelope(payload: bytes, *, max_elements: int) -> EnvelopeHeader:
+    """Validate an envelope's header, hash and sizes without decoding any values.
+
+    Raises `EnvelopeError` (one line) for bad magic, an unknown version or codec, a hash
+    mismatch, a truncated or oversized payload, or more than `max_elements` values in total.
+    Cost: one SHA-256 pass over the payload and a walk of the tensor table.
+    """
+    if not isinstance(payload, bytes | bytearray | memoryview):
+        raise EnvelopeError(f"payload must be bytes, got {type(payload).__name__}")
+    payload = bytes(payload)
+    version, spec, count = _parse_spec(payload)
+    end = len(payload) - _DIGEST
+    layout, offset = _parse_table(payload, count, end)
+    total = sum(ts.numel for ts in layout)
+    if total > max_elements:
+        raise EnvelopeError(
+            f"envelope declares {total} values, more than max_elements={max_elements}"
+        )
+    header_nbytes = offset
+    sections = []
+    scale_bytes = _SCALE_BYTES[spec.scale_dtype] if spec.scaled else 0
+    for ts in layout:
+        group = group_length(spec, ts.shape)
+        groups = n_groups(ts.numel, group) if spec.scaled else 0
+        data = codecs.data_nbytes(spec.codec, ts.numel)
+        sections.append(
+            TensorSection(
+                ts, group, groups, offset, groups * scale_bytes, offset + groups * scale_bytes, data
+            )
+        )
+        offset += groups * scale_bytes + data
+    if offset != end:
+        kind = "truncated" if offset > end else "oversized"
+        raise EnvelopeError(
+            f"{kind} envelope: the tensor table needs {offset + _DIGEST} bytes, got {len(payload)}"
+        )
+    return EnvelopeHeader(
+        version,
+        spec,
+        layout,
+        tuple(sections),
+        total,
+        header_nbytes,
+        end - header_nbytes,
+        len(payload),
+    )
+
+
+def _frombuffer(payload: bytes, offset: int, nbytes: int, dtype: torch.dtype) -> Tensor:
+    """A read-only tensor view of `payload[offset : offset + nbytes]`."""
+    if nbytes == 0:
+        return torch.empty(0, dtype=dtype)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # torch warns that bytes are read-only
+        raw = torch.frombuffer(payload, dtype=torch.uint8, count=nbytes, offset=offset)
+    return raw.view(dtype)
+
+
+def section_tensors(
+    payload: bytes, header: EnvelopeHeader, section: TensorSection
+) -> tuple[Tensor, Tensor]:
+    """(scales (G,) float32, packed bytes (k,) uint8) of one tensor; raises on bad scales."""
+    scale_dtype = codecs.SCALE_TORCH_DTYPES[header.spec.scale_dtype]
+    scales = _frombuffer(payload, section.scales_offset, section.scales_nbytes, scale_dtype).float()
+    if header.spec.scaled:
+        bound = scales * codecs.LEVELS[header.spec.codec]
+        if not bool(torch.isfinite(bound).all()):
+            raise EnvelopeError(f"{section.spec.name}: NaN, Inf or overflowing scale")
+        if bool((scales < 0).any()):
+            raise EnvelopeError(f"{section.spec.name}: negative scale")
+    data = _frombuffer(payload, section.data_offset, section.data_nbytes, torch.uint8)
+    return scales, data
+
+
+def check_layout(header: EnvelopeHeader, layout: Layout) -> None:
+    """Raise `EnvelopeError` unless the envelope holds exactly `layout`'s names and shapes."""
+    got = [(ts.name, ts.shape) for ts in header.layout]
+    want = [(ts.name, tuple(ts.shape)) for ts in layout]
+    if got != want:
+        diff = next(
+            (f"{g} != {w}" for g, w in zip(got, want, strict=False) if g != w),
+            f"{len(got)} tensors, expected {len(want)}",
+        )
+        raise EnvelopeError(f"envelope tensors differ from the layout: {diff}")
+
+
+def use_triton(out: Tensor, backend: str) -> bool:
+    """Backend choice: ``"auto"`` runs the Triton kernels for CUDA tensors when Triton is
+    installed and the torch path otherwise; ``"torch"`` and ``"triton"`` force one."""
+    if backend not in ("auto", "torch", "triton"):
+        raise ValueError(f"unknown backend {backend!r}; choose 'auto', 'torch' or 'triton'")
+    if backend == "auto":
+        return out.is_cuda and kernels.available()
+    return backend == "triton"
+
+
+def decode_into(
+    payload: bytes, out: Tensor, layout: Layout, *, max_elements: int, backend: str = "auto"
+) -> None:
+    """Decode into `out` (numel(layout),) float32, tensors concatenated in layout order.
+
+    Writes straight into `out` (for instance one row of an (n, d) buffer), one tensor at a
+    time, without a second full-size float copy. Raises `EnvelopeError` when the payload is
+    invalid or its tensors (names and shapes) differ from `layout`; ValueError when `out`
+    has the wrong shape or dtype.
+    """
+    d = sum(ts.numel for ts in layout)
+    if out.dtype != torch.float32 or tuple(out.shape) != (d,):
+        raise ValueError(f"out must be float32 of shape ({d},), got {out.dtype} {tuple(out.shape)}")
+    payload = bytes(payload) if isinstance(payload, bytearray | memoryview) else payload
+    header = inspect_envelope(payload, max_elements=max_elements)
+    check_layout(header, layout)
+    triton = use_triton(out, backend)
+    offset = 0
+    for section in header.sections:
+        n = section.spec.numel
+        scales, data = section_tensors(payload, header, section)
+        target = out[offset : offset + n]
+        codecs.decode_tensor(header.codec, scales, data, section.group, target, triton=triton)
+        offset += n
+
+
+def decode(payload: bytes, *, max_elements: int) -> Delta:
+    """Decode an envelope into float32 tensors (one allocation per tensor).
+
+    Raises `EnvelopeError` (one line) for any invalid payload, before allocating anything
+    when declared sizes disagree with the byte length or exceed `max_elements`.
+    """
+    payload = bytes(payload) if isinstance(payload, bytearray | memoryview) else payload
+    header = inspect_envelope(payload, max_elements=max_elements)
+    delta: Delta = {}
+    for section in header.sections:
+        scales, data = section_tensors(payload, header, section)
+        out = torch.empty(section.spec.shape, dtype=torch.float32)
+        codecs.decode_tensor(header.codec, scales, data, section.group, out.view(-1))
+        delta[section.spec.name] = out
+    return delta

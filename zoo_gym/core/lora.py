@@ -1,0 +1,126 @@
+"""FFA-LoRA: LoRA with frozen, shared A matrices [Sun et al., 2024].
+
+LoRA [Hu et al., 2022] adds ``W' = W + (alpha / r) * B @ A`` to each target
+linear layer, with ``W`` `(out, in)`, ``B`` `(out, r)` and ``A`` `(r, in)`.
+FFA-LoRA ("Improving LoRA in Privacy-preserving Federated Learning", ICLR 2024)
+freezes ``A`` at its random initialisation and trains only ``B``. Here ``A`` is
+a pure function of the round seed and the module name, identical on every
+machine, so the update a client sends is just its ``B`` matrices and
+aggregation is exact and linear: ``mean_i(B_i) @ A == mean_i(B_i @ A)``.
+
+Module names are the base model's (``"model.layers.0.self_attn.q_proj"``), never
+peft's prefixed ones.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from zoo_gym.core.delta import Delta
+
+DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+_B_SUFFIX = ".lora_B"
+
+
+@dataclass(frozen=True)
+class LoraSpec:
+    """Which linear layers get an adapter, its rank and its scale ``alpha / rank``."""
+
+    rank: int = 8
+    alpha: float = 16.0
+    target_modules: tuple[str, ...] = DEFAULT_TARGETS
+
+    @property
+    def scaling(self) -> float:
+        return self.alpha / self.rank
+
+
+def frozen_a(seed: int, module_name: str, in_features: int, rank: int) -> Tensor:
+    """The frozen A `(rank, in_features)` float32 of `module_name` for round `seed`.
+
+    Drawn like peft's default init (kaiming-uniform with ``a = sqrt(5)``, i.e.
+    U(-1/sqrt(in), 1/sqrt(in))) from a CPU generator seeded with
+    SHA-256(seed, module_name), so every machine gets the same bits.
+    """
+    digest = hashlib.sha256(f"zoo-gym/ffa-lora/{seed}/{module_name}".encode()).digest()
+    generator = torch.Generator(device="cpu").manual_seed(int.from_bytes(digest[:8], "big") >> 1)
+    bound = 1.0 / math.sqrt(in_features)
+    uniform = torch.rand((rank, in_features), generator=generator, dtype=torch.float32)
+    return uniform.mul_(2 * bound).sub_(bound)
+
+
+def target_weights(
+    model_or_state_dict: nn.Module | Mapping[str, Tensor], spec: LoraSpec
+) -> dict[str, tuple[int, int]]:
+    """Target modules of a base model (or its state dict) and their weight shape `(out, in)`."""
+    state = (
+        model_or_state_dict.state_dict()
+        if isinstance(model_or_state_dict, nn.Module)
+        else model_or_state_dict
+    )
+    targets: dict[str, tuple[int, int]] = {}
+    for key, tensor in state.items():
+        module, _, leaf = key.rpartition(".")
+        if leaf == "weight" and module.rpartition(".")[2] in spec.target_modules:
+            if tensor.dim() != 2:
+                raise ValueError(f"{key}: target weight must be 2-D, got {tuple(tensor.shape)}")
+            targets[module] = (int(tensor.shape[0]), int(tensor.shape[1]))
+    return targets
+
+
+def update_key(module_name: str) -> str:
+    """Key of a module's B matrix in an update: ``"<module>.lora_B"``."""
+    return module_name + _B_SUFFIX
+
+
+def module_of(key: str) -> str:
+    """Inverse of `update_key`."""
+    if not key.endswith(_B_SUFFIX):
+        raise ValueError(f"{key!r} is not an FFA-LoRA update key (expected '<module>.lora_B')")
+    return key.removesuffix(_B_SUFFIX)
+
+
+def dense_delta(
+    update: Delta, *, spec: LoraSpec, seed: int, shapes: Mapping[str, tuple[int, int]]
+) -> Delta:
+    """Map each ``"<module>.lora_B"`` `(out, r)` to ``"<module>.weight"`` = scaling * B @ A.
+
+    `shapes` gives each module's weight shape `(out, in)` (see `target_weights`);
+    A's width is ``in``. The result is float32 on the CPU.
+    """
+    dense: Delta = {}
+    for key, b in update.items():
+        module = module_of(key)
+        if module not in shapes:
+            raise ValueError(f"{key}: {module!r} is not a target module of the base model")
+        out_features, in_features = shapes[module]
+        if tuple(b.shape) != (out_features, spec.rank):
+            raise ValueError(
+                f"{key}: shape {tuple(b.shape)}, expected ({out_features}, {spec.rank})"
+            )
+        a = frozen_a(seed, module, in_features, spec.rank)  # (r, in)
+        dense[module + ".weight"] = spec.scaling * (b.detach().float().cpu() @ a)  # (out, in)
+    return dense
+
+
+def merge_ffa(state_dict: dict[str, Tensor], update: Delta, *, spec: LoraSpec, seed: int) -> None:
+    """Add ``scaling * B @ A`` of every module in `update` to `state_dict`, in place.
+
+    The sum is formed in float32 and written back in each weight's own dtype.
+    """
+    shapes: dict[str, tuple[int, int]] = {}
+    for key in update:
+        weight = state_dict.get(module_of(key) + ".weight")
+        if weight is not None and weight.dim() == 2:
+            shapes[module_of(key)] = (int(weight.shape[0]), int(weight.shape[1]))
+    dense = dense_delta(update, spec=spec, seed=seed, shapes=shapes)
+    with torch.no_grad():
+        for name, delta in dense.items():
+            weight = state_dict[name]
+            weight.copy_((weight.float() + delta.to(weight.device)).to(weight.dtype))

@@ -1,0 +1,502 @@
+"""The append-only Merkle log behind every ledger row, its signed checkpoints and its audit.
+
+Each change a repository function makes is appended, in the same transaction, as one log entry
+whose record is canonical JSON (`zoo_gym.core.hashing.canonical_json`):
+
+    {"v": 1, "index": i, "kind": "...", "rows": [{"table": t, "key": k, "fields": {...}}]}
+
+`fields` holds the new values of the columns the change set, in the same normalised form
+`row_content` derives from a stored row. Leaf i of the tree is SHA-256(0x00 || record) and the
+tree is the Merkle tree of RFC 9162 §2.1 (`zoo_gym.ledger.merkle`). A checkpoint is the signed
+tree head: an Ed25519 signature over canonical {"v", "kind", "size", "root", "signed_at"}.
+
+`verify_ledger` replays the log: every leaf hash must match its record, indices must run 0..n-1,
+every row must equal the values the log last gave it, every row must be in the log, and every
+checkpoint must be signed and match the root of the first `size` leaves as they are now.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+from sqlalchemy import (
+    JSON,
+    Boolean,
+    DateTime,
+    Float,
+    Integer,
+    LargeBinary,
+    TypeDecorator,
+    func,
+    text,
+)
+from sqlmodel import Session, SQLModel, col, select
+
+from zoo_gym.core.hashing import canonical_json
+from zoo_gym.core.identity import Identity, verify
+from zoo_gym.ledger import merkle
+from zoo_gym.ledger.db import IMMEDIATE
+from zoo_gym.ledger.models import (
+    AuditEvent,
+    Checkpoint,
+    Contributor,
+    LogEntry,
+    ModelVersion,
+    Reward,
+    Round,
+    Submission,
+    utcnow,
+)
+
+RECORD_VERSION = 1
+CHECKPOINT_VERSION = 1
+
+# Key of the PostgreSQL transaction-level advisory lock that serialises appends ("zoolog").
+APPEND_LOCK_KEY = 0x7A6F6F6C6F67
+
+LOGGED_TABLES: tuple[type[SQLModel], ...] = (
+    Contributor,
+    Round,
+    Submission,
+    Reward,
+    ModelVersion,
+    AuditEvent,
+)
+
+RowChange = tuple[SQLModel, Sequence[str] | None]
+"""A row and the columns of it a log entry records (None: every column)."""
+
+
+# --- records ------------------------------------------------------------------------------------
+
+
+def _normalise(column_type: Any, value: Any) -> Any:
+    """JSON form of a column value, identical before and after a round trip through any backend."""
+    if value is None:
+        return None
+    if isinstance(column_type, TypeDecorator):
+        column_type = column_type.impl_instance
+    if isinstance(column_type, Boolean):
+        return bool(value)
+    if isinstance(column_type, Integer):
+        return int(value)
+    if isinstance(column_type, Float):
+        return float(value)
+    if isinstance(column_type, DateTime):
+        if isinstance(value, datetime):
+            return _utc(value).isoformat(timespec="microseconds")
+        return str(value)
+    if isinstance(column_type, LargeBinary):
+        return bytes(value).hex()
+    if isinstance(column_type, JSON):
+        return json.loads(canonical_json(value))
+    return value
+
+
+def _utc(moment: datetime) -> datetime:
+    """`moment` in UTC; a naive datetime is taken to be UTC already."""
+    if moment.utcoffset() is None:
+        return moment.replace(tzinfo=UTC)
+    return moment.astimezone(UTC)
+
+
+def row_content(row: SQLModel) -> dict[str, Any]:
+    """Every column of `row` as JSON values (datetimes ISO 8601, bytes hex, floats as floats)."""
+    table = row.__table__  # type: ignore[attr-defined]
+    return {c.name: _normalise(c.type, getattr(row, c.name)) for c in table.columns}
+
+
+def row_key(row: SQLModel) -> Any:
+    """The primary-key value of `row`, in its JSON form."""
+    table = row.__table__  # type: ignore[attr-defined]
+    (pk,) = table.primary_key.columns
+    return _normalise(pk.type, getattr(row, pk.name))
+
+
+def _table_name(row: SQLModel) -> str:
+    return str(row.__table__.name)  # type: ignore[attr-defined]
+
+
+def build_record(index: int, kind: str, changes: Sequence[RowChange]) -> bytes:
+    """Canonical bytes of log entry `index` describing `changes` (schema version 1)."""
+    rows = []
+    for row, columns in changes:
+        content = row_content(row)
+        fields = content if columns is None else {c: content[c] for c in columns}
+        rows.append({"table": _table_name(row), "key": row_key(row), "fields": fields})
+    record = {"v": RECORD_VERSION, "index": index, "kind": kind, "rows": rows}
+    return canonical_json(record)
+
+
+# --- appending ----------------------------------------------------------------------------------
+
+
+def lock_log(session: Session) -> None:
+    """Serialise writers for the rest of the current transaction.
+
+    PostgreSQL: a transaction-level advisory lock, released at commit or rollback. SQLite: the
+    transaction must hold the database's write lock from its first statement (BEGIN IMMEDIATE);
+    a read transaction already under way is committed first and a write transaction begun.
+    """
+    if session.get_bind().dialect.name == "postgresql":
+        session.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": APPEND_LOCK_KEY})
+        return
+    if session.in_transaction():
+        if session.connection().get_execution_options().get(IMMEDIATE, False):
+            return
+        session.commit()
+    session.connection(execution_options={IMMEDIATE: True})
+
+
+def log_size(session: Session) -> int:
+    """Number of entries in the log."""
+    last = session.exec(select(func.max(LogEntry.index))).one()
+    return 0 if last is None else int(last) + 1
+
+
+def append_entry(session: Session, *, kind: str, changes: Sequence[RowChange]) -> LogEntry:
+    """Append one entry describing `changes` (already flushed rows) to the log.
+
+    Takes the append lock, assigns the next index and adds the entry to the session without
+    committing: the entry commits or rolls back with the rows it describes.
+    """
+    lock_log(session)
+    session.flush()
+    index = log_size(session)
+    record = build_record(index, kind, changes)
+    entry = LogEntry(index=index, kind=kind, record=record, leaf_hash=merkle.leaf_hash(record))
+    session.add(entry)
+    session.flush()
+    return entry
+
+
+# --- tree heads and proofs ----------------------------------------------------------------------
+
+
+def leaf_hashes(session: Session, *, size: int) -> list[bytes]:
+    """Cached leaf hashes of entries 0..size-1 (reads the hash column only, never the records)."""
+    rows = session.exec(
+        select(LogEntry.leaf_hash).where(col(LogEntry.index) < size).order_by(col(LogEntry.index))
+    ).all()
+    return [bytes(h) for h in rows]
+
+
+def _checked_size(session: Session, size: int) -> int:
+    current = log_size(session)
+    if not 0 <= size <= current:
+        raise ValueError(f"tree size {size} is outside 0..{current}")
+    return current
+
+
+def checkpoint_message(*, size: int, root: str, signed_at: datetime) -> bytes:
+    """Canonical bytes a checkpoint signature covers."""
+    return canonical_json(
+        {
+            "v": CHECKPOINT_VERSION,
+            "kind": "checkpoint",
+            "size": size,
+            "root": root,
+            "signed_at": _utc(signed_at).isoformat(timespec="microseconds"),
+        }
+    )
+
+
+def checkpoint(session: Session, *, signer: Identity) -> Checkpoint:
+    """Sign the current tree head (size, RFC 9162 root) with `signer` and store it."""
+    try:
+        lock_log(session)
+        size = log_size(session)
+        root_hex = merkle.root(leaf_hashes(session, size=size)).hex()
+        signed_at = utcnow()
+        message = checkpoint_message(size=size, root=root_hex, signed_at=signed_at)
+        head = Checkpoint(
+            size=size, root=root_hex, signature=signer.sign(message).hex(), signed_at=signed_at
+        )
+        session.add(head)
+        session.commit()
+    except BaseException:
+        session.rollback()
+        raise
+    session.refresh(head)
+    return head
+
+
+def latest_checkpoint(session: Session) -> Checkpoint | None:
+    """The most recent signed tree head, if any."""
+    return session.exec(select(Checkpoint).order_by(col(Checkpoint.id).desc())).first()
+
+
+def list_entries(session: Session, *, start: int = 0, limit: int = 100) -> list[LogEntry]:
+    """Log entries start..start+limit-1, in index order."""
+    return list(
+        session.exec(
+            select(LogEntry)
+            .where(col(LogEntry.index) >= start)
+            .order_by(col(LogEntry.index))
+            .limit(limit)
+        ).all()
+    )
+
+
+@dataclass(frozen=True)
+class InclusionProof:
+    """RFC 9162 §2.1.3 audit path of leaf `index` in the tree of the first `tree_size` entries."""
+
+    index: int
+    tree_size: int
+    leaf_hash: bytes
+    path: tuple[bytes, ...]
+    root: bytes
+
+    def verify(self) -> bool:
+        return merkle.verify_inclusion(
+            self.index, self.tree_size, self.leaf_hash, self.path, self.root
+        )
+
+
+@dataclass(frozen=True)
+class ConsistencyProof:
+    """RFC 9162 §2.1.4 proof that the tree of `old_size` entries is a prefix of `new_size`."""
+
+    old_size: int
+    new_size: int
+    old_root: bytes
+    new_root: bytes
+    path: tuple[bytes, ...]
+
+    def verify(self) -> bool:
+        return merkle.verify_consistency(
+            self.old_size, self.new_size, self.old_root, self.new_root, self.path
+        )
+
+
+def get_inclusion_proof(session: Session, *, index: int, tree_size: int) -> InclusionProof:
+    """Inclusion proof for entry `index` against the tree of the first `tree_size` entries."""
+    _checked_size(session, tree_size)
+    leaves = leaf_hashes(session, size=tree_size)
+    path = merkle.inclusion_proof(index, leaves)
+    return InclusionProof(index, tree_size, leaves[index], tuple(path), merkle.root(leaves))
+
+
+def get_consistency_proof(session: Session, *, old_size: int, new_size: int) -> ConsistencyProof:
+    """Consistency proof between the trees of the first `old_size` and `new_size` entries."""
+    _checked_size(session, new_size)
+    if not 0 <= old_size <= new_size:
+        raise ValueError(f"old size {old_size} is outside 0..{new_size}")
+    leaves = leaf_hashes(session, size=new_size)
+    path = merkle.consistency_proof(old_size, leaves)
+    return ConsistencyProof(
+        old_size,
+        new_size,
+        merkle.root(leaves[:old_size]),
+        merkle.root(leaves),
+        tuple(path),
+    )
+
+
+# --- verification -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One discrepancy found by `verify_ledger`.
+
+    `source` says what disagrees: "log" (the log itself: a gap, a leaf hash, a moved record),
+    "row" (a row against the log), "checkpoint" (a signed tree head against the log). `index` is
+    the log entry it points at (None when no entry does) and `kind` that entry's kind, or the
+    table of a row the log does not know.
+    """
+
+    source: str
+    index: int | None
+    kind: str
+    detail: str
+
+    def __str__(self) -> str:
+        where = "no entry" if self.index is None else f"entry {self.index}"
+        return f"{self.source}: {where} ({self.kind}): {self.detail}"
+
+
+@dataclass(frozen=True)
+class VerifyReport:
+    """Outcome of `verify_ledger`; `first` names the first tampered entry."""
+
+    size: int
+    checkpoints: int
+    problems: tuple[Problem, ...] = field(default_factory=tuple)
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    @property
+    def first(self) -> Problem | None:
+        return self.problems[0] if self.problems else None
+
+
+@dataclass
+class _Expected:
+    """Replayed state of one row: field -> (value, index, kind) of the entry that last set it."""
+
+    created: tuple[int, str]
+    fields: dict[str, tuple[Any, int, str]] = field(default_factory=dict)
+
+
+def _replay_log(
+    session: Session, problems: list[Problem]
+) -> tuple[list[bytes], dict[tuple[str, Any], _Expected]]:
+    leaves: list[bytes] = []
+    state: dict[tuple[str, Any], _Expected] = {}
+    rows = session.exec(
+        select(LogEntry.index, LogEntry.kind, LogEntry.record, LogEntry.leaf_hash).order_by(
+            col(LogEntry.index)
+        )
+    )
+    for index, kind, raw, stored_hash in rows:
+        record_bytes = bytes(raw)
+        if index != len(leaves):
+            problems.append(
+                Problem(
+                    "log", len(leaves), "missing", f"log jumps from index {len(leaves)} to {index}"
+                )
+            )
+        leaves.append(bytes(stored_hash))
+        if merkle.leaf_hash(record_bytes) != bytes(stored_hash):
+            problems.append(Problem("log", index, kind, "leaf hash does not match the record"))
+        try:
+            record = json.loads(record_bytes)
+        except ValueError:
+            problems.append(Problem("log", index, kind, "record is not JSON"))
+            continue
+        if canonical_json(record) != record_bytes:
+            problems.append(Problem("log", index, kind, "record is not canonical JSON"))
+        if record.get("v") != RECORD_VERSION:
+            problems.append(
+                Problem("log", index, kind, f"unknown record version {record.get('v')!r}")
+            )
+            continue
+        if record.get("index") != index or record.get("kind") != kind:
+            problems.append(
+                Problem(
+                    "log",
+                    index,
+                    kind,
+                    f"entry holds the record of index {record.get('index')} "
+                    f"({record.get('kind')}): entries were moved",
+                )
+            )
+        for row in record.get("rows", []):
+            expected = state.setdefault((row["table"], row["key"]), _Expected((index, kind)))
+            for name, value in row["fields"].items():
+                expected.fields[name] = (value, index, kind)
+    return leaves, state
+
+
+def _check_rows(
+    session: Session, state: dict[tuple[str, Any], _Expected], problems: list[Problem]
+) -> None:
+    seen: set[tuple[str, Any]] = set()
+    for model in LOGGED_TABLES:
+        for row in session.exec(select(model)):
+            key = (_table_name(row), row_key(row))
+            seen.add(key)
+            expected = state.get(key)
+            if expected is None:
+                problems.append(Problem("row", None, key[0], f"row {key[1]!r} is not in the log"))
+                continue
+            content = row_content(row)
+            for name, (value, index, kind) in expected.fields.items():
+                actual = content.get(name)
+                if canonical_json(actual) != canonical_json(value):
+                    problems.append(
+                        Problem(
+                            "row",
+                            index,
+                            kind,
+                            f"{key[0]} {key[1]!r}: {name} is {actual!r}, the log says {value!r}",
+                        )
+                    )
+    for key, expected in state.items():
+        if key not in seen:
+            index, kind = expected.created
+            problems.append(Problem("row", index, kind, f"{key[0]} {key[1]!r} was deleted"))
+
+
+def _check_checkpoints(
+    session: Session, leaves: list[bytes], public_key: bytes, problems: list[Problem]
+) -> int:
+    heads = list(session.exec(select(Checkpoint).order_by(col(Checkpoint.id))))
+    roots = merkle.prefix_roots(leaves, [h.size for h in heads if 0 <= h.size <= len(leaves)])
+    previous: Checkpoint | None = None
+    count = 0
+    for head in heads:
+        count += 1
+        name = f"checkpoint {head.id} (size {head.size})"
+        message = checkpoint_message(size=head.size, root=head.root, signed_at=head.signed_at)
+        try:
+            signature = bytes.fromhex(head.signature)
+        except ValueError:
+            signature = b""
+        if not verify(public_key, signature, message):
+            problems.append(
+                Problem("checkpoint", None, "checkpoint", f"{name}: signature does not verify")
+            )
+        if previous is not None and (
+            head.size < previous.size or head.signed_at < previous.signed_at
+        ):
+            problems.append(
+                Problem(
+                    "checkpoint", None, "checkpoint", f"{name}: goes back from size {previous.size}"
+                )
+            )
+        if head.size > len(leaves):
+            problems.append(
+                Problem(
+                    "log", len(leaves), "missing", f"{name} covers entries the log no longer holds"
+                )
+            )
+        elif head.size < 0 or roots[head.size].hex() != head.root:
+            low = previous.size if previous is not None else 0
+            problems.append(
+                Problem(
+                    "checkpoint",
+                    None,
+                    "checkpoint",
+                    f"{name}: root differs from the log; an entry in {low}..{head.size - 1} "
+                    "was rewritten",
+                )
+            )
+        previous = head
+    return count
+
+
+_SOURCE_ORDER = {"log": 0, "row": 1, "checkpoint": 2}
+
+
+def _order(problem: Problem) -> tuple[int, bool, int]:
+    """Damage to the log itself first (it makes the row comparisons unreliable), then by index."""
+    return (_SOURCE_ORDER[problem.source], problem.index is None, problem.index or 0)
+
+
+def verify_ledger(session: Session, *, public_key: bytes) -> VerifyReport:
+    """Recompute the log and every row it describes; name the first tampered entry.
+
+    Checks, in one pass over the log and one over each table: indices 0..n-1 without gaps, each
+    leaf hash is SHA-256(0x00 || record) (RFC 9162 §2.1.1), each record is canonical, schema
+    version 1 and sits at its own index; every row equals the values the log last recorded for it
+    and every row is in the log; every checkpoint is signed by `public_key`, never shrinks and its
+    root is the RFC 9162 root of the first `size` leaves.
+
+    Problems are ordered with damage to the log itself first (a deleted, moved or rewritten
+    entry), then rows that disagree with the log, then checkpoints, each by index; `first` is
+    the earliest of them.
+    """
+    problems: list[Problem] = []
+    leaves, state = _replay_log(session, problems)
+    _check_rows(session, state, problems)
+    count = _check_checkpoints(session, leaves, public_key, problems)
+    return VerifyReport(len(leaves), count, tuple(sorted(problems, key=_order)))

@@ -1,0 +1,323 @@
+"""Ledger tables, layered Base -> Create -> table -> Public.
+
+Times are timezone-aware UTC datetimes (microsecond precision on every backend). Rows are never
+deleted; every change to a row goes through a repository function that also appends a log entry
+(`zoo_gym.ledger.log`), so each column's current value is backed by the Merkle log.
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Any, Literal
+
+from pydantic import field_validator
+from sqlalchemy import JSON, BigInteger, Index, LargeBinary, UniqueConstraint, text
+from sqlmodel import Field, SQLModel
+
+ContributorStatus = Literal["active", "pending", "banned"]
+RoundStatus = Literal["open", "aggregating", "published", "rolled_back", "aborted"]
+Decision = Literal["accepted", "rejected"]
+
+CONTRIBUTOR_STATUSES: frozenset[str] = frozenset({"active", "pending", "banned"})
+ROUND_STATUSES: frozenset[str] = frozenset(
+    {"open", "aggregating", "published", "rolled_back", "aborted"}
+)
+CLOSED_ROUND_STATUSES: frozenset[str] = frozenset({"published", "rolled_back", "aborted"})
+DECISIONS: frozenset[str] = frozenset({"accepted", "rejected"})
+
+
+def utcnow() -> datetime:
+    """Current time as an aware UTC datetime, the form every table stores and returns."""
+    return datetime.now(UTC)
+
+
+def _hex(value: Any) -> Any:
+    return value.hex() if isinstance(value, bytes | bytearray | memoryview) else value
+
+
+# --- contributors -------------------------------------------------------------------------------
+
+
+class ContributorBase(SQLModel):
+    name: str
+    status: str = "active"
+
+
+class ContributorCreate(ContributorBase):
+    contributor_id: str
+    public_key: bytes
+
+
+class Contributor(ContributorCreate, table=True):
+    __tablename__ = "contributors"
+
+    contributor_id: str = Field(primary_key=True)
+    public_key: bytes = Field(sa_type=LargeBinary, nullable=False)
+    status_reason: str | None = None
+    reputation: float = 0.0
+    created_at: datetime = Field(default_factory=utcnow)
+
+
+class ContributorPublic(ContributorBase):
+    contributor_id: str
+    public_key: str
+    status_reason: str | None
+    reputation: float
+    created_at: datetime
+
+    @field_validator("public_key", mode="before")
+    @classmethod
+    def _public_key_hex(cls, value: Any) -> Any:
+        return _hex(value)
+
+
+# --- rounds -------------------------------------------------------------------------------------
+
+
+class RoundBase(SQLModel):
+    number: int
+    base_version: str
+    seed: int
+    aggregator: str
+    codec: str
+
+
+class RoundCreate(RoundBase):
+    pass
+
+
+class Round(RoundCreate, table=True):
+    __tablename__ = "rounds"
+
+    number: int = Field(primary_key=True, sa_column_kwargs={"autoincrement": False})
+    seed: int = Field(sa_type=BigInteger)
+    status: str = "open"
+    opened_at: datetime = Field(default_factory=utcnow)
+    closed_at: datetime | None = None
+    new_version: str | None = None
+    metrics: dict[str, Any] = Field(default_factory=dict, sa_type=JSON)
+
+
+class RoundPublic(RoundBase):
+    status: str
+    opened_at: datetime
+    closed_at: datetime | None
+    new_version: str | None
+    metrics: dict[str, Any]
+
+
+# --- submissions --------------------------------------------------------------------------------
+
+
+class SubmissionBase(SQLModel):
+    round_number: int = Field(index=True)
+    contributor_id: str = Field(index=True)
+    nonce: str
+    base_version: str
+    payload_sha256: str
+    size_bytes: int = Field(sa_type=BigInteger)
+    decision: str
+    reason: str
+    epsilon: float | None = None
+
+
+class SubmissionCreate(SubmissionBase):
+    pass
+
+
+class Submission(SubmissionCreate, table=True):
+    """One received update and what the coordinator decided about it.
+
+    No foreign keys to rounds or contributors: a submission naming an unknown round is still
+    recorded (as rejected, with its reason).
+    """
+
+    __tablename__ = "submissions"
+    __table_args__ = (
+        UniqueConstraint("contributor_id", "nonce", name="uq_submissions_contributor_nonce"),
+        Index(
+            "uq_submissions_accepted_round_contributor",
+            "round_number",
+            "contributor_id",
+            unique=True,
+            sqlite_where=text("decision = 'accepted'"),
+            postgresql_where=text("decision = 'accepted'"),
+        ),
+    )
+
+    id: int | None = Field(default=None, primary_key=True)
+    received_at: datetime = Field(default_factory=utcnow)
+    selected: bool | None = None
+    weight: float | None = None
+    trimmed_share: float | None = None
+    score: float | None = None
+    aggregation_reason: str | None = None
+    quality: float | None = None
+    reward: float | None = None
+
+
+class SubmissionPublic(SubmissionBase):
+    id: int
+    received_at: datetime
+    selected: bool | None
+    weight: float | None
+    trimmed_share: float | None
+    score: float | None
+    aggregation_reason: str | None
+    quality: float | None
+    reward: float | None
+
+
+# --- rewards ------------------------------------------------------------------------------------
+
+
+class RewardBase(SQLModel):
+    round_number: int = Field(foreign_key="rounds.number", index=True)
+    contributor_id: str = Field(foreign_key="contributors.contributor_id", index=True)
+    quality: float
+    amount: float
+    reputation_after: float
+
+
+class RewardCreate(RewardBase):
+    pass
+
+
+class Reward(RewardCreate, table=True):
+    __tablename__ = "rewards"
+    __table_args__ = (
+        UniqueConstraint("round_number", "contributor_id", name="uq_rewards_round_contributor"),
+    )
+
+    id: int | None = Field(default=None, primary_key=True)
+    recorded_at: datetime = Field(default_factory=utcnow)
+
+
+class RewardPublic(RewardBase):
+    id: int
+    recorded_at: datetime
+
+
+# --- model versions -----------------------------------------------------------------------------
+
+
+class ModelVersionBase(SQLModel):
+    version: str
+    parent: str | None = None
+    round_number: int | None = None
+    manifest_sha256: str
+    path: str
+    metrics: dict[str, Any] = Field(default_factory=dict, sa_type=JSON)
+
+
+class ModelVersionCreate(ModelVersionBase):
+    pass
+
+
+class ModelVersion(ModelVersionCreate, table=True):
+    __tablename__ = "model_versions"
+
+    version: str = Field(primary_key=True)
+    published_at: datetime = Field(default_factory=utcnow)
+
+
+class ModelVersionPublic(ModelVersionBase):
+    published_at: datetime
+
+
+# --- audit events -------------------------------------------------------------------------------
+
+
+class AuditEventBase(SQLModel):
+    actor: str
+    action: str
+    target: str
+    detail: dict[str, Any] = Field(default_factory=dict, sa_type=JSON)
+
+
+class AuditEventCreate(AuditEventBase):
+    pass
+
+
+class AuditEvent(AuditEventCreate, table=True):
+    __tablename__ = "audit_events"
+
+    id: int | None = Field(default=None, primary_key=True)
+    at: datetime = Field(default_factory=utcnow)
+
+
+class AuditEventPublic(AuditEventBase):
+    id: int
+    at: datetime
+
+
+# --- Merkle log ---------------------------------------------------------------------------------
+
+
+class LogEntryBase(SQLModel):
+    index: int
+    kind: str
+
+
+class LogEntryCreate(LogEntryBase):
+    record: bytes
+
+
+class LogEntry(LogEntryCreate, table=True):
+    """Leaf `index` of the Merkle log: canonical JSON `record` and its RFC 9162 leaf hash."""
+
+    __tablename__ = "log_entries"
+
+    index: int = Field(primary_key=True, sa_column_kwargs={"autoincrement": False})
+    record: bytes = Field(sa_type=LargeBinary, nullable=False)
+    leaf_hash: bytes = Field(sa_type=LargeBinary, nullable=False)
+
+
+class LogEntryPublic(LogEntryBase):
+    record: str
+    leaf_hash: str
+
+    @field_validator("record", mode="before")
+    @classmethod
+    def _decode_record(cls, value: Any) -> Any:
+        return bytes(value).decode() if isinstance(value, bytes | memoryview) else value
+
+    @field_validator("leaf_hash", mode="before")
+    @classmethod
+    def _leaf_hash_hex(cls, value: Any) -> Any:
+        return _hex(value)
+
+
+class CheckpointBase(SQLModel):
+    size: int
+    root: str
+    signature: str
+    signed_at: datetime
+
+
+class CheckpointCreate(CheckpointBase):
+    pass
+
+
+class Checkpoint(CheckpointCreate, table=True):
+    """A signed tree head: Ed25519 signature over canonical {"v", "size", "root", "signed_at"}."""
+
+    __tablename__ = "checkpoints"
+
+    id: int | None = Field(default=None, primary_key=True)
+
+
+class CheckpointPublic(CheckpointBase):
+    id: int
+
+
+LEDGER_TABLES: tuple[type[SQLModel], ...] = (
+    Contributor,
+    Round,
+    Submission,
+    Reward,
+    ModelVersion,
+    AuditEvent,
+    LogEntry,
+    Checkpoint,
+)

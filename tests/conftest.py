@@ -11,6 +11,10 @@ import torch
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 torch.set_num_threads(1)
+if not torch.cuda.is_available():
+    # Triton kernels run in the interpreter on CPU; the variable must be set before any
+    # module (peft, bitsandbytes, ours) imports Triton and decorates kernels.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(scope="session")

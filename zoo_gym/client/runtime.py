@@ -26,7 +26,14 @@ from zoo_gym.compression import CodecSpec
 from zoo_gym.core.chat import Conversation
 from zoo_gym.core.identity import Identity
 from zoo_gym.core.lora import LoraSpec
-from zoo_gym.core.protocol import PAYLOAD, SUBMISSION, TASK_CONFIG, TRAIN_METRICS, Submission, TaskConfig
+from zoo_gym.core.protocol import (
+    PAYLOAD,
+    SUBMISSION,
+    TASK_CONFIG,
+    TRAIN_METRICS,
+    Submission,
+    TaskConfig,
+)
 from zoo_gym.privacy.clip import clip_delta
 
 log = logging.getLogger(__name__)

@@ -22,6 +22,7 @@ from sqlmodel import Session
 
 from zoo_gym import ledger
 from zoo_gym.compression import EnvelopeError, inspect_envelope
+from zoo_gym.coordinator.registry import ModelRegistry
 from zoo_gym.core.delta import Layout
 from zoo_gym.core.hashing import sha256_file
 from zoo_gym.core.identity import Identity, contributor_id, node_id, verify
@@ -36,7 +37,6 @@ from zoo_gym.core.protocol import (
     register_statement,
     request_statement,
 )
-from zoo_gym.coordinator.registry import ModelRegistry
 
 log = logging.getLogger(__name__)
 

@@ -15,7 +15,14 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from zoo_gym.core.identity import Identity
-from zoo_gym.core.manifest import MANIFEST, SIGNATURE, ModelManifest, build_manifest, read_verified, write_signed
+from zoo_gym.core.manifest import (
+    MANIFEST,
+    SIGNATURE,
+    ModelManifest,
+    build_manifest,
+    read_verified,
+    write_signed,
+)
 
 WEIGHTS = "model.safetensors"
 

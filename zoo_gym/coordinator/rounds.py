@@ -21,11 +21,11 @@ from flwr.serverapp import Grid, ServerApp
 from sqlmodel import Session
 
 from zoo_gym import ledger
+from zoo_gym.coordinator.backend import OpenRound
+from zoo_gym.coordinator.service import Coordinator
 from zoo_gym.core.delta import Layout, TensorSpec
 from zoo_gym.core.lora import LoraSpec, merge_ffa, target_weights, update_key
 from zoo_gym.core.protocol import TaskConfig
-from zoo_gym.coordinator.backend import OpenRound
-from zoo_gym.coordinator.service import Coordinator
 
 log = logging.getLogger(__name__)
 

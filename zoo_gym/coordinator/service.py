@@ -19,13 +19,13 @@ from flwr.app import Context, RecordDict
 from flwr.supercore.task_identity import TaskIdentity
 
 from zoo_gym import ledger
-from zoo_gym.core.delta import Layout
-from zoo_gym.core.identity import Identity
 from zoo_gym.coordinator.backend import CoordinatorBackend
 from zoo_gym.coordinator.config import CoordinatorConfig
 from zoo_gym.coordinator.evaluation import Evaluator
 from zoo_gym.coordinator.registry import ModelRegistry
 from zoo_gym.coordinator.strategy import ZooStrategy
+from zoo_gym.core.delta import Layout
+from zoo_gym.core.identity import Identity
 
 if TYPE_CHECKING:
     from zoo_gym.coordinator.rounds import RoundSummary

@@ -25,9 +25,9 @@ from sqlmodel import Session
 from zoo_gym import ledger
 from zoo_gym.aggregation import Aggregate, aggregate
 from zoo_gym.compression import EnvelopeError, decode_into
+from zoo_gym.coordinator.backend import CoordinatorBackend
 from zoo_gym.core.delta import Layout, numel, unflatten
 from zoo_gym.core.protocol import SUBMISSION, TASK_CONFIG, TRAIN_METRICS
-from zoo_gym.coordinator.backend import CoordinatorBackend
 
 log = logging.getLogger(__name__)
 

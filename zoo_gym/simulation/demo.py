@@ -7,6 +7,7 @@ PID, whatever happens.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -133,28 +134,22 @@ class Federation:
         deadline = time.monotonic() + timeout_s
         for name, proc in self.processes.items():
             if name.startswith("client-"):
-                try:
+                with contextlib.suppress(subprocess.TimeoutExpired):
                     proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-                except subprocess.TimeoutExpired:
-                    pass
 
     def stop(self) -> None:
         """Stop every process this federation started (SIGTERM, then SIGKILL), by PID."""
         for proc in self.processes.values():
             if proc.poll() is None:
-                try:
+                with contextlib.suppress(ProcessLookupError):
                     os.killpg(proc.pid, signal.SIGTERM)
-                except ProcessLookupError:
-                    pass
         deadline = time.monotonic() + 10
         for proc in self.processes.values():
             try:
                 proc.wait(timeout=max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                try:
+                with contextlib.suppress(ProcessLookupError):
                     os.killpg(proc.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
                 proc.wait()
         for log in self.logs:
             log.close()

@@ -16,7 +16,7 @@ from pathlib import Path
 import grpc
 from flwr.app import ConfigRecord, Message, RecordDict
 
-from zoo_gym.core.identity import Identity
+from zoo_gym.core.identity import Identity, verify
 from zoo_gym.core.manifest import ModelManifest, read_verified
 from zoo_gym.core.protocol import (
     PAYLOAD,
@@ -27,7 +27,6 @@ from zoo_gym.core.protocol import (
     register_statement,
     request_statement,
 )
-from zoo_gym.core.identity import verify
 from zoo_gym.proto.v1 import federation_pb2 as pb
 from zoo_gym.proto.v1 import federation_pb2_grpc as pb_grpc
 from zoo_gym.transport.server import CHUNK_BYTES, MAX_HEADER_BYTES, parse_message, serialize_message

@@ -11,148 +11,138 @@ The update itself is an opaque, versioned envelope (magic "ZGDE", see
 zoo_gym/compression/envelope.py); this schema never looks inside it.
 """
 
-from google.protobuf import descriptor as _descriptor
-from google.protobuf import message as _message
-import builtins as _builtins
+import builtins
+import google.protobuf.descriptor
+import google.protobuf.message
 import sys
-import typing as _typing
+import typing
 
-if sys.version_info >= (3, 11):
-    from typing import TypeAlias as _TypeAlias, Never as _Never
+if sys.version_info >= (3, 10):
+    import typing as typing_extensions
 else:
-    from typing_extensions import TypeAlias as _TypeAlias, Never as _Never
+    import typing_extensions
 
-DESCRIPTOR: _descriptor.FileDescriptor
+DESCRIPTOR: google.protobuf.descriptor.FileDescriptor
 
-@_typing.final
-class Auth(_message.Message):
+@typing.final
+class Auth(google.protobuf.message.Message):
     """Proof that the caller holds the contributor key. `signature` covers
     "zoo-gym/v1|<method>|<contributor_id>|<timestamp_ms>|<request digest>".
     """
 
-    DESCRIPTOR: _descriptor.Descriptor
+    DESCRIPTOR: google.protobuf.descriptor.Descriptor
 
-    CONTRIBUTOR_ID_FIELD_NUMBER: _builtins.int
-    TIMESTAMP_MS_FIELD_NUMBER: _builtins.int
-    SIGNATURE_FIELD_NUMBER: _builtins.int
-    contributor_id: _builtins.str
-    timestamp_ms: _builtins.int
-    signature: _builtins.bytes
+    CONTRIBUTOR_ID_FIELD_NUMBER: builtins.int
+    TIMESTAMP_MS_FIELD_NUMBER: builtins.int
+    SIGNATURE_FIELD_NUMBER: builtins.int
+    contributor_id: builtins.str
+    timestamp_ms: builtins.int
+    signature: builtins.bytes
     def __init__(
         self,
         *,
-        contributor_id: _builtins.str = ...,
-        timestamp_ms: _builtins.int = ...,
-        signature: _builtins.bytes = ...,
+        contributor_id: builtins.str = ...,
+        timestamp_ms: builtins.int = ...,
+        signature: builtins.bytes = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
-    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["contributor_id", b"contributor_id", "signature", b"signature", "timestamp_ms", b"timestamp_ms"]  # noqa: Y015
+    _ClearFieldArgType: typing_extensions.TypeAlias = typing.Literal["contributor_id", b"contributor_id", "signature", b"signature", "timestamp_ms", b"timestamp_ms"]
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
 
-Global___Auth: _TypeAlias = Auth  # noqa: Y015
+Global___Auth: typing_extensions.TypeAlias = Auth
 
-@_typing.final
-class RegisterRequest(_message.Message):
-    DESCRIPTOR: _descriptor.Descriptor
+@typing.final
+class RegisterRequest(google.protobuf.message.Message):
+    DESCRIPTOR: google.protobuf.descriptor.Descriptor
 
-    PROTOCOL_VERSION_FIELD_NUMBER: _builtins.int
-    PUBLIC_KEY_FIELD_NUMBER: _builtins.int
-    NAME_FIELD_NUMBER: _builtins.int
-    TIMESTAMP_MS_FIELD_NUMBER: _builtins.int
-    SIGNATURE_FIELD_NUMBER: _builtins.int
-    protocol_version: _builtins.int
-    public_key: _builtins.bytes
+    PROTOCOL_VERSION_FIELD_NUMBER: builtins.int
+    PUBLIC_KEY_FIELD_NUMBER: builtins.int
+    NAME_FIELD_NUMBER: builtins.int
+    TIMESTAMP_MS_FIELD_NUMBER: builtins.int
+    SIGNATURE_FIELD_NUMBER: builtins.int
+    protocol_version: builtins.int
+    public_key: builtins.bytes
     """raw 32-byte Ed25519 key"""
-    name: _builtins.str
-    timestamp_ms: _builtins.int
-    signature: _builtins.bytes
+    name: builtins.str
+    timestamp_ms: builtins.int
+    signature: builtins.bytes
     """over "zoo-gym/v1|register|<hex key>|<name>|<timestamp_ms>" """
     def __init__(
         self,
         *,
-        protocol_version: _builtins.int = ...,
-        public_key: _builtins.bytes = ...,
-        name: _builtins.str = ...,
-        timestamp_ms: _builtins.int = ...,
-        signature: _builtins.bytes = ...,
+        protocol_version: builtins.int = ...,
+        public_key: builtins.bytes = ...,
+        name: builtins.str = ...,
+        timestamp_ms: builtins.int = ...,
+        signature: builtins.bytes = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
-    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["name", b"name", "protocol_version", b"protocol_version", "public_key", b"public_key", "signature", b"signature", "timestamp_ms", b"timestamp_ms"]  # noqa: Y015
+    _ClearFieldArgType: typing_extensions.TypeAlias = typing.Literal["name", b"name", "protocol_version", b"protocol_version", "public_key", b"public_key", "signature", b"signature", "timestamp_ms", b"timestamp_ms"]
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
 
-Global___RegisterRequest: _TypeAlias = RegisterRequest  # noqa: Y015
+Global___RegisterRequest: typing_extensions.TypeAlias = RegisterRequest
 
-@_typing.final
-class RegisterReply(_message.Message):
-    DESCRIPTOR: _descriptor.Descriptor
+@typing.final
+class RegisterReply(google.protobuf.message.Message):
+    DESCRIPTOR: google.protobuf.descriptor.Descriptor
 
-    CONTRIBUTOR_ID_FIELD_NUMBER: _builtins.int
-    NODE_ID_FIELD_NUMBER: _builtins.int
-    STATUS_FIELD_NUMBER: _builtins.int
-    CURRENT_VERSION_FIELD_NUMBER: _builtins.int
-    COORDINATOR_KEY_FIELD_NUMBER: _builtins.int
-    contributor_id: _builtins.str
-    node_id: _builtins.int
-    status: _builtins.str
+    CONTRIBUTOR_ID_FIELD_NUMBER: builtins.int
+    NODE_ID_FIELD_NUMBER: builtins.int
+    STATUS_FIELD_NUMBER: builtins.int
+    CURRENT_VERSION_FIELD_NUMBER: builtins.int
+    COORDINATOR_KEY_FIELD_NUMBER: builtins.int
+    contributor_id: builtins.str
+    node_id: builtins.int
+    status: builtins.str
     """active | pending | banned"""
-    current_version: _builtins.str
+    current_version: builtins.str
     """newest published base model"""
-    coordinator_key: _builtins.bytes
+    coordinator_key: builtins.bytes
     """raw Ed25519 key that signs manifests"""
     def __init__(
         self,
         *,
-        contributor_id: _builtins.str = ...,
-        node_id: _builtins.int = ...,
-        status: _builtins.str = ...,
-        current_version: _builtins.str = ...,
-        coordinator_key: _builtins.bytes = ...,
+        contributor_id: builtins.str = ...,
+        node_id: builtins.int = ...,
+        status: builtins.str = ...,
+        current_version: builtins.str = ...,
+        coordinator_key: builtins.bytes = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
-    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["contributor_id", b"contributor_id", "coordinator_key", b"coordinator_key", "current_version", b"current_version", "node_id", b"node_id", "status", b"status"]  # noqa: Y015
+    _ClearFieldArgType: typing_extensions.TypeAlias = typing.Literal["contributor_id", b"contributor_id", "coordinator_key", b"coordinator_key", "current_version", b"current_version", "node_id", b"node_id", "status", b"status"]
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
 
-Global___RegisterReply: _TypeAlias = RegisterReply  # noqa: Y015
+Global___RegisterReply: typing_extensions.TypeAlias = RegisterReply
 
-@_typing.final
-class PollRequest(_message.Message):
-    DESCRIPTOR: _descriptor.Descriptor
+@typing.final
+class PollRequest(google.protobuf.message.Message):
+    DESCRIPTOR: google.protobuf.descriptor.Descriptor
 
-    AUTH_FIELD_NUMBER: _builtins.int
-    WAIT_S_FIELD_NUMBER: _builtins.int
-    wait_s: _builtins.float
+    AUTH_FIELD_NUMBER: builtins.int
+    WAIT_S_FIELD_NUMBER: builtins.int
+    wait_s: builtins.float
     """how long the server may hold the call"""
-    @_builtins.property
+    @property
     def auth(self) -> Global___Auth: ...
     def __init__(
         self,
         *,
         auth: Global___Auth | None = ...,
-        wait_s: _builtins.float = ...,
+        wait_s: builtins.float = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["auth", b"auth"]  # noqa: Y015
-    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["auth", b"auth", "wait_s", b"wait_s"]  # noqa: Y015
+    _HasFieldArgType: typing_extensions.TypeAlias = typing.Literal["auth", b"auth"]
+    def HasField(self, field_name: _HasFieldArgType) -> builtins.bool: ...
+    _ClearFieldArgType: typing_extensions.TypeAlias = typing.Literal["auth", b"auth", "wait_s", b"wait_s"]
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
 
-Global___PollRequest: _TypeAlias = PollRequest  # noqa: Y015
+Global___PollRequest: typing_extensions.TypeAlias = PollRequest
 
-@_typing.final
-class PollReply(_message.Message):
-    DESCRIPTOR: _descriptor.Descriptor
+@typing.final
+class PollReply(google.protobuf.message.Message):
+    DESCRIPTOR: google.protobuf.descriptor.Descriptor
 
-    TASK_FIELD_NUMBER: _builtins.int
-    IDLE_FIELD_NUMBER: _builtins.int
-    @_builtins.property
+    TASK_FIELD_NUMBER: builtins.int
+    IDLE_FIELD_NUMBER: builtins.int
+    @property
     def task(self) -> Global___Task: ...
-    @_builtins.property
+    @property
     def idle(self) -> Global___Idle: ...
     def __init__(
         self,
@@ -160,331 +150,309 @@ class PollReply(_message.Message):
         task: Global___Task | None = ...,
         idle: Global___Idle | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["idle", b"idle", "reply", b"reply", "task", b"task"]  # noqa: Y015
-    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["idle", b"idle", "reply", b"reply", "task", b"task"]  # noqa: Y015
+    _HasFieldArgType: typing_extensions.TypeAlias = typing.Literal["idle", b"idle", "reply", b"reply", "task", b"task"]
+    def HasField(self, field_name: _HasFieldArgType) -> builtins.bool: ...
+    _ClearFieldArgType: typing_extensions.TypeAlias = typing.Literal["idle", b"idle", "reply", b"reply", "task", b"task"]
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_reply: _TypeAlias = _typing.Literal["task", "idle"]  # noqa: Y015
-    _WhichOneofArgType_reply: _TypeAlias = _typing.Literal["reply", b"reply"]  # noqa: Y015
+    _WhichOneofReturnType_reply: typing_extensions.TypeAlias = typing.Literal["task", "idle"]
+    _WhichOneofArgType_reply: typing_extensions.TypeAlias = typing.Literal["reply", b"reply"]
     def WhichOneof(self, oneof_group: _WhichOneofArgType_reply) -> _WhichOneofReturnType_reply | None: ...
 
-Global___PollReply: _TypeAlias = PollReply  # noqa: Y015
+Global___PollReply: typing_extensions.TypeAlias = PollReply
 
-@_typing.final
-class Idle(_message.Message):
-    DESCRIPTOR: _descriptor.Descriptor
+@typing.final
+class Idle(google.protobuf.message.Message):
+    DESCRIPTOR: google.protobuf.descriptor.Descriptor
 
-    RETRY_AFTER_S_FIELD_NUMBER: _builtins.int
-    CURRENT_VERSION_FIELD_NUMBER: _builtins.int
-    REASON_FIELD_NUMBER: _builtins.int
-    retry_after_s: _builtins.float
-    current_version: _builtins.str
-    reason: _builtins.str
+    RETRY_AFTER_S_FIELD_NUMBER: builtins.int
+    CURRENT_VERSION_FIELD_NUMBER: builtins.int
+    REASON_FIELD_NUMBER: builtins.int
+    retry_after_s: builtins.float
+    current_version: builtins.str
+    reason: builtins.str
     def __init__(
         self,
         *,
-        retry_after_s: _builtins.float = ...,
-        current_version: _builtins.str = ...,
-        reason: _builtins.str = ...,
+        retry_after_s: builtins.float = ...,
+        current_version: builtins.str = ...,
+        reason: builtins.str = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
-    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["current_version", b"current_version", "reason", b"reason", "retry_after_s", b"retry_after_s"]  # noqa: Y015
+    _ClearFieldArgType: typing_extensions.TypeAlias = typing.Literal["current_version", b"current_version", "reason", b"reason", "retry_after_s", b"retry_after_s"]
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
 
-Global___Idle: _TypeAlias = Idle  # noqa: Y015
+Global___Idle: typing_extensions.TypeAlias = Idle
 
-@_typing.final
-class Task(_message.Message):
-    DESCRIPTOR: _descriptor.Descriptor
+@typing.final
+class Task(google.protobuf.message.Message):
+    DESCRIPTOR: google.protobuf.descriptor.Descriptor
 
-    MESSAGE_ID_FIELD_NUMBER: _builtins.int
-    ROUND_FIELD_NUMBER: _builtins.int
-    BASE_VERSION_FIELD_NUMBER: _builtins.int
-    DEADLINE_MS_FIELD_NUMBER: _builtins.int
-    MAX_UPLOAD_BYTES_FIELD_NUMBER: _builtins.int
-    FLOWER_MESSAGE_FIELD_NUMBER: _builtins.int
-    message_id: _builtins.str
-    round: _builtins.int
-    base_version: _builtins.str
-    deadline_ms: _builtins.int
+    MESSAGE_ID_FIELD_NUMBER: builtins.int
+    ROUND_FIELD_NUMBER: builtins.int
+    BASE_VERSION_FIELD_NUMBER: builtins.int
+    DEADLINE_MS_FIELD_NUMBER: builtins.int
+    MAX_UPLOAD_BYTES_FIELD_NUMBER: builtins.int
+    FLOWER_MESSAGE_FIELD_NUMBER: builtins.int
+    message_id: builtins.str
+    round: builtins.int
+    base_version: builtins.str
+    deadline_ms: builtins.int
     """unix time after which submissions are refused"""
-    max_upload_bytes: _builtins.int
-    flower_message: _builtins.bytes
+    max_upload_bytes: builtins.int
+    flower_message: builtins.bytes
     """the Flower Message (instruction) in Flower's own serialisation"""
     def __init__(
         self,
         *,
-        message_id: _builtins.str = ...,
-        round: _builtins.int = ...,
-        base_version: _builtins.str = ...,
-        deadline_ms: _builtins.int = ...,
-        max_upload_bytes: _builtins.int = ...,
-        flower_message: _builtins.bytes = ...,
+        message_id: builtins.str = ...,
+        round: builtins.int = ...,
+        base_version: builtins.str = ...,
+        deadline_ms: builtins.int = ...,
+        max_upload_bytes: builtins.int = ...,
+        flower_message: builtins.bytes = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
-    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["base_version", b"base_version", "deadline_ms", b"deadline_ms", "flower_message", b"flower_message", "max_upload_bytes", b"max_upload_bytes", "message_id", b"message_id", "round", b"round"]  # noqa: Y015
+    _ClearFieldArgType: typing_extensions.TypeAlias = typing.Literal["base_version", b"base_version", "deadline_ms", b"deadline_ms", "flower_message", b"flower_message", "max_upload_bytes", b"max_upload_bytes", "message_id", b"message_id", "round", b"round"]
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
 
-Global___Task: _TypeAlias = Task  # noqa: Y015
+Global___Task: typing_extensions.TypeAlias = Task
 
-@_typing.final
-class ManifestRequest(_message.Message):
-    DESCRIPTOR: _descriptor.Descriptor
+@typing.final
+class ManifestRequest(google.protobuf.message.Message):
+    DESCRIPTOR: google.protobuf.descriptor.Descriptor
 
-    AUTH_FIELD_NUMBER: _builtins.int
-    VERSION_FIELD_NUMBER: _builtins.int
-    version: _builtins.str
-    @_builtins.property
+    AUTH_FIELD_NUMBER: builtins.int
+    VERSION_FIELD_NUMBER: builtins.int
+    version: builtins.str
+    @property
     def auth(self) -> Global___Auth: ...
     def __init__(
         self,
         *,
         auth: Global___Auth | None = ...,
-        version: _builtins.str = ...,
+        version: builtins.str = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["auth", b"auth"]  # noqa: Y015
-    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["auth", b"auth", "version", b"version"]  # noqa: Y015
+    _HasFieldArgType: typing_extensions.TypeAlias = typing.Literal["auth", b"auth"]
+    def HasField(self, field_name: _HasFieldArgType) -> builtins.bool: ...
+    _ClearFieldArgType: typing_extensions.TypeAlias = typing.Literal["auth", b"auth", "version", b"version"]
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
 
-Global___ManifestRequest: _TypeAlias = ManifestRequest  # noqa: Y015
+Global___ManifestRequest: typing_extensions.TypeAlias = ManifestRequest
 
-@_typing.final
-class ManifestReply(_message.Message):
-    DESCRIPTOR: _descriptor.Descriptor
+@typing.final
+class ManifestReply(google.protobuf.message.Message):
+    DESCRIPTOR: google.protobuf.descriptor.Descriptor
 
-    MANIFEST_FIELD_NUMBER: _builtins.int
-    SIGNATURE_FIELD_NUMBER: _builtins.int
-    manifest: _builtins.bytes
+    MANIFEST_FIELD_NUMBER: builtins.int
+    SIGNATURE_FIELD_NUMBER: builtins.int
+    manifest: builtins.bytes
     """canonical JSON"""
-    signature: _builtins.bytes
+    signature: builtins.bytes
     """Ed25519 by the coordinator key"""
     def __init__(
         self,
         *,
-        manifest: _builtins.bytes = ...,
-        signature: _builtins.bytes = ...,
+        manifest: builtins.bytes = ...,
+        signature: builtins.bytes = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
-    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["manifest", b"manifest", "signature", b"signature"]  # noqa: Y015
+    _ClearFieldArgType: typing_extensions.TypeAlias = typing.Literal["manifest", b"manifest", "signature", b"signature"]
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
 
-Global___ManifestReply: _TypeAlias = ManifestReply  # noqa: Y015
+Global___ManifestReply: typing_extensions.TypeAlias = ManifestReply
 
-@_typing.final
-class DownloadRequest(_message.Message):
-    DESCRIPTOR: _descriptor.Descriptor
+@typing.final
+class DownloadRequest(google.protobuf.message.Message):
+    DESCRIPTOR: google.protobuf.descriptor.Descriptor
 
-    AUTH_FIELD_NUMBER: _builtins.int
-    VERSION_FIELD_NUMBER: _builtins.int
-    FILE_FIELD_NUMBER: _builtins.int
-    OFFSET_FIELD_NUMBER: _builtins.int
-    version: _builtins.str
-    file: _builtins.str
-    offset: _builtins.int
-    @_builtins.property
+    AUTH_FIELD_NUMBER: builtins.int
+    VERSION_FIELD_NUMBER: builtins.int
+    FILE_FIELD_NUMBER: builtins.int
+    OFFSET_FIELD_NUMBER: builtins.int
+    version: builtins.str
+    file: builtins.str
+    offset: builtins.int
+    @property
     def auth(self) -> Global___Auth: ...
     def __init__(
         self,
         *,
         auth: Global___Auth | None = ...,
-        version: _builtins.str = ...,
-        file: _builtins.str = ...,
-        offset: _builtins.int = ...,
+        version: builtins.str = ...,
+        file: builtins.str = ...,
+        offset: builtins.int = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["auth", b"auth"]  # noqa: Y015
-    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["auth", b"auth", "file", b"file", "offset", b"offset", "version", b"version"]  # noqa: Y015
+    _HasFieldArgType: typing_extensions.TypeAlias = typing.Literal["auth", b"auth"]
+    def HasField(self, field_name: _HasFieldArgType) -> builtins.bool: ...
+    _ClearFieldArgType: typing_extensions.TypeAlias = typing.Literal["auth", b"auth", "file", b"file", "offset", b"offset", "version", b"version"]
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
 
-Global___DownloadRequest: _TypeAlias = DownloadRequest  # noqa: Y015
+Global___DownloadRequest: typing_extensions.TypeAlias = DownloadRequest
 
-@_typing.final
-class FileChunk(_message.Message):
-    DESCRIPTOR: _descriptor.Descriptor
+@typing.final
+class FileChunk(google.protobuf.message.Message):
+    DESCRIPTOR: google.protobuf.descriptor.Descriptor
 
-    OFFSET_FIELD_NUMBER: _builtins.int
-    DATA_FIELD_NUMBER: _builtins.int
-    TOTAL_SIZE_FIELD_NUMBER: _builtins.int
-    offset: _builtins.int
-    data: _builtins.bytes
-    total_size: _builtins.int
+    OFFSET_FIELD_NUMBER: builtins.int
+    DATA_FIELD_NUMBER: builtins.int
+    TOTAL_SIZE_FIELD_NUMBER: builtins.int
+    offset: builtins.int
+    data: builtins.bytes
+    total_size: builtins.int
     def __init__(
         self,
         *,
-        offset: _builtins.int = ...,
-        data: _builtins.bytes = ...,
-        total_size: _builtins.int = ...,
+        offset: builtins.int = ...,
+        data: builtins.bytes = ...,
+        total_size: builtins.int = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
-    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["data", b"data", "offset", b"offset", "total_size", b"total_size"]  # noqa: Y015
+    _ClearFieldArgType: typing_extensions.TypeAlias = typing.Literal["data", b"data", "offset", b"offset", "total_size", b"total_size"]
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
 
-Global___FileChunk: _TypeAlias = FileChunk  # noqa: Y015
+Global___FileChunk: typing_extensions.TypeAlias = FileChunk
 
-@_typing.final
-class SubmissionHeader(_message.Message):
-    DESCRIPTOR: _descriptor.Descriptor
+@typing.final
+class SubmissionHeader(google.protobuf.message.Message):
+    DESCRIPTOR: google.protobuf.descriptor.Descriptor
 
-    AUTH_FIELD_NUMBER: _builtins.int
-    MESSAGE_ID_FIELD_NUMBER: _builtins.int
-    ROUND_FIELD_NUMBER: _builtins.int
-    BASE_VERSION_FIELD_NUMBER: _builtins.int
-    NONCE_FIELD_NUMBER: _builtins.int
-    PAYLOAD_SHA256_FIELD_NUMBER: _builtins.int
-    PAYLOAD_SIZE_FIELD_NUMBER: _builtins.int
-    SIGNATURE_FIELD_NUMBER: _builtins.int
-    FLOWER_REPLY_FIELD_NUMBER: _builtins.int
-    message_id: _builtins.str
+    AUTH_FIELD_NUMBER: builtins.int
+    MESSAGE_ID_FIELD_NUMBER: builtins.int
+    ROUND_FIELD_NUMBER: builtins.int
+    BASE_VERSION_FIELD_NUMBER: builtins.int
+    NONCE_FIELD_NUMBER: builtins.int
+    PAYLOAD_SHA256_FIELD_NUMBER: builtins.int
+    PAYLOAD_SIZE_FIELD_NUMBER: builtins.int
+    SIGNATURE_FIELD_NUMBER: builtins.int
+    FLOWER_REPLY_FIELD_NUMBER: builtins.int
+    message_id: builtins.str
     """the task being answered"""
-    round: _builtins.int
-    base_version: _builtins.str
-    nonce: _builtins.bytes
-    payload_sha256: _builtins.str
-    payload_size: _builtins.int
-    signature: _builtins.bytes
+    round: builtins.int
+    base_version: builtins.str
+    nonce: builtins.bytes
+    payload_sha256: builtins.str
+    payload_size: builtins.int
+    signature: builtins.bytes
     """over the submission statement (zoo_gym.core.protocol)"""
-    flower_reply: _builtins.bytes
+    flower_reply: builtins.bytes
     """the Flower reply Message without the payload"""
-    @_builtins.property
+    @property
     def auth(self) -> Global___Auth: ...
     def __init__(
         self,
         *,
         auth: Global___Auth | None = ...,
-        message_id: _builtins.str = ...,
-        round: _builtins.int = ...,
-        base_version: _builtins.str = ...,
-        nonce: _builtins.bytes = ...,
-        payload_sha256: _builtins.str = ...,
-        payload_size: _builtins.int = ...,
-        signature: _builtins.bytes = ...,
-        flower_reply: _builtins.bytes = ...,
+        message_id: builtins.str = ...,
+        round: builtins.int = ...,
+        base_version: builtins.str = ...,
+        nonce: builtins.bytes = ...,
+        payload_sha256: builtins.str = ...,
+        payload_size: builtins.int = ...,
+        signature: builtins.bytes = ...,
+        flower_reply: builtins.bytes = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["auth", b"auth"]  # noqa: Y015
-    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["auth", b"auth", "base_version", b"base_version", "flower_reply", b"flower_reply", "message_id", b"message_id", "nonce", b"nonce", "payload_sha256", b"payload_sha256", "payload_size", b"payload_size", "round", b"round", "signature", b"signature"]  # noqa: Y015
+    _HasFieldArgType: typing_extensions.TypeAlias = typing.Literal["auth", b"auth"]
+    def HasField(self, field_name: _HasFieldArgType) -> builtins.bool: ...
+    _ClearFieldArgType: typing_extensions.TypeAlias = typing.Literal["auth", b"auth", "base_version", b"base_version", "flower_reply", b"flower_reply", "message_id", b"message_id", "nonce", b"nonce", "payload_sha256", b"payload_sha256", "payload_size", b"payload_size", "round", b"round", "signature", b"signature"]
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
 
-Global___SubmissionHeader: _TypeAlias = SubmissionHeader  # noqa: Y015
+Global___SubmissionHeader: typing_extensions.TypeAlias = SubmissionHeader
 
-@_typing.final
-class UpdateChunk(_message.Message):
-    DESCRIPTOR: _descriptor.Descriptor
+@typing.final
+class UpdateChunk(google.protobuf.message.Message):
+    DESCRIPTOR: google.protobuf.descriptor.Descriptor
 
-    HEADER_FIELD_NUMBER: _builtins.int
-    DATA_FIELD_NUMBER: _builtins.int
-    data: _builtins.bytes
-    @_builtins.property
+    HEADER_FIELD_NUMBER: builtins.int
+    DATA_FIELD_NUMBER: builtins.int
+    data: builtins.bytes
+    @property
     def header(self) -> Global___SubmissionHeader: ...
     def __init__(
         self,
         *,
         header: Global___SubmissionHeader | None = ...,
-        data: _builtins.bytes = ...,
+        data: builtins.bytes = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["data", b"data", "header", b"header", "part", b"part"]  # noqa: Y015
-    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["data", b"data", "header", b"header", "part", b"part"]  # noqa: Y015
+    _HasFieldArgType: typing_extensions.TypeAlias = typing.Literal["data", b"data", "header", b"header", "part", b"part"]
+    def HasField(self, field_name: _HasFieldArgType) -> builtins.bool: ...
+    _ClearFieldArgType: typing_extensions.TypeAlias = typing.Literal["data", b"data", "header", b"header", "part", b"part"]
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_part: _TypeAlias = _typing.Literal["header", "data"]  # noqa: Y015
-    _WhichOneofArgType_part: _TypeAlias = _typing.Literal["part", b"part"]  # noqa: Y015
+    _WhichOneofReturnType_part: typing_extensions.TypeAlias = typing.Literal["header", "data"]
+    _WhichOneofArgType_part: typing_extensions.TypeAlias = typing.Literal["part", b"part"]
     def WhichOneof(self, oneof_group: _WhichOneofArgType_part) -> _WhichOneofReturnType_part | None: ...
 
-Global___UpdateChunk: _TypeAlias = UpdateChunk  # noqa: Y015
+Global___UpdateChunk: typing_extensions.TypeAlias = UpdateChunk
 
-@_typing.final
-class SubmitReply(_message.Message):
-    DESCRIPTOR: _descriptor.Descriptor
+@typing.final
+class SubmitReply(google.protobuf.message.Message):
+    DESCRIPTOR: google.protobuf.descriptor.Descriptor
 
-    DECISION_FIELD_NUMBER: _builtins.int
-    REASON_FIELD_NUMBER: _builtins.int
-    SUBMISSION_ID_FIELD_NUMBER: _builtins.int
-    decision: _builtins.str
+    DECISION_FIELD_NUMBER: builtins.int
+    REASON_FIELD_NUMBER: builtins.int
+    SUBMISSION_ID_FIELD_NUMBER: builtins.int
+    decision: builtins.str
     """accepted | rejected"""
-    reason: _builtins.str
-    submission_id: _builtins.int
+    reason: builtins.str
+    submission_id: builtins.int
     def __init__(
         self,
         *,
-        decision: _builtins.str = ...,
-        reason: _builtins.str = ...,
-        submission_id: _builtins.int = ...,
+        decision: builtins.str = ...,
+        reason: builtins.str = ...,
+        submission_id: builtins.int = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
-    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["decision", b"decision", "reason", b"reason", "submission_id", b"submission_id"]  # noqa: Y015
+    _ClearFieldArgType: typing_extensions.TypeAlias = typing.Literal["decision", b"decision", "reason", b"reason", "submission_id", b"submission_id"]
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
 
-Global___SubmitReply: _TypeAlias = SubmitReply  # noqa: Y015
+Global___SubmitReply: typing_extensions.TypeAlias = SubmitReply
 
-@_typing.final
-class OutcomeRequest(_message.Message):
-    DESCRIPTOR: _descriptor.Descriptor
+@typing.final
+class OutcomeRequest(google.protobuf.message.Message):
+    DESCRIPTOR: google.protobuf.descriptor.Descriptor
 
-    AUTH_FIELD_NUMBER: _builtins.int
-    ROUND_FIELD_NUMBER: _builtins.int
-    round: _builtins.int
-    @_builtins.property
+    AUTH_FIELD_NUMBER: builtins.int
+    ROUND_FIELD_NUMBER: builtins.int
+    round: builtins.int
+    @property
     def auth(self) -> Global___Auth: ...
     def __init__(
         self,
         *,
         auth: Global___Auth | None = ...,
-        round: _builtins.int = ...,
+        round: builtins.int = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["auth", b"auth"]  # noqa: Y015
-    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["auth", b"auth", "round", b"round"]  # noqa: Y015
+    _HasFieldArgType: typing_extensions.TypeAlias = typing.Literal["auth", b"auth"]
+    def HasField(self, field_name: _HasFieldArgType) -> builtins.bool: ...
+    _ClearFieldArgType: typing_extensions.TypeAlias = typing.Literal["auth", b"auth", "round", b"round"]
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
 
-Global___OutcomeRequest: _TypeAlias = OutcomeRequest  # noqa: Y015
+Global___OutcomeRequest: typing_extensions.TypeAlias = OutcomeRequest
 
-@_typing.final
-class OutcomeReply(_message.Message):
-    DESCRIPTOR: _descriptor.Descriptor
+@typing.final
+class OutcomeReply(google.protobuf.message.Message):
+    DESCRIPTOR: google.protobuf.descriptor.Descriptor
 
-    DECISION_FIELD_NUMBER: _builtins.int
-    REASON_FIELD_NUMBER: _builtins.int
-    QUALITY_FIELD_NUMBER: _builtins.int
-    REWARD_FIELD_NUMBER: _builtins.int
-    ROUND_STATUS_FIELD_NUMBER: _builtins.int
-    PUBLISHED_VERSION_FIELD_NUMBER: _builtins.int
-    decision: _builtins.str
+    DECISION_FIELD_NUMBER: builtins.int
+    REASON_FIELD_NUMBER: builtins.int
+    QUALITY_FIELD_NUMBER: builtins.int
+    REWARD_FIELD_NUMBER: builtins.int
+    ROUND_STATUS_FIELD_NUMBER: builtins.int
+    PUBLISHED_VERSION_FIELD_NUMBER: builtins.int
+    decision: builtins.str
     """accepted | rejected | pending | none"""
-    reason: _builtins.str
-    quality: _builtins.float
-    reward: _builtins.float
-    round_status: _builtins.str
+    reason: builtins.str
+    quality: builtins.float
+    reward: builtins.float
+    round_status: builtins.str
     """open | published | rolled_back | aborted"""
-    published_version: _builtins.str
+    published_version: builtins.str
     def __init__(
         self,
         *,
-        decision: _builtins.str = ...,
-        reason: _builtins.str = ...,
-        quality: _builtins.float = ...,
-        reward: _builtins.float = ...,
-        round_status: _builtins.str = ...,
-        published_version: _builtins.str = ...,
+        decision: builtins.str = ...,
+        reason: builtins.str = ...,
+        quality: builtins.float = ...,
+        reward: builtins.float = ...,
+        round_status: builtins.str = ...,
+        published_version: builtins.str = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
-    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["decision", b"decision", "published_version", b"published_version", "quality", b"quality", "reason", b"reason", "reward", b"reward", "round_status", b"round_status"]  # noqa: Y015
+    _ClearFieldArgType: typing_extensions.TypeAlias = typing.Literal["decision", b"decision", "published_version", b"published_version", "quality", b"quality", "reason", b"reason", "reward", b"reward", "round_status", b"round_status"]
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
 
-Global___OutcomeReply: _TypeAlias = OutcomeReply  # noqa: Y015
+Global___OutcomeReply: typing_extensions.TypeAlias = OutcomeReply

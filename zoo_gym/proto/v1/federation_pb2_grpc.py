@@ -6,7 +6,7 @@ import warnings
 
 from zoo_gym.proto.v1 import federation_pb2 as zoo__gym_dot_v1_dot_federation__pb2
 
-GRPC_GENERATED_VERSION = '1.81.1'
+GRPC_GENERATED_VERSION = '1.78.2'
 GRPC_VERSION = grpc.__version__
 _version_not_supported = False
 
@@ -26,7 +26,7 @@ if _version_not_supported:
     )
 
 
-class FederationStub:
+class FederationStub(object):
     """Missing associated documentation comment in .proto file."""
 
     def __init__(self, channel):
@@ -67,7 +67,7 @@ class FederationStub:
                 _registered_method=True)
 
 
-class FederationServicer:
+class FederationServicer(object):
     """Missing associated documentation comment in .proto file."""
 
     def Register(self, request, context):
@@ -153,7 +153,7 @@ def add_FederationServicer_to_server(servicer, server):
 
 
  # This class is part of an EXPERIMENTAL API.
-class Federation:
+class Federation(object):
     """Missing associated documentation comment in .proto file."""
 
     @staticmethod

@@ -11,110 +11,104 @@ The update itself is an opaque, versioned envelope (magic "ZGDE", see
 zoo_gym/compression/envelope.py); this schema never looks inside it.
 """
 
-from collections import abc as _abc
-from grpc import aio as _aio
-from zoo_gym.proto.v1 import federation_pb2 as _federation_pb2
-import abc as _abc_1
-import grpc as _grpc
-import sys
-import typing as _typing
+import abc
+import collections.abc
+import grpc
+import grpc.aio
+import typing
+import zoo_gym.proto.v1.federation_pb2
 
-if sys.version_info >= (3, 11):
-    from typing import Self as _Self
-else:
-    from typing_extensions import Self as _Self
+_T = typing.TypeVar("_T")
 
-_T = _typing.TypeVar("_T")
+class _MaybeAsyncIterator(collections.abc.AsyncIterator[_T], collections.abc.Iterator[_T], metaclass=abc.ABCMeta): ...
 
-class _MaybeAsyncIterator(_abc.AsyncIterator[_T], _abc.Iterator[_T], metaclass=_abc_1.ABCMeta): ...
-
-class _ServicerContext(_grpc.ServicerContext, _aio.ServicerContext):  # type: ignore[misc, type-arg]
+class _ServicerContext(grpc.ServicerContext, grpc.aio.ServicerContext):  # type: ignore[misc, type-arg]
     ...
 
 GRPC_GENERATED_VERSION: str
 GRPC_VERSION: str
 
 class FederationStub:
-    @_typing.overload
-    def __new__(cls, channel: _grpc.Channel) -> _Self: ...
-    @_typing.overload
-    def __new__(cls, channel: _aio.Channel) -> FederationAsyncStub: ...
-    Register: _grpc.UnaryUnaryMultiCallable[_federation_pb2.RegisterRequest, _federation_pb2.RegisterReply]
+    @typing.overload
+    def __new__(cls, channel: grpc.Channel) -> FederationStub: ...
+    @typing.overload
+    def __new__(cls, channel: grpc.aio.Channel) -> FederationAsyncStub: ...
+    Register: grpc.UnaryUnaryMultiCallable[zoo_gym.v1.federation_pb2.RegisterRequest, zoo_gym.v1.federation_pb2.RegisterReply]
     """Register (or re-register) a contributor key; proves possession of the key."""
-    PollTask: _grpc.UnaryUnaryMultiCallable[_federation_pb2.PollRequest, _federation_pb2.PollReply]
+    PollTask: grpc.UnaryUnaryMultiCallable[zoo_gym.v1.federation_pb2.PollRequest, zoo_gym.v1.federation_pb2.PollReply]
     """Long-poll for the next task addressed to this contributor."""
-    GetManifest: _grpc.UnaryUnaryMultiCallable[_federation_pb2.ManifestRequest, _federation_pb2.ManifestReply]
+    GetManifest: grpc.UnaryUnaryMultiCallable[zoo_gym.v1.federation_pb2.ManifestRequest, zoo_gym.v1.federation_pb2.ManifestReply]
     """Signed manifest of a published model version."""
-    DownloadFile: _grpc.UnaryStreamMultiCallable[_federation_pb2.DownloadRequest, _federation_pb2.FileChunk]
+    DownloadFile: grpc.UnaryStreamMultiCallable[zoo_gym.v1.federation_pb2.DownloadRequest, zoo_gym.v1.federation_pb2.FileChunk]
     """One file of a published model version, from `offset` (resumable)."""
-    SubmitUpdate: _grpc.StreamUnaryMultiCallable[_federation_pb2.UpdateChunk, _federation_pb2.SubmitReply]
+    SubmitUpdate: grpc.StreamUnaryMultiCallable[zoo_gym.v1.federation_pb2.UpdateChunk, zoo_gym.v1.federation_pb2.SubmitReply]
     """Stream a submission: one header, then payload chunks in order."""
-    GetOutcome: _grpc.UnaryUnaryMultiCallable[_federation_pb2.OutcomeRequest, _federation_pb2.OutcomeReply]
+    GetOutcome: grpc.UnaryUnaryMultiCallable[zoo_gym.v1.federation_pb2.OutcomeRequest, zoo_gym.v1.federation_pb2.OutcomeReply]
     """What the coordinator decided about this contributor's submission for a round."""
 
-@_typing.type_check_only
+@typing.type_check_only
 class FederationAsyncStub(FederationStub):
-    def __init__(self, channel: _aio.Channel) -> None: ...
-    Register: _aio.UnaryUnaryMultiCallable[_federation_pb2.RegisterRequest, _federation_pb2.RegisterReply]  # type: ignore[assignment]
+    def __init__(self, channel: grpc.aio.Channel) -> None: ...
+    Register: grpc.aio.UnaryUnaryMultiCallable[zoo_gym.v1.federation_pb2.RegisterRequest, zoo_gym.v1.federation_pb2.RegisterReply]  # type: ignore[assignment]
     """Register (or re-register) a contributor key; proves possession of the key."""
-    PollTask: _aio.UnaryUnaryMultiCallable[_federation_pb2.PollRequest, _federation_pb2.PollReply]  # type: ignore[assignment]
+    PollTask: grpc.aio.UnaryUnaryMultiCallable[zoo_gym.v1.federation_pb2.PollRequest, zoo_gym.v1.federation_pb2.PollReply]  # type: ignore[assignment]
     """Long-poll for the next task addressed to this contributor."""
-    GetManifest: _aio.UnaryUnaryMultiCallable[_federation_pb2.ManifestRequest, _federation_pb2.ManifestReply]  # type: ignore[assignment]
+    GetManifest: grpc.aio.UnaryUnaryMultiCallable[zoo_gym.v1.federation_pb2.ManifestRequest, zoo_gym.v1.federation_pb2.ManifestReply]  # type: ignore[assignment]
     """Signed manifest of a published model version."""
-    DownloadFile: _aio.UnaryStreamMultiCallable[_federation_pb2.DownloadRequest, _federation_pb2.FileChunk]  # type: ignore[assignment]
+    DownloadFile: grpc.aio.UnaryStreamMultiCallable[zoo_gym.v1.federation_pb2.DownloadRequest, zoo_gym.v1.federation_pb2.FileChunk]  # type: ignore[assignment]
     """One file of a published model version, from `offset` (resumable)."""
-    SubmitUpdate: _aio.StreamUnaryMultiCallable[_federation_pb2.UpdateChunk, _federation_pb2.SubmitReply]  # type: ignore[assignment]
+    SubmitUpdate: grpc.aio.StreamUnaryMultiCallable[zoo_gym.v1.federation_pb2.UpdateChunk, zoo_gym.v1.federation_pb2.SubmitReply]  # type: ignore[assignment]
     """Stream a submission: one header, then payload chunks in order."""
-    GetOutcome: _aio.UnaryUnaryMultiCallable[_federation_pb2.OutcomeRequest, _federation_pb2.OutcomeReply]  # type: ignore[assignment]
+    GetOutcome: grpc.aio.UnaryUnaryMultiCallable[zoo_gym.v1.federation_pb2.OutcomeRequest, zoo_gym.v1.federation_pb2.OutcomeReply]  # type: ignore[assignment]
     """What the coordinator decided about this contributor's submission for a round."""
 
-class FederationServicer(metaclass=_abc_1.ABCMeta):
-    @_abc_1.abstractmethod
+class FederationServicer(metaclass=abc.ABCMeta):
+    @abc.abstractmethod
     def Register(
         self,
-        request: _federation_pb2.RegisterRequest,
+        request: zoo_gym.v1.federation_pb2.RegisterRequest,
         context: _ServicerContext,
-    ) -> _typing.Union[_federation_pb2.RegisterReply, _abc.Awaitable[_federation_pb2.RegisterReply]]:
+    ) -> typing.Union[zoo_gym.v1.federation_pb2.RegisterReply, collections.abc.Awaitable[zoo_gym.v1.federation_pb2.RegisterReply]]:
         """Register (or re-register) a contributor key; proves possession of the key."""
 
-    @_abc_1.abstractmethod
+    @abc.abstractmethod
     def PollTask(
         self,
-        request: _federation_pb2.PollRequest,
+        request: zoo_gym.v1.federation_pb2.PollRequest,
         context: _ServicerContext,
-    ) -> _typing.Union[_federation_pb2.PollReply, _abc.Awaitable[_federation_pb2.PollReply]]:
+    ) -> typing.Union[zoo_gym.v1.federation_pb2.PollReply, collections.abc.Awaitable[zoo_gym.v1.federation_pb2.PollReply]]:
         """Long-poll for the next task addressed to this contributor."""
 
-    @_abc_1.abstractmethod
+    @abc.abstractmethod
     def GetManifest(
         self,
-        request: _federation_pb2.ManifestRequest,
+        request: zoo_gym.v1.federation_pb2.ManifestRequest,
         context: _ServicerContext,
-    ) -> _typing.Union[_federation_pb2.ManifestReply, _abc.Awaitable[_federation_pb2.ManifestReply]]:
+    ) -> typing.Union[zoo_gym.v1.federation_pb2.ManifestReply, collections.abc.Awaitable[zoo_gym.v1.federation_pb2.ManifestReply]]:
         """Signed manifest of a published model version."""
 
-    @_abc_1.abstractmethod
+    @abc.abstractmethod
     def DownloadFile(
         self,
-        request: _federation_pb2.DownloadRequest,
+        request: zoo_gym.v1.federation_pb2.DownloadRequest,
         context: _ServicerContext,
-    ) -> _typing.Union[_abc.Iterator[_federation_pb2.FileChunk], _abc.AsyncIterator[_federation_pb2.FileChunk]]:
+    ) -> typing.Union[collections.abc.Iterator[zoo_gym.v1.federation_pb2.FileChunk], collections.abc.AsyncIterator[zoo_gym.v1.federation_pb2.FileChunk]]:
         """One file of a published model version, from `offset` (resumable)."""
 
-    @_abc_1.abstractmethod
+    @abc.abstractmethod
     def SubmitUpdate(
         self,
-        request_iterator: _MaybeAsyncIterator[_federation_pb2.UpdateChunk],
+        request_iterator: _MaybeAsyncIterator[zoo_gym.v1.federation_pb2.UpdateChunk],
         context: _ServicerContext,
-    ) -> _typing.Union[_federation_pb2.SubmitReply, _abc.Awaitable[_federation_pb2.SubmitReply]]:
+    ) -> typing.Union[zoo_gym.v1.federation_pb2.SubmitReply, collections.abc.Awaitable[zoo_gym.v1.federation_pb2.SubmitReply]]:
         """Stream a submission: one header, then payload chunks in order."""
 
-    @_abc_1.abstractmethod
+    @abc.abstractmethod
     def GetOutcome(
         self,
-        request: _federation_pb2.OutcomeRequest,
+        request: zoo_gym.v1.federation_pb2.OutcomeRequest,
         context: _ServicerContext,
-    ) -> _typing.Union[_federation_pb2.OutcomeReply, _abc.Awaitable[_federation_pb2.OutcomeReply]]:
+    ) -> typing.Union[zoo_gym.v1.federation_pb2.OutcomeReply, collections.abc.Awaitable[zoo_gym.v1.federation_pb2.OutcomeReply]]:
         """What the coordinator decided about this contributor's submission for a round."""
 
-def add_FederationServicer_to_server(servicer: FederationServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
+def add_FederationServicer_to_server(servicer: FederationServicer, server: typing.Union[grpc.Server, grpc.aio.Server]) -> None: ...

@@ -122,7 +122,8 @@ class ClientRuntime:
 
 
 def signed_reply(
-    identity: Identity, message: Message, task: TaskConfig, payload: bytes, metrics: dict[str, float]
+    identity: Identity, message: Message, task: TaskConfig, payload: bytes,
+    metrics: dict[str, int | float | list[int] | list[float]],
 ) -> Message:
     """Sign `payload` as `identity`'s update for `task` and wrap it as the reply to `message`."""
     submission = Submission(

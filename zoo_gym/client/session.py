@@ -97,10 +97,10 @@ def join(
                 round=task.round, message_id=task.message.metadata.message_id,
                 base_version=task.base_version, decision="accepted" if result.accepted else "rejected",
                 reason=result.reason, payload_bytes=result.payload_bytes,
-                raw_bytes=int(float(metrics["raw_bytes"])), train_loss=float(metrics["train_loss"]),
+                raw_bytes=int(_scalar(metrics["raw_bytes"])), train_loss=_scalar(metrics["train_loss"]),
             ))
             say(f"round {task.round}: uploaded {result.payload_bytes} bytes "
-                f"(bf16 would be {int(float(metrics['raw_bytes']))}); "
+                f"(bf16 would be {int(_scalar(metrics['raw_bytes']))}); "
                 f"{'accepted' if result.accepted else 'REJECTED'}: {result.reason}")
             made += 1
         _report_outcomes(client, runtime, say, wait_s=config.poll_wait_s if made else 0.0, stop=stop)
@@ -135,3 +135,7 @@ def _report_outcomes(
             return
         if stop is not None and stop.wait(0.5):
             return
+
+
+def _scalar(value: object) -> float:
+    return float(value) if isinstance(value, int | float) else 0.0

@@ -68,7 +68,7 @@ class CoordinatorConfig(BaseModel):
     tls_cert: Path | None = None
     tls_key: Path | None = None
     signing_key: Path = Path("coordinator.key")
-    training: TrainingPolicy = TrainingPolicy()
+    training: TrainingPolicy = Field(default_factory=lambda: TrainingPolicy.model_validate({}))
 
     @model_validator(mode="after")
     def _check(self) -> CoordinatorConfig:

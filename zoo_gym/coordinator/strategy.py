@@ -123,7 +123,7 @@ class ZooStrategy(FedAvg):
             return None, None
         updates = updates[: len(rows)]
         weights = torch.tensor(
-            [float(r.content.metric_records.get(TRAIN_METRICS, MetricRecord()).get("num_examples", 1.0)) for r in rows],
+            [_number(r.content.metric_records.get(TRAIN_METRICS, MetricRecord()).get("num_examples", 1.0)) for r in rows],
             dtype=torch.float64,
         )
         result: Aggregate = aggregate(self.rule, updates, f=self.f, weights=weights)
@@ -153,3 +153,8 @@ class ZooStrategy(FedAvg):
                 score=getattr(decision, "score", None),
                 reason=reason,
             )
+
+
+def _number(value: object) -> float:
+    """A scalar metric as float (1.0 when a contributor sent something else)."""
+    return float(value) if isinstance(value, int | float) else 1.0

@@ -145,6 +145,7 @@ class FederationServicer(pb_grpc.FederationServicer):
         first = next(request_iterator, None)
         if first is None or not first.HasField("header"):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a submission must start with its header")
+            raise AssertionError("unreachable")
         header = first.header
         node_id = self._auth(header.auth, "submit", f"{header.message_id}|{header.payload_sha256}", context)
         limit = self.backend.max_upload_bytes
@@ -160,6 +161,7 @@ class FederationServicer(pb_grpc.FederationServicer):
                 grpc.StatusCode.FAILED_PRECONDITION,
                 f"no open task {header.message_id[:12]} for you (round {header.round} is closed or was never yours); wait for the next round",
             )
+            raise AssertionError("unreachable")
         spooled = _Spool.receive(self.spool, request_iterator, header.payload_size, context)
         try:
             if spooled.sha256 != header.payload_sha256:

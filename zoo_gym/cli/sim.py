@@ -14,6 +14,11 @@ from zoo_gym.cli.common import console, friendly
 app = typer.Typer(help="Simulate zoo-gym federations.", no_args_is_help=True, add_completion=False)
 
 
+@app.callback()
+def sim() -> None:
+    """Simulate zoo-gym federations: `demo` runs a whole one on this machine."""
+
+
 @app.command()
 @friendly
 def demo(

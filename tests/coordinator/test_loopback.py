@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 from sqlmodel import Session
 
 from zoo_gym import ledger
@@ -11,10 +12,12 @@ from zoo_gym.core.synthetic import make_examples, shard
 from zoo_gym.simulation.inprocess import InProcessFederation
 
 
-def test_loopback_federation_improves_and_records(tiny_home: Path) -> None:
+@pytest.mark.parametrize("aggregator", ["fedavg", "trimmed_mean"])
+def test_loopback_federation_improves_and_records(tiny_home: Path, aggregator: str) -> None:
     # Prepare
     shards = shard(make_examples(3 * 60, seed=1), 3)
-    fed = InProcessFederation.build(tiny_home, shards, overrides={"rounds": 2, "min_clients": 3})
+    overrides = {"rounds": 2, "min_clients": 3, "aggregator": aggregator, "byzantine_f": 1}
+    fed = InProcessFederation.build(tiny_home, shards, overrides=overrides)
 
     # Execute
     summaries = fed.run()

@@ -11,7 +11,7 @@ from ._core import Aggregate, Decision
 from .bulyan import bulyan
 from .centered_clipping import centered_clipping
 from .clipping import clip_updates
-from .dispatch import RULES, aggregate, min_clients
+from .dispatch import RULES, WEIGHTED_RULES, aggregate, min_clients
 from .fedavg import fedavg
 from .geometric_median import geometric_median
 from .krum import krum
@@ -21,6 +21,7 @@ from .trimmed_mean import trimmed_mean
 
 __all__ = [
     "RULES",
+    "WEIGHTED_RULES",
     "Aggregate",
     "Decision",
     "aggregate",

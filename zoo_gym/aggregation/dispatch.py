@@ -24,7 +24,8 @@ from .nnm import nnm
 from .trimmed_mean import trimmed_mean
 
 PRE_STEPS = ("nnm",)
-_WEIGHTED = frozenset({"fedavg", "geometric_median"})
+#: rules that weight updates (e.g. by examples trained on); the others treat updates equally
+WEIGHTED_RULES = frozenset({"fedavg", "geometric_median"})
 
 
 def _no_weights(rule: str, weights: Tensor | None) -> None:
@@ -136,7 +137,7 @@ def aggregate(
         )
     n, _ = check_updates(updates, rule)
     require(n, min_clients(rule, f), f"{rule} with f={f}", "enough updates for f Byzantine ones")
-    if weights is not None and rule not in _WEIGHTED:
+    if weights is not None and rule not in WEIGHTED_RULES:
         _no_weights(rule, weights)
     if pre == "nnm":
         result = RULES[rule](nnm(updates, f=f), f=f, weights=weights, **params)

@@ -23,7 +23,7 @@ from flwr.serverapp.strategy import FedAvg
 from sqlmodel import Session
 
 from zoo_gym import ledger
-from zoo_gym.aggregation import Aggregate, aggregate
+from zoo_gym.aggregation import WEIGHTED_RULES, Aggregate, aggregate
 from zoo_gym.compression import EnvelopeError, decode_into
 from zoo_gym.coordinator.backend import CoordinatorBackend
 from zoo_gym.core.delta import Layout, numel, unflatten
@@ -122,10 +122,12 @@ class ZooStrategy(FedAvg):
         if len(rows) < self.quorum:
             return None, None
         updates = updates[: len(rows)]
-        weights = torch.tensor(
-            [_number(r.content.metric_records.get(TRAIN_METRICS, MetricRecord()).get("num_examples", 1.0)) for r in rows],
-            dtype=torch.float64,
-        )
+        weights = None
+        if self.rule in WEIGHTED_RULES:  # weighted by the examples each contributor trained on
+            weights = torch.tensor(
+                [_number(r.content.metric_records.get(TRAIN_METRICS, MetricRecord()).get("num_examples", 1.0)) for r in rows],
+                dtype=torch.float64,
+            )
         result: Aggregate = aggregate(self.rule, updates, f=self.f, weights=weights)
         decisions: dict[str, str] = {}
         contributors: list[str] = []

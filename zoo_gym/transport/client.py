@@ -16,8 +16,9 @@ from pathlib import Path
 import grpc
 from flwr.app import ConfigRecord, Message, RecordDict
 
+from zoo_gym.core.hashing import sha256_file
 from zoo_gym.core.identity import Identity, verify
-from zoo_gym.core.manifest import ModelManifest, read_verified
+from zoo_gym.core.manifest import MANIFEST, SIGNATURE, FileEntry, ModelManifest
 from zoo_gym.core.protocol import (
     PAYLOAD,
     PROTOCOL_VERSION,
@@ -153,7 +154,11 @@ class FederationClient:
         )
 
     def fetch_model(self, version: str, directory: Path, coordinator_key: bytes) -> ModelManifest:
-        """Download `version` into `directory`, resuming partial files; verify signature and hashes."""
+        """Download `version` into `directory`, resuming partial files; verify signature and hashes.
+
+        Every file is checked against the signed manifest as it lands, so the returned
+        manifest describes a verified directory.
+        """
         directory.mkdir(parents=True, exist_ok=True)
         try:
             reply = self.stub.GetManifest(
@@ -169,18 +174,21 @@ class FederationClient:
             )
         manifest = ModelManifest.from_bytes(reply.manifest)
         for name, entry in manifest.files.items():
-            path = directory / name
-            for attempt in range(2):
-                if path.exists() and path.stat().st_size == entry.size and _sha(path) == entry.sha256:
-                    break
-                if path.exists() and (attempt > 0 or path.stat().st_size >= entry.size):
-                    path.unlink()  # corrupt or complete-but-wrong: start over
-                self._download(version, name, path)
-            else:
-                raise TransportError(f"{name} of {version} does not match its manifest hash after download")
-        (directory / "manifest.json").write_bytes(reply.manifest)
-        (directory / "manifest.sig").write_bytes(reply.signature)
-        return read_verified(directory, coordinator_key)
+            self._fetch_file(version, name, entry, directory / name)
+        (directory / MANIFEST).write_bytes(reply.manifest)
+        (directory / SIGNATURE).write_bytes(reply.signature)
+        return manifest
+
+    def _fetch_file(self, version: str, name: str, entry: FileEntry, path: Path) -> None:
+        """Make `path` match `entry`: keep it if it does, resume a partial file, restart a bad one once."""
+        for _ in range(2):
+            if path.exists() and path.stat().st_size == entry.size and sha256_file(path) == entry.sha256:
+                return
+            if path.exists() and path.stat().st_size >= entry.size:
+                path.unlink()  # complete but corrupt: start over
+            self._download(version, name, path)
+        if sha256_file(path) != entry.sha256:
+            raise TransportError(f"{name} of {version} does not match its manifest hash after download")
 
     def _download(self, version: str, name: str, path: Path) -> None:
         offset = path.stat().st_size if path.exists() else 0
@@ -235,8 +243,3 @@ class FederationClient:
             raise _describe(err, self.target) from None
         return Outcome(r.decision, r.reason, r.quality, r.reward, r.round_status, r.published_version)
 
-
-def _sha(path: Path) -> str:
-    from zoo_gym.core.hashing import sha256_file
-
-    return sha256_file(path)

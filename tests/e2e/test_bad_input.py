@@ -143,7 +143,6 @@ def test_unregistered_and_wrong_keys(coordinator: tuple[str, str, Path]) -> None
     owner = Identity.generate()
     FederationClient(address, owner).register("owner")
     impostor = FederationClient(address, Identity.generate())
-    impostor.identity = dataclasses.replace(impostor.identity)
     impostor._auth = lambda method, digest: _forged_auth(owner.contributor_id, method, digest)  # type: ignore[method-assign]
     with pytest.raises(TransportError, match="signature does not match your registered key"):
         impostor.poll(0.1)

@@ -8,10 +8,9 @@ from typing import Annotated
 import typer
 
 from zoo_gym.cli.common import console, friendly, setup_logging
+from zoo_gym.coordinator.setup import CONFIG
 
 app = typer.Typer(help="Run a zoo-gym coordinator.", no_args_is_help=True, add_completion=False)
-
-CONFIG = "coordinator.toml"
 
 
 @app.command()

@@ -24,7 +24,7 @@ from zoo_gym import ledger
 from zoo_gym.compression import EnvelopeError, inspect_envelope
 from zoo_gym.coordinator.registry import ModelRegistry
 from zoo_gym.core.delta import Layout
-from zoo_gym.core.hashing import sha256_file
+from zoo_gym.core.hashing import sha256_bytes
 from zoo_gym.core.identity import Identity, contributor_id, node_id, verify
 from zoo_gym.core.protocol import (
     SUBMISSION,
@@ -74,7 +74,6 @@ class CoordinatorBackend:
         self.require_approval = require_approval
         self.lock = threading.Lock()
         self.open_round: OpenRound | None = None
-        self._keys: dict[str, bytes] = {}
         payload_dir.mkdir(parents=True, exist_ok=True)
 
     # -- identity ---------------------------------------------------------
@@ -101,7 +100,6 @@ class CoordinatorBackend:
                 status="pending" if self.require_approval else "active",
             )
             status = row.status
-        self._keys[cid] = public_key
         return Registration(cid, node_id(public_key), status, self.current_version(), self.signer.public_key)
 
     def _contributor(self, cid: str) -> tuple[bytes, str, str]:
@@ -197,9 +195,9 @@ class CoordinatorBackend:
             return f"round {current.number} closed for submissions at its deadline"
         if sub.payload_size > self.max_upload_bytes:
             return f"update of {sub.payload_size} bytes exceeds the {self.max_upload_bytes}-byte limit"
-        if payload.stat().st_size != sub.payload_size or sha256_file(payload) != sub.payload_sha256:
-            return "payload size or SHA-256 differs from the signed statement"
         data = payload.read_bytes()
+        if len(data) != sub.payload_size or sha256_bytes(data) != sub.payload_sha256:
+            return "payload size or SHA-256 differs from the signed statement"
         try:
             header = inspect_envelope(data, max_elements=sum(s.numel for s in current.layout))
         except EnvelopeError as exc:

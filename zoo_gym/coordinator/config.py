@@ -12,11 +12,10 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-AGGREGATORS = (
-    "fedavg", "trimmed_mean", "median", "krum", "multikrum", "bulyan",
-    "geometric_median", "centered_clipping",
-)
-CODECS = ("bitdelta", "int8", "int4", "int2", "ternary", "fp16", "bf16", "none")
+from zoo_gym.aggregation import RULES
+from zoo_gym.compression import CODECS
+
+AGGREGATORS = tuple(RULES)
 
 
 class ConfigError(ValueError):

@@ -11,7 +11,6 @@ import logging
 import signal
 import threading
 from collections.abc import Callable
-from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING
 
@@ -101,6 +100,3 @@ class Coordinator:
             grpc_server.stop()
             rest.stop()
 
-
-def home_of(config_path: Path) -> Path:
-    return config_path.resolve().parent

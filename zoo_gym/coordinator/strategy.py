@@ -14,7 +14,7 @@ import random
 import threading
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
@@ -23,7 +23,7 @@ from flwr.serverapp.strategy import FedAvg
 from sqlmodel import Session
 
 from zoo_gym import ledger
-from zoo_gym.aggregation import WEIGHTED_RULES, Aggregate, aggregate
+from zoo_gym.aggregation import WEIGHTED_RULES, Aggregate, Decision, aggregate
 from zoo_gym.compression import EnvelopeError, decode_into
 from zoo_gym.coordinator.backend import CoordinatorBackend
 from zoo_gym.core.delta import Layout, numel, unflatten
@@ -40,8 +40,6 @@ class RoundAggregate:
     contributors: tuple[str, ...]
     received: int
     accepted: int
-    decisions: dict[str, str] = field(default_factory=dict)
-    seconds: float = 0.0
 
 
 class ZooStrategy(FedAvg):
@@ -96,7 +94,6 @@ class ZooStrategy(FedAvg):
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        started = time.perf_counter()
         replies = [r for r in replies if not r.has_error()]
         accepted = [r for r in replies if bool(r.content.config_records[SUBMISSION]["accepted"])]
         layout = self.layout()
@@ -129,30 +126,26 @@ class ZooStrategy(FedAvg):
                 dtype=torch.float64,
             )
         result: Aggregate = aggregate(self.rule, updates, f=self.f, weights=weights)
-        decisions: dict[str, str] = {}
         contributors: list[str] = []
         for reply, decision in zip(rows, result.decisions, strict=True):
             record = reply.content.config_records[SUBMISSION]
             self._decide(record, selected=decision.selected, reason=decision.reason, decision=decision)
-            decisions[str(record["contributor_id"])] = decision.reason
             if decision.selected or decision.weight > 0:
                 contributors.append(str(record["contributor_id"]))
         update = {k: v.clone() for k, v in unflatten(result.vector.float(), layout).items()}
-        self.last = RoundAggregate(
-            update, tuple(contributors), len(replies), len(accepted), decisions, time.perf_counter() - started
-        )
+        self.last = RoundAggregate(update, tuple(contributors), len(replies), len(accepted))
         metrics = MetricRecord({"accepted": len(accepted), "aggregated": len(rows)})
         return ArrayRecord(torch_state_dict=update), metrics
 
-    def _decide(self, record: ConfigRecord, *, selected: bool, reason: str, decision: object | None = None) -> None:
+    def _decide(self, record: ConfigRecord, *, selected: bool, reason: str, decision: Decision | None = None) -> None:
         with Session(self.backend.engine) as session:
             ledger.record_aggregation(
                 session,
                 submission_id=int(record["submission_id"]),  # type: ignore[arg-type]
                 selected=selected,
-                weight=float(getattr(decision, "weight", 0.0)),
-                trimmed_share=float(getattr(decision, "trimmed_share", 0.0)),
-                score=getattr(decision, "score", None),
+                weight=decision.weight if decision else 0.0,
+                trimmed_share=decision.trimmed_share if decision else 0.0,
+                score=decision.score if decision else None,
                 reason=reason,
             )
 

@@ -8,7 +8,7 @@ another.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 from zoo_gym.core.hashing import canonical_json
@@ -92,6 +92,9 @@ class Outcome:
     published_version: str = ""
 
 
+_SCALARS: dict[str, type] = {"int": int, "float": float, "str": str}
+
+
 @dataclass(frozen=True)
 class TaskConfig:
     """The round task a ClientApp receives (the ConfigRecord under TASK_CONFIG)."""
@@ -113,35 +116,21 @@ class TaskConfig:
     codec: str = "bitdelta"
     group_size: int = 128
     deadline_ms: int = 0
-    extra: dict[str, Any] = field(default_factory=dict)
 
     def to_record(self) -> dict[str, Any]:
-        """Flat scalars/lists for a Flower ConfigRecord."""
-        record: dict[str, Any] = {
-            "round": self.round, "base_version": self.base_version, "seed": self.seed,
-            "method": self.method, "lora_rank": self.lora_rank, "lora_alpha": self.lora_alpha,
-            "target_modules": list(self.target_modules), "steps": self.steps,
-            "learning_rate": self.learning_rate, "batch_size": self.batch_size,
-            "max_length": self.max_length, "clip_norm": self.clip_norm, "codec": self.codec,
-            "group_size": self.group_size, "deadline_ms": self.deadline_ms,
-        }
-        record.update({f"x.{k}": v for k, v in self.extra.items()})
-        return record
+        """Flat scalars and lists for a Flower ConfigRecord."""
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self).items()}
 
     @classmethod
     def from_record(cls, record: Any) -> TaskConfig:
+        """Inverse of `to_record`; scalar types are checked by the fields' own types."""
         r = dict(record)
-        extra = {k[2:]: v for k, v in r.items() if k.startswith("x.")}
-        return cls(
-            round=int(r["round"]), base_version=str(r["base_version"]), seed=int(r["seed"]),
-            method=str(r["method"]), lora_rank=int(r["lora_rank"]),
-            lora_alpha=float(r["lora_alpha"]), target_modules=tuple(r["target_modules"]),
-            steps=int(r["steps"]), learning_rate=float(r["learning_rate"]),
-            batch_size=int(r["batch_size"]), max_length=int(r["max_length"]),
-            clip_norm=float(r["clip_norm"]), codec=str(r["codec"]),
-            group_size=int(r["group_size"]), deadline_ms=int(r["deadline_ms"]), extra=extra,
-        )
-
+        values = {f.name: r[f.name] for f in fields(cls)}
+        values["target_modules"] = tuple(values["target_modules"])
+        for f in fields(cls):
+            if isinstance(f.type, str) and f.type in _SCALARS:
+                values[f.name] = _SCALARS[f.type](values[f.name])
+        return cls(**values)
 
 class RequestError(Exception):
     """A request the coordinator refuses; `code` names the gRPC status to answer with.

@@ -45,8 +45,6 @@ class Federation:
     examples_per_client: int = 120
     codec: str = "bitdelta"
     seed: int = 0
-    byzantine: int = 0
-    extra_config: dict[str, Any] = field(default_factory=dict)
     processes: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
     logs: list[IO[bytes]] = field(default_factory=list)
     port: int = 0
@@ -74,7 +72,6 @@ class Federation:
             f'validation_data = "{(self.coordinator_home / "validation.jsonl").resolve()}"',
             f"seed = {self.seed}", f"rounds = {self.rounds}", f"min_clients = {self.clients}",
             f'aggregator = "{self.aggregator}"', "round_timeout_s = 300", "wait_for_clients_s = 120",
-            *(f"{k} = {json.dumps(v)}" for k, v in self.extra_config.items()),
             "", "[training]", f"steps = {self.steps}", "learning_rate = 0.005", f'codec = "{self.codec}"',
         ]
         config.write_text("\n".join(lines) + "\n")

@@ -115,6 +115,3 @@ class LoopbackGrid(Grid):
     ) -> Iterable[Message]:
         return list(self.pull_messages(self.push_messages(messages)))
 
-
-def default_spool() -> Path:
-    return Path(tempfile.mkdtemp(prefix="zoo-gym-spool-"))

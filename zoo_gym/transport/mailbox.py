@@ -79,10 +79,6 @@ class Mailbox:
                     return
                 self._cond.wait(remaining if remaining is not None else 1.0)
 
-    def seen(self, node_id: int) -> None:
-        with self._cond:
-            self._last_seen[node_id] = time.monotonic()
-
     def online(self) -> list[int]:
         now = time.monotonic()
         with self._cond:

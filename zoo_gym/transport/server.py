@@ -11,7 +11,6 @@ from __future__ import annotations
 import hashlib
 import logging
 import tempfile
-import time
 from collections.abc import Iterator
 from concurrent import futures
 from dataclasses import dataclass
@@ -285,6 +284,3 @@ def start_server(
     log.info("federation service listening on %s (%s)", address.rsplit(":", 1)[0] + f":{port}", "TLS" if tls else "plaintext")
     return ServerHandle(server, port)
 
-
-def now_ms() -> int:
-    return int(time.time() * 1000)

@@ -6,14 +6,14 @@ value stops the coordinator with one line naming the key and what to put there.
 
 from __future__ import annotations
 
-import tomllib
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from zoo_gym.aggregation import RULES
 from zoo_gym.compression import CODECS
+from zoo_gym.core.settings import HomeConfig, load_toml
 
 AGGREGATORS = tuple(RULES)
 
@@ -43,9 +43,7 @@ class TrainingPolicy(BaseModel):
         return self
 
 
-class CoordinatorConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    home: Path = Path(".")
+class CoordinatorConfig(HomeConfig):
     listen: str = "127.0.0.1:7443"
     rest_listen: str = "127.0.0.1:8080"
     database_url: str = ""
@@ -77,11 +75,6 @@ class CoordinatorConfig(BaseModel):
             raise ValueError("tls_cert and tls_key go together: set both or neither")
         return self
 
-    def path(self, value: Path | str) -> Path:
-        """`value` resolved against `home`."""
-        p = Path(value)
-        return p if p.is_absolute() else self.home / p
-
     @property
     def ledger_url(self) -> str:
         return self.database_url or f"sqlite:///{self.path('ledger.db')}"
@@ -89,17 +82,4 @@ class CoordinatorConfig(BaseModel):
 
 def load_config(path: Path) -> CoordinatorConfig:
     """Read and validate `path`; `home` defaults to the file's directory."""
-    try:
-        data = tomllib.loads(path.read_text())
-    except FileNotFoundError:
-        raise ConfigError(f"no config at {path}; create one with `gym-coordinator init`") from None
-    except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(f"{path} is not valid TOML ({exc})") from None
-    data.setdefault("home", str(path.parent.resolve()))
-    try:
-        return CoordinatorConfig.model_validate(data)
-    except ValidationError as exc:
-        err = exc.errors()[0]
-        where = ".".join(str(p) for p in err["loc"]) or "config"
-        msg = err["msg"].removeprefix("Value error, ")
-        raise ConfigError(f"{path}: {where}: {msg}") from None
+    return load_toml(path, CoordinatorConfig, error=ConfigError, missing="create one with `gym-coordinator init`")

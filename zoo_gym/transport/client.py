@@ -14,15 +14,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
-from flwr.app import ConfigRecord, Message, RecordDict
+from flwr.app import Message
 
 from zoo_gym.core.hashing import sha256_file
 from zoo_gym.core.identity import Identity, verify
 from zoo_gym.core.manifest import MANIFEST, SIGNATURE, FileEntry, ModelManifest
 from zoo_gym.core.protocol import (
-    PAYLOAD,
     PROTOCOL_VERSION,
-    SUBMISSION,
     Outcome,
     Registration,
     register_statement,
@@ -30,6 +28,7 @@ from zoo_gym.core.protocol import (
 )
 from zoo_gym.proto.v1 import federation_pb2 as pb
 from zoo_gym.proto.v1 import federation_pb2_grpc as pb_grpc
+from zoo_gym.transport.records import split_payload
 from zoo_gym.transport.server import CHUNK_BYTES, MAX_HEADER_BYTES, parse_message, serialize_message
 
 
@@ -204,10 +203,7 @@ class FederationClient:
 
     def submit(self, task: ReceivedTask, reply: Message) -> SubmitResult:
         """Stream the reply of a ClientApp: header first, then the payload in chunks."""
-        record = reply.content.config_records[SUBMISSION]
-        payload = bytes(record[PAYLOAD])  # type: ignore[arg-type]
-        stripped = ConfigRecord({k: v for k, v in record.items() if k != PAYLOAD})
-        content = RecordDict({**dict(reply.content.items()), SUBMISSION: stripped})
+        payload, content, record = split_payload(reply)
         header_message = Message(content, reply_to=task.message)
         sha = hashlib.sha256(payload).hexdigest()
         header = pb.SubmissionHeader(

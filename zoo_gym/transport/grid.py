@@ -20,9 +20,10 @@ from zoo_gym.core.protocol import TASK_CONFIG
 from zoo_gym.transport.mailbox import Mailbox, PendingTask
 
 
-class GrpcGrid(Grid):
-    def __init__(self, mailbox: Mailbox, *, run_id: int = 1) -> None:
-        self.mailbox = mailbox
+class RunGrid(Grid):
+    """What every zoo-gym Grid shares: the run it serves and plain message construction."""
+
+    def __init__(self, *, run_id: int = 1) -> None:
         self._run = Run.create_empty(run_id)
 
     def set_run(self, run: Run) -> None:
@@ -41,6 +42,12 @@ class GrpcGrid(Grid):
         ttl: float | None = None,
     ) -> Message:
         return Message(content, dst_node_id, message_type, ttl=ttl, group_id=group_id)
+
+
+class GrpcGrid(RunGrid):
+    def __init__(self, mailbox: Mailbox, *, run_id: int = 1) -> None:
+        super().__init__(run_id=run_id)
+        self.mailbox = mailbox
 
     def get_node_ids(self) -> Iterable[int]:
         return self.mailbox.online()

@@ -15,30 +15,15 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from flwr.app import ConfigRecord, Context, Message, RecordDict
+from flwr.app import Context, Message
 from flwr.clientapp import ClientApp
-from flwr.serverapp import Grid
-from flwr.supercore.run import Run
 
-from zoo_gym.core.protocol import PAYLOAD, SUBMISSION, Submission
 from zoo_gym.transport.backend import FederationBackend
+from zoo_gym.transport.grid import RunGrid
+from zoo_gym.transport.records import split_payload, submission_of
 
 
-def submission_of(record: ConfigRecord) -> Submission:
-    """The signed statement inside a ClientApp's reply record."""
-    return Submission(
-        contributor_id=str(record["contributor_id"]),
-        round=int(record["round"]),  # type: ignore[arg-type]
-        base_version=str(record["base_version"]),
-        message_id=str(record["message_id"]),
-        nonce=bytes(record["nonce"]),  # type: ignore[arg-type]
-        payload_sha256=str(record["payload_sha256"]),
-        payload_size=int(record["payload_size"]),  # type: ignore[arg-type]
-        signature=bytes(record["signature"]),  # type: ignore[arg-type]
-    )
-
-
-class LoopbackGrid(Grid):
+class LoopbackGrid(RunGrid):
     def __init__(
         self,
         backend: FederationBackend,
@@ -54,21 +39,9 @@ class LoopbackGrid(Grid):
         self.spool = spool
         self.workers = workers
         self.tamper = tamper
-        self._run = Run.create_empty(run_id)
+        super().__init__(run_id=run_id)
         self._replies: dict[str, Message] = {}
         spool.mkdir(parents=True, exist_ok=True)
-
-    def set_run(self, run: Run) -> None:
-        self._run = run
-
-    @property
-    def run(self) -> Run:
-        return self._run
-
-    def create_message(
-        self, content: RecordDict, message_type: str, dst_node_id: int, group_id: str, ttl: float | None = None
-    ) -> Message:
-        return Message(content, dst_node_id, message_type, ttl=ttl, group_id=group_id)
 
     def get_node_ids(self) -> Iterable[int]:
         return sorted(self.nodes)
@@ -81,10 +54,7 @@ class LoopbackGrid(Grid):
             reply = self.tamper(node_id, reply)
         if reply.has_error():
             return reply
-        record = reply.content.config_records[SUBMISSION]
-        payload = bytes(record[PAYLOAD])  # type: ignore[arg-type]
-        stripped = ConfigRecord({k: v for k, v in record.items() if k != PAYLOAD})
-        content = RecordDict({**dict(reply.content.items()), SUBMISSION: stripped})
+        payload, content, record = split_payload(reply)
         fd, name = tempfile.mkstemp(dir=self.spool, suffix=".part")
         path = Path(name)
         try:

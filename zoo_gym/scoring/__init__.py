@@ -1,1 +1,47 @@
-"""zoo-gym."""
+"""Quality of each contribution, the reward split and reputation. Pure: no I/O.
+
+Quality (`score_contributions`, one function per method in `METHODS`): the coordinator
+supplies a utility `U`, which merges a flat `(d,)` update into the base and evaluates it on
+the private validation set (minus validation loss for SFT, mean reward for GRPO), and, for
+the methods that need it, `aggregate_fn`, the round's own aggregation rule applied to a
+subset of the `(n, d)` updates. Methods:
+
+- `individual` (default): q_i = U(x_i) - U(0); n + 1 evaluations.
+- `leave_one_out`: q_i = U(agg(all)) - U(agg(all \\ {i})); n + 1 evaluations and aggregations.
+- `gtg_shapley`: Shapley values of v(C) = U(agg(C)) by guided, truncated Monte Carlo
+  [Liu et al., 2022]; `exact_shapley` enumerates all 2^n coalitions for small n.
+
+Rewards (`split_rewards`): the round's pool is split in proportion to positive quality among
+accepted contributions above a minimum, in exact decimal units that sum to the pool; every
+zero carries a one-line reason. Reputation (`update_reputations`): an exponential moving
+average of each round's normalised outcome (`round_outcomes`); `selection_weights` and
+`sample_contributors` turn reputations into sampling probabilities for the next rounds.
+"""
+
+from ._core import AggregateFn, Quality, Utility
+from .dispatch import METHODS, score_contributions
+from .quality import individual, leave_one_out
+from .reputation import round_outcomes, sample_contributors, selection_weights, update_reputations
+from .rewards import Contribution, Reward, RewardPolicy, RewardSplit, split_rewards
+from .shapley import exact_shapley, gtg_shapley
+
+__all__ = [
+    "METHODS",
+    "AggregateFn",
+    "Contribution",
+    "Quality",
+    "Reward",
+    "RewardPolicy",
+    "RewardSplit",
+    "Utility",
+    "exact_shapley",
+    "gtg_shapley",
+    "individual",
+    "leave_one_out",
+    "round_outcomes",
+    "sample_contributors",
+    "score_contributions",
+    "selection_weights",
+    "split_rewards",
+    "update_reputations",
+]

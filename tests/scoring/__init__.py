@@ -1,0 +1,1 @@
+"""Tests of `zoo_gym.scoring`: quality methods, reward split and reputation."""

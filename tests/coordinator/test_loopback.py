@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from flwr.app import Message, RecordDict
 from sqlmodel import Session
 
 from zoo_gym import ledger
@@ -35,3 +36,50 @@ def test_loopback_federation_improves_and_records(tiny_home: Path, aggregator: s
         versions = [v.version for v in ledger.list_model_versions(session)]
         assert versions[-2:] == ["v0001", "v0002"]
     assert all(r.base_version == "v0001" for r in fed.runtimes.values())
+
+
+def test_multikrum_round_leaves_out_the_attacker_and_records_why(tiny_home: Path) -> None:
+    # Prepare: 5 clients, client 0 sends 5 x the negated honest mean; Multi-Krum tolerates f = 1
+    shards = shard(make_examples(5 * 24, seed=2), 5)
+    overrides = {"rounds": 1, "min_clients": 5, "aggregator": "multikrum", "byzantine_f": 1,
+                 "training": {"steps": 3}}
+    fed = InProcessFederation.build(tiny_home, shards, overrides=overrides, byzantine=[0], attack="sign_flip",
+                                    attack_params={"scale": 5.0})
+
+    # Execute
+    (summary,) = fed.run()
+
+    # Assert: all five passed intake; the rule selected the four honest updates only
+    assert (summary.status, summary.accepted, summary.aggregated) == ("published", 5, 4)
+    (attacker,) = fed.byzantine.values()
+    with Session(fed.coordinator.engine) as session:
+        subs = {s.contributor_id: s for s in ledger.list_submissions(session)}
+    assert subs[attacker].selected is False and "score" in (subs[attacker].aggregation_reason or "")
+    assert all(s.selected for cid, s in subs.items() if cid != attacker)
+    assert summary.loss_after < summary.loss_before
+
+
+def test_round_with_fewer_updates_than_the_rule_needs_is_aborted(tiny_home: Path) -> None:
+    # Prepare: krum with f = 1 needs 5 updates; two of the five replies are dropped on the way
+    shards = shard(make_examples(5 * 24, seed=2), 5)
+    overrides = {"rounds": 1, "min_clients": 5, "quorum": 1, "aggregator": "krum", "byzantine_f": 1,
+                 "training": {"steps": 2}}
+    dropped: list[int] = []
+
+    def drop_two(node: int, reply: Message) -> Message:
+        if len(dropped) < 2:
+            dropped.append(node)
+            return Message(RecordDict(), reply_to=reply)  # answers no request: lost on the way
+        return reply
+
+    fed = InProcessFederation.build(tiny_home, shards, overrides=overrides, tamper=drop_two)
+
+    # Execute
+    (summary,) = fed.run()
+
+    # Assert: aborted, the base stays, the three usable updates say why they were not used
+    assert summary.status == "aborted" and summary.published_version == ""
+    with Session(fed.coordinator.engine) as session:
+        used = [s for s in ledger.list_submissions(session) if s.decision == "accepted"]
+    assert len(used) == 3
+    assert all(s.aggregation_reason == "round aborted: 3 usable updates, krum needs 5" for s in used)

@@ -44,6 +44,9 @@ def join(
     max_rounds: Annotated[int | None, typer.Option(help="leave after this many submissions")] = None,
     device: Annotated[str | None, typer.Option(help="cpu, cuda, cuda:1 ...")] = None,
     verbose: Annotated[bool, typer.Option("--verbose", "-v")] = False,
+    byzantine: Annotated[str | None, typer.Option(
+        hidden=True, help="attack the federation on purpose: label_flip, random_completion, sign_flip, scaling, ipm, gaussian",
+    )] = None,
 ) -> None:
     """Register, then train and submit an update every round until stopped (Ctrl-C)."""
     setup_logging(verbose)
@@ -56,7 +59,7 @@ def join(
         raise JoinError(f"method {method!r} is not available; use --method sft")
     cfg = load_client_config(home / CONFIG)
     overrides = {"coordinator": coordinator, "data": data and data.resolve(), "ca_cert": ca_cert,
-                 "max_rounds": max_rounds, "device": device}
+                 "max_rounds": max_rounds, "device": device, "byzantine": byzantine}
     cfg = ClientConfig.model_validate({**cfg.model_dump(), **{k: v for k, v in overrides.items() if v is not None}})
     with JoinDisplay(console) as display:
         made = run_join(cfg, on_event=display.event, say=display.say)

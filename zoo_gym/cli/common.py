@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import sys
 from collections.abc import Callable
 from typing import ParamSpec, TypeVar
@@ -27,10 +28,11 @@ def user_errors() -> tuple[type[BaseException], ...]:
     from zoo_gym.coordinator.config import ConfigError
     from zoo_gym.core.identity import IdentityError
     from zoo_gym.core.manifest import ManifestError
+    from zoo_gym.simulation.experiment import SweepError
     from zoo_gym.transport.client import TransportError
 
     return (ClientConfigError, DataError, JoinError, EnvelopeError, ConfigError, IdentityError,
-            ManifestError, TransportError, FileNotFoundError, PermissionError)
+            ManifestError, SweepError, TransportError, FileNotFoundError, PermissionError)
 
 
 def friendly(fn: Callable[P, R]) -> Callable[P, R]:
@@ -61,5 +63,16 @@ def setup_logging(verbose: bool) -> None:
     )
     for noisy in ("flwr", "httpx", "uvicorn"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+    quiet_libraries(verbose)
+
+
+def quiet_libraries(verbose: bool = False) -> None:
+    """Keep third-party chatter (weight-loading bars, deprecation notes) off the console."""
+    import warnings
+
     for quiet in ("bitsandbytes", "alembic", "opacus"):
         logging.getLogger(quiet).setLevel(logging.ERROR)
+    if not verbose:
+        os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+        os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+        warnings.filterwarnings("ignore", category=FutureWarning, module="transformers")

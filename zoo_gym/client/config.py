@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from zoo_gym.core.settings import HomeConfig, load_toml
 
@@ -22,6 +22,16 @@ class ClientConfig(HomeConfig):
     device: str = "cpu"
     poll_wait_s: float = Field(10.0, gt=0, le=30)
     max_rounds: int = Field(0, ge=0, description="leave after this many submissions; 0 = stay")
+    byzantine: str = Field("", description="attack the federation on purpose (demos and drills); empty = honest")
+
+    @field_validator("byzantine")
+    @classmethod
+    def _known_attack(cls, value: str) -> str:
+        from zoo_gym.client.byzantine import BYZANTINE_ATTACKS
+
+        if value and value not in BYZANTINE_ATTACKS:
+            raise ValueError(f"byzantine must be one of {', '.join(BYZANTINE_ATTACKS)}, not {value!r}")
+        return value
 
 
 def load_client_config(path: Path) -> ClientConfig:

@@ -19,6 +19,7 @@ from flwr.app import ConfigRecord, Message, MetricRecord, RecordDict
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from zoo_gym.client.byzantine import Misbehaviour
 from zoo_gym.client.feedback import FfaErrorFeedback
 from zoo_gym.client.state import LocalState
 from zoo_gym.client.trainers.sft import FfaLoraTrainer, StepInfo
@@ -61,9 +62,11 @@ class ClientRuntime:
         model_source: ModelSource,
         device: str = "cpu",
         on_event: Callable[[RoundEvent], None] | None = None,
+        misbehaviour: Misbehaviour | None = None,
     ) -> None:
         self.identity = identity
-        self.conversations = conversations
+        self.misbehaviour = misbehaviour
+        self.conversations = misbehaviour.poison(conversations) if misbehaviour else conversations
         self.home = home
         self.model_source = model_source
         self.device = device
@@ -108,6 +111,8 @@ class ClientRuntime:
         norm = 0.0
         if task.clip_norm > 0:
             update, norm = clip_delta(update, task.clip_norm)
+        if self.misbehaviour is not None:  # after clipping: an attacker ignores the protocol
+            update = self.misbehaviour.corrupt(update, task.round)
         codec = CodecSpec(codec=task.codec, group_size=task.group_size)
         in_features = {module: shape[1] for module, shape in self.trainer.shapes.items()}
         payload, _ = self.feedback.compress(update, codec, lora=spec, seed=task.seed, in_features=in_features)

@@ -15,6 +15,7 @@ from pathlib import Path
 from flwr.app import Context, RecordDict
 
 from zoo_gym.client.app import make_client_app
+from zoo_gym.client.byzantine import Misbehaviour
 from zoo_gym.client.config import ClientConfig
 from zoo_gym.client.data import load_records
 from zoo_gym.client.runtime import ClientRuntime, RoundEvent
@@ -62,6 +63,7 @@ def join(
         runtime = ClientRuntime(
             identity=identity, conversations=conversations, home=runtime_home,
             model_source=source, device=config.device, on_event=on_event,
+            misbehaviour=Misbehaviour(config.byzantine) if config.byzantine else None,
         )
         pinned = runtime.state.coordinator_key
         if pinned and pinned != reg.coordinator_key.hex():

@@ -7,11 +7,13 @@ value stops the coordinator with one line naming the key and what to put there.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
+import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from zoo_gym.aggregation import RULES
+from zoo_gym.aggregation import RULES, aggregate, min_clients
+from zoo_gym.aggregation.dispatch import PRE_STEPS
 from zoo_gym.compression import CODECS
 from zoo_gym.core.settings import HomeConfig, load_toml
 
@@ -56,7 +58,11 @@ class CoordinatorConfig(HomeConfig):
     round_timeout_s: float = Field(600.0, gt=0)
     quorum: int = Field(1, ge=1, description="accepted updates needed to aggregate")
     aggregator: str = "fedavg"
-    byzantine_f: int = Field(0, ge=0)
+    aggregator_params: dict[str, float | int] = Field(
+        default_factory=dict, description="passed to the rule: m (multikrum), tau and iters (centered_clipping), ..."
+    )
+    pre_aggregation: str = Field("none", description="'nnm' mixes each update with its nearest neighbours first")
+    byzantine_f: int = Field(0, ge=0, description="Byzantine updates per round the rule must tolerate")
     quality_gate_tolerance: float = Field(0.02, ge=0)
     max_upload_bytes: int = Field(64 << 20, ge=1024)
     require_approval: bool = False
@@ -71,9 +77,24 @@ class CoordinatorConfig(HomeConfig):
     def _check(self) -> CoordinatorConfig:
         if self.aggregator not in AGGREGATORS:
             raise ValueError(f"aggregator must be one of {', '.join(AGGREGATORS)}, not {self.aggregator!r}")
+        if self.pre_aggregation not in ("none", *PRE_STEPS):
+            raise ValueError(f"pre_aggregation must be none or {', '.join(PRE_STEPS)}, not {self.pre_aggregation!r}")
+        needed = min_clients(self.aggregator, self.byzantine_f)
+        if self.min_clients < needed:
+            raise ValueError(
+                f"{self.aggregator} with byzantine_f = {self.byzantine_f} needs at least {needed} updates per round; "
+                f"set min_clients >= {needed} or lower byzantine_f"
+            )
+        # the rule checks its own parameters: run it once on a tiny input
+        params: dict[str, Any] = dict(self.aggregator_params)
+        aggregate(self.aggregator, torch.zeros(needed, 2), f=self.byzantine_f, pre=self.pre, **params)
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ValueError("tls_cert and tls_key go together: set both or neither")
         return self
+
+    @property
+    def pre(self) -> str | None:
+        return None if self.pre_aggregation == "none" else self.pre_aggregation
 
     @property
     def ledger_url(self) -> str:

@@ -53,7 +53,8 @@ class Coordinator:
     def make_strategy(self, layout: Callable[[], Layout]) -> ZooStrategy:
         c = self.config
         return ZooStrategy(
-            self.backend, rule=c.aggregator, f=c.byzantine_f, min_clients=c.min_clients,
+            self.backend, rule=c.aggregator, f=c.byzantine_f, params=c.aggregator_params, pre=c.pre,
+            min_clients=c.min_clients,
             clients_per_round=c.clients_per_round, quorum=c.quorum,
             wait_for_clients_s=c.wait_for_clients_s, stop=self.stop, layout=layout,
         )

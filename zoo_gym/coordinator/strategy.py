@@ -15,6 +15,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
@@ -23,7 +24,7 @@ from flwr.serverapp.strategy import FedAvg
 from sqlmodel import Session
 
 from zoo_gym import ledger
-from zoo_gym.aggregation import WEIGHTED_RULES, Aggregate, Decision, aggregate
+from zoo_gym.aggregation import WEIGHTED_RULES, Aggregate, Decision, aggregate, min_clients
 from zoo_gym.compression import EnvelopeError, decode_into
 from zoo_gym.coordinator.backend import CoordinatorBackend
 from zoo_gym.core.delta import Layout, numel, unflatten
@@ -49,6 +50,8 @@ class ZooStrategy(FedAvg):
         *,
         rule: str,
         f: int,
+        params: dict[str, float | int] | None = None,
+        pre: str | None = None,
         min_clients: int,
         clients_per_round: int,
         quorum: int,
@@ -63,6 +66,8 @@ class ZooStrategy(FedAvg):
         self.backend = backend
         self.rule = rule
         self.f = f
+        self.params: dict[str, Any] = dict(params or {})
+        self.pre = pre
         self.clients_per_round = clients_per_round
         self.quorum = quorum
         self.wait_for_clients_s = wait_for_clients_s
@@ -116,7 +121,13 @@ class ZooStrategy(FedAvg):
                 self._decide(record, selected=False, reason="update contains NaN or Inf values")
                 continue
             rows.append(reply)
-        if len(rows) < self.quorum:
+        needed = max(self.quorum, min_clients(self.rule, self.f))
+        if len(rows) < needed:
+            log.warning("round %d: %d decodable updates, %s with f=%d needs %d", server_round, len(rows),
+                        self.rule, self.f, needed)
+            for reply in rows:
+                self._decide(reply.content.config_records[SUBMISSION], selected=False,
+                             reason=f"round aborted: {len(rows)} usable updates, {self.rule} needs {needed}")
             return None, None
         updates = updates[: len(rows)]
         weights = None
@@ -125,7 +136,7 @@ class ZooStrategy(FedAvg):
                 [_number(r.content.metric_records.get(TRAIN_METRICS, MetricRecord()).get("num_examples", 1.0)) for r in rows],
                 dtype=torch.float64,
             )
-        result: Aggregate = aggregate(self.rule, updates, f=self.f, weights=weights)
+        result: Aggregate = aggregate(self.rule, updates, f=self.f, weights=weights, pre=self.pre, **self.params)
         contributors: list[str] = []
         for reply, decision in zip(rows, result.decisions, strict=True):
             record = reply.content.config_records[SUBMISSION]

@@ -41,6 +41,13 @@ class Identity:
     def generate(cls) -> Identity:
         return cls(Ed25519PrivateKey.generate())
 
+    @classmethod
+    def from_seed(cls, seed: bytes) -> Identity:
+        """The key pair whose private key is `seed` (32 bytes): for simulated contributors."""
+        if len(seed) != 32:
+            raise IdentityError(f"an Ed25519 seed is 32 bytes, got {len(seed)}")
+        return cls(Ed25519PrivateKey.from_private_bytes(seed))
+
     @property
     def public_key(self) -> bytes:
         return self.private_key.public_key().public_bytes(

@@ -45,6 +45,8 @@ class Federation:
     examples_per_client: int = 120
     codec: str = "bitdelta"
     seed: int = 0
+    byzantine: str = ""  # attack run by the extra `byzantine_clients` contributors; empty = none
+    byzantine_clients: int = 0
     processes: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
     logs: list[IO[bytes]] = field(default_factory=list)
     port: int = 0
@@ -54,8 +56,16 @@ class Federation:
     def coordinator_home(self) -> Path:
         return self.workdir / "coordinator"
 
+    @property
+    def total_clients(self) -> int:
+        return self.clients + (self.byzantine_clients if self.byzantine else 0)
+
     def client_home(self, i: int) -> Path:
-        return self.workdir / f"client-{i}"
+        return self.workdir / self.client_name(i)
+
+    def client_name(self, i: int) -> str:
+        """Honest clients are client-0 ... client-(clients - 1); attackers come after them."""
+        return f"client-{i}" if i < self.clients else f"byzantine-{i - self.clients}"
 
     def prepare(self) -> None:
         self.workdir.mkdir(parents=True, exist_ok=True)
@@ -70,15 +80,15 @@ class Federation:
         lines = [
             f'listen = "127.0.0.1:{self.port}"', f'rest_listen = "127.0.0.1:{self.rest_port}"',
             f'validation_data = "{(self.coordinator_home / "validation.jsonl").resolve()}"',
-            f"seed = {self.seed}", f"rounds = {self.rounds}", f"min_clients = {self.clients}",
-            f'aggregator = "{self.aggregator}"', "round_timeout_s = 300", "wait_for_clients_s = 120",
+            f"seed = {self.seed}", f"rounds = {self.rounds}", f"min_clients = {self.total_clients}",
+            f'aggregator = "{self.aggregator}"', f"byzantine_f = {self.total_clients - self.clients}", "round_timeout_s = 300", "wait_for_clients_s = 120",
             "", "[training]", f"steps = {self.steps}", "learning_rate = 0.005", f'codec = "{self.codec}"',
         ]
         config.write_text("\n".join(lines) + "\n")
-        records = make_examples(self.clients * self.examples_per_client, seed=self.seed + 1)
-        for i, part in enumerate(shard(records, self.clients)):
+        records = make_examples(self.total_clients * self.examples_per_client, seed=self.seed + 1)
+        for i, part in enumerate(shard(records, self.total_clients)):
             home = self.client_home(i)
-            subprocess.run(_python("zoo_gym.cli.client", "init", "--home", str(home), "--name", f"client-{i}"),
+            subprocess.run(_python("zoo_gym.cli.client", "init", "--home", str(home), "--name", self.client_name(i)),
                            check=True, capture_output=True)
             write_jsonl(part, home / "data.jsonl")
 
@@ -93,11 +103,11 @@ class Federation:
     def start(self) -> None:
         self._spawn("coordinator", _python("zoo_gym.cli.coordinator", "serve", "-c",
                                            str(self.coordinator_home / "coordinator.toml")))
-        for i in range(self.clients):
-            self.start_client(i)
+        for i in range(self.total_clients):
+            self.start_client(i, *(("--byzantine", self.byzantine) if i >= self.clients else ()))
 
     def start_client(self, i: int, *extra: str) -> subprocess.Popen[bytes]:
-        return self._spawn(f"client-{i}", _python(
+        return self._spawn(self.client_name(i), _python(
             "zoo_gym.cli.client", "join", f"127.0.0.1:{self.port}", "--home", str(self.client_home(i)),
             "--data", str(self.client_home(i) / "data.jsonl"), "--max-rounds", str(self.rounds), *extra))
 
@@ -130,7 +140,7 @@ class Federation:
     def wait_clients(self, timeout_s: float = 60.0) -> None:
         deadline = time.monotonic() + timeout_s
         for name, proc in self.processes.items():
-            if name.startswith("client-"):
+            if name != "coordinator":
                 with contextlib.suppress(subprocess.TimeoutExpired):
                     proc.wait(timeout=max(0.1, deadline - time.monotonic()))
 

@@ -3,13 +3,19 @@
 The coordinator, intake, ledger, aggregation and the clients' training are the
 deployment code; only the wire is replaced by function calls. Used by tests
 and by sweeps that need many rounds quickly.
+
+Byzantine contributors come in two kinds. Under a data attack (`label_flip`,
+`random_completion`) they are ordinary ClientApps training on poisoned records.
+Under an update attack (`sign_flip`, `alie`, ...) they are registered keys whose
+replies an omniscient `Adversary` crafts from the round's honest updates; they do
+not train.
 """
 
 from __future__ import annotations
 
 import shutil
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -17,7 +23,9 @@ from typing import Any
 from flwr.app import Context, Message, RecordDict
 
 from zoo_gym.client.app import make_client_app
+from zoo_gym.client.byzantine import DATA_ATTACKS, Misbehaviour
 from zoo_gym.client.runtime import ClientRuntime
+from zoo_gym.coordinator.backend import CoordinatorBackend
 from zoo_gym.coordinator.config import CoordinatorConfig, load_config
 from zoo_gym.coordinator.rounds import RoundSummary
 from zoo_gym.coordinator.service import Coordinator
@@ -25,14 +33,29 @@ from zoo_gym.core.chat import to_conversation
 from zoo_gym.core.identity import Identity
 from zoo_gym.core.manifest import read_verified
 from zoo_gym.core.protocol import register_statement
+from zoo_gym.simulation.adversary import UPDATE_ATTACKS, Adversary
+from zoo_gym.simulation.grid import SimulationGrid
 from zoo_gym.transport.loopback import LoopbackGrid
+
+ATTACK_NAMES = ("none", *UPDATE_ATTACKS, *DATA_ATTACKS)
+
+
+def register(backend: CoordinatorBackend, identity: Identity, name: str) -> int:
+    """Register `identity` with the coordinator as a contributor would; returns its node id."""
+    ts = int(time.time() * 1000)
+    reg = backend.register(
+        public_key=identity.public_key, name=name, timestamp_ms=ts,
+        signature=identity.sign(register_statement(identity.public_key, name, ts)),
+    )
+    return reg.node_id
 
 
 @dataclass
 class InProcessFederation:
     coordinator: Coordinator
     runtimes: dict[int, ClientRuntime]
-    grid: LoopbackGrid
+    grid: SimulationGrid
+    byzantine: dict[int, str] = field(default_factory=dict)  # node id -> contributor id
     summaries: list[RoundSummary] = field(default_factory=list)
 
     @classmethod
@@ -43,7 +66,14 @@ class InProcessFederation:
         *,
         overrides: dict[str, Any] | None = None,
         tamper: Callable[[int, Message], Message] | None = None,
+        byzantine: Collection[int] = (),
+        attack: str = "none",
+        attack_params: Mapping[str, float] | None = None,
+        seed: int = 0,
     ) -> InProcessFederation:
+        """Shard i trains as client i; the clients whose index is in `byzantine` run `attack`."""
+        if attack not in ATTACK_NAMES:
+            raise ValueError(f"unknown attack {attack!r}; choose one of {', '.join(ATTACK_NAMES)}")
         config = load_config(home / "coordinator.toml")
         config = CoordinatorConfig.model_validate({**config.model_dump(), **(overrides or {})})
         co = Coordinator(config)
@@ -56,23 +86,38 @@ class InProcessFederation:
 
         runtimes: dict[int, ClientRuntime] = {}
         nodes = {}
+        crafted: dict[int, Identity] = {}
+        bad: dict[int, str] = {}
         for i, records in enumerate(shards):
             identity = Identity.generate()
-            ts = int(time.time() * 1000)
-            reg = co.backend.register(
-                public_key=identity.public_key, name=f"client-{i}", timestamp_ms=ts,
-                signature=identity.sign(register_statement(identity.public_key, f"client-{i}", ts)),
-            )
+            node = register(co.backend, identity, f"client-{i}")
+            attacker = i in byzantine and attack != "none"
+            if attacker:
+                bad[node] = identity.contributor_id
+            if attacker and attack in UPDATE_ATTACKS:
+                crafted[node] = identity
+                continue
             runtime = ClientRuntime(
                 identity=identity, conversations=[to_conversation(r) for r in records],
                 home=home / "clients" / f"client-{i}", model_source=source,
+                misbehaviour=Misbehaviour(attack, dict(attack_params or {}), seed=seed + i) if attacker else None,
             )
-            runtimes[reg.node_id] = runtime
-            context = Context(run_id=1, node_id=reg.node_id, node_config={}, state=RecordDict(), run_config={})
-            nodes[reg.node_id] = (make_client_app(runtime), context)
-        grid = LoopbackGrid(co.backend, nodes, spool=home / "spool", tamper=tamper)
-        return cls(co, runtimes, grid)
+            runtimes[node] = runtime
+            context = Context(run_id=1, node_id=node, node_config={}, state=RecordDict(), run_config={})
+            nodes[node] = (make_client_app(runtime), context)
+        adversary = None
+        if crafted:
+            adversary = Adversary(attack, crafted, f=config.byzantine_f, seed=seed, params=dict(attack_params or {}))
+        inner = LoopbackGrid(co.backend, nodes, spool=home / "spool", tamper=tamper, intake=False)
+        grid = SimulationGrid(inner, co.backend, routes={n: n for n in nodes}, spool=home / "spool",
+                              adversary=adversary)
+        return cls(co, runtimes, grid, bad)
 
-    def run(self) -> list[RoundSummary]:
-        self.coordinator.run(self.grid, on_round=self.summaries.append)
+    def run(self, on_round: Callable[[RoundSummary], None] | None = None) -> list[RoundSummary]:
+        def record(summary: RoundSummary) -> None:
+            self.summaries.append(summary)
+            if on_round is not None:
+                on_round(summary)
+
+        self.coordinator.run(self.grid, on_round=record)
         return self.summaries

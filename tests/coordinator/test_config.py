@@ -1,0 +1,36 @@
+"""Coordinator config: the aggregation policy is checked when it is loaded, in one line."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from zoo_gym.coordinator.config import ConfigError, load_config
+
+
+def _write(home: Path, text: str) -> Path:
+    home.mkdir(parents=True, exist_ok=True)
+    path = home / "coordinator.toml"
+    path.write_text(text)
+    return path
+
+
+def test_rule_parameters_and_pre_aggregation_are_loaded(tmp_path: Path) -> None:
+    path = _write(tmp_path, 'aggregator = "multikrum"\nbyzantine_f = 1\nmin_clients = 5\n'
+                            'pre_aggregation = "nnm"\n[aggregator_params]\nm = 2\n')
+    config = load_config(path)
+    assert (config.aggregator, config.aggregator_params, config.pre) == ("multikrum", {"m": 2}, "nnm")
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    ('aggregator = "krum"\nbyzantine_f = 2\nmin_clients = 5\n',
+     "krum with byzantine_f = 2 needs at least 7 updates per round; set min_clients >= 7 or lower byzantine_f"),
+    ('aggregator = "bulyan"\nbyzantine_f = 1\nmin_clients = 6\n', "bulyan with byzantine_f = 1 needs at least 7"),
+    ('pre_aggregation = "mix"\n', "pre_aggregation must be none or nnm, not 'mix'"),
+    ('aggregator = "centered_clipping"\nmin_clients = 3\n[aggregator_params]\ntau = -1.0\n', "tau must be > 0"),
+])
+def test_bad_aggregation_policy_is_one_line(tmp_path: Path, text: str, message: str) -> None:
+    with pytest.raises(ConfigError) as exc:
+        load_config(_write(tmp_path, text))
+    assert message in str(exc.value) and "\n" not in str(exc.value)

@@ -1,0 +1,278 @@
+"""Attack matrices: aggregators x attacks x Byzantine shares, each cell a whole federation.
+
+Every cell runs the deployment round loop (intake, aggregation, ledger, merge) for
+`rounds` rounds with `clients` virtual contributors on the tiny model and the
+synthetic addition task, `round(share * clients)` of them Byzantine. Each aggregator
+also runs once with no attack: its baseline.
+
+Quality of a run is how far it lowered the validation loss from the initial base,
+q = L_0 - L_R; a cell's relative quality is q / q_baseline of the same aggregator
+(1.0 = the attack did no harm; 0 = no progress at all; negative = worse than the
+initial model). Everything is derived from `seed`: data, Byzantine clients, LoRA
+seeds and attack randomness, so a sweep is reproducible.
+
+The rule tolerates `f` Byzantine updates in every cell, by default the number of
+attackers at the largest share: the defence is configured once, as an operator
+would, not per attack.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import hashlib
+import logging
+import math
+import multiprocessing
+import shutil
+import time
+import tomllib
+import warnings
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from sqlmodel import Session
+
+from zoo_gym import ledger
+from zoo_gym.aggregation import RULES, min_clients
+from zoo_gym.core.synthetic import make_examples, shard
+from zoo_gym.simulation.inprocess import ATTACK_NAMES
+
+log = logging.getLogger(__name__)
+
+
+class SweepError(ValueError):
+    """A sweep config or flag holds a bad value (one-line message)."""
+
+
+class SweepConfig(BaseModel):
+    """One attack matrix; every field can come from a TOML file or a flag."""
+
+    model_config = ConfigDict(extra="forbid")
+    aggregators: list[str] = ["fedavg", "krum", "multikrum", "trimmed_mean", "median", "geometric_median"]
+    attacks: list[str] = ["sign_flip", "scaling", "alie", "ipm", "label_flip"]
+    byzantine_shares: list[float] = [0.1, 0.2, 0.3]
+    clients: int = Field(10, ge=2)
+    rounds: int = Field(4, ge=1)
+    steps: int = Field(10, ge=1, description="local training steps per round")
+    learning_rate: float = Field(0.01, gt=0)
+    batch_size: int = Field(8, ge=1)
+    examples_per_client: int = Field(60, ge=4)
+    f: int | None = Field(None, ge=0, description="Byzantine updates the rules tolerate; default: attackers at the largest share")
+    pre_aggregation: str = "none"
+    aggregator_params: dict[str, dict[str, float]] = {}
+    attack_params: dict[str, dict[str, float]] = {}
+    codec: str = "bitdelta"
+    quality_gate: bool = Field(False, description="keep the coordinator's quality gate (off: measure the rule alone)")
+    engine: Literal["inprocess", "ray"] = "inprocess"
+    jobs: int = Field(1, ge=1, description="cells run in parallel (in-process engine)")
+    seed: int = 0
+
+    @model_validator(mode="after")
+    def _check(self) -> SweepConfig:
+        for rule in self.aggregators:
+            if rule not in RULES:
+                raise ValueError(f"unknown aggregator {rule!r}; choose from {', '.join(RULES)}")
+        for attack in self.attacks:
+            if attack not in ATTACK_NAMES or attack == "none":
+                raise ValueError(f"unknown attack {attack!r}; choose from {', '.join(ATTACK_NAMES[1:])}")
+        for share in self.byzantine_shares:
+            if not 0.0 < share < 0.5:
+                raise ValueError(f"Byzantine shares must lie in (0, 0.5), got {share}")
+        for rule in self.aggregators:
+            needed = min_clients(rule, self.tolerated)
+            if needed > self.clients:
+                raise ValueError(
+                    f"{rule} needs {needed} clients to tolerate f = {self.tolerated}; "
+                    f"raise clients to {needed} or drop {rule}"
+                )
+        return self
+
+    @property
+    def tolerated(self) -> int:
+        if self.f is not None:
+            return self.f
+        return max((self.attackers(s) for s in self.byzantine_shares), default=0)
+
+    def attackers(self, share: float) -> int:
+        return math.floor(share * self.clients + 0.5)
+
+    def cells(self) -> Iterator[Cell]:
+        for rule in self.aggregators:
+            yield Cell(rule, "none", 0.0)
+            for attack in self.attacks:
+                for share in self.byzantine_shares:
+                    yield Cell(rule, attack, share)
+
+
+def load_sweep(path: Path | None, overrides: dict[str, Any]) -> SweepConfig:
+    """The sweep in the TOML file `path` (or the defaults), with `overrides` on top."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        try:
+            data = tomllib.loads(path.read_text())
+        except FileNotFoundError:
+            raise SweepError(f"no sweep config at {path}; pass an existing --config file") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise SweepError(f"{path} is not valid TOML ({exc})") from None
+    try:
+        return SweepConfig.model_validate({**data, **overrides})
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        where = "".join(f"{p}: " for p in (path, ".".join(str(p) for p in err["loc"])) if p)
+        raise SweepError(where + err["msg"].removeprefix("Value error, ")) from None
+
+
+@dataclass(frozen=True)
+class Cell:
+    aggregator: str
+    attack: str
+    share: float
+
+    @property
+    def name(self) -> str:
+        return f"{self.aggregator}-{self.attack}-{round(self.share * 100):02d}"
+
+
+@dataclass(frozen=True)
+class CellResult:
+    aggregator: str
+    attack: str
+    byzantine_share: float
+    byzantine_clients: int
+    f: int
+    losses: tuple[float, ...]  # L_0 (initial base), then after each round
+    published: int  # rounds whose aggregate was published
+    byzantine_selected: float  # share of Byzantine updates the rule selected, over all rounds
+    seconds: float
+
+    @property
+    def quality(self) -> float:
+        return self.losses[0] - self.losses[-1]
+
+
+def byzantine_indices(config: SweepConfig, share: float) -> list[int]:
+    """Which clients attack at `share`: a seeded choice, nested across shares."""
+    digest = hashlib.sha256(f"zoo-gym/byzantine|{config.seed}".encode()).digest()
+    order = torch.randperm(config.clients, generator=torch.Generator().manual_seed(int.from_bytes(digest[:7], "big")))
+    return sorted(order[: config.attackers(share)].tolist())
+
+
+def cell_overrides(config: SweepConfig, cell: Cell) -> dict[str, Any]:
+    """Coordinator settings for one cell."""
+    return {
+        "rounds": config.rounds, "min_clients": config.clients, "aggregator": cell.aggregator,
+        "byzantine_f": config.tolerated, "aggregator_params": config.aggregator_params.get(cell.aggregator, {}),
+        "pre_aggregation": config.pre_aggregation, "seed": config.seed, "round_timeout_s": 3600.0,
+        "wait_for_clients_s": 60.0,
+        "quality_gate_tolerance": 0.02 if config.quality_gate else math.inf,
+        "training": {"steps": config.steps, "learning_rate": config.learning_rate,
+                     "batch_size": config.batch_size, "codec": config.codec},
+    }
+
+
+def shards_for(config: SweepConfig) -> list[list[dict[str, str]]]:
+    records = make_examples(config.clients * config.examples_per_client, seed=config.seed + 1)
+    return shard(records, config.clients)
+
+
+def make_template(workdir: Path, seed: int) -> Path:
+    """The tiny coordinator home every cell copies (model, tokenizer, validation split)."""
+    from zoo_gym.coordinator.setup import init_home
+
+    template = workdir / "template"
+    if not (template / "coordinator.toml").exists():
+        shutil.rmtree(template, ignore_errors=True)
+        init_home(template, tiny=True, settings="", seed=seed)
+    return template
+
+
+def run_cell(config: SweepConfig, cell: Cell, template: Path, workdir: Path) -> CellResult:
+    """One federation: copy the template home, run it, read the outcome from its ledger."""
+    home = workdir / "cells" / cell.name
+    shutil.rmtree(home, ignore_errors=True)
+    shutil.copytree(template, home)
+    attackers = byzantine_indices(config, cell.share) if cell.attack != "none" else []
+    started = time.perf_counter()
+    if config.engine == "ray":
+        from zoo_gym.simulation.ray_engine import run_ray_federation
+
+        summaries, co, bad = run_ray_federation(config, cell, home, attackers)
+    else:
+        from zoo_gym.simulation.inprocess import InProcessFederation
+
+        fed = InProcessFederation.build(
+            home, shards_for(config), overrides=cell_overrides(config, cell), byzantine=attackers,
+            attack=cell.attack, attack_params=config.attack_params.get(cell.attack, {}), seed=config.seed,
+        )
+        summaries, co, bad = fed.run(), fed.coordinator, set(fed.byzantine.values())
+    seconds = time.perf_counter() - started
+    if not summaries:
+        raise RuntimeError(f"cell {cell.name} ran no round; see {home}")
+    with Session(co.engine) as session:
+        subs = [s for s in ledger.list_submissions(session) if s.contributor_id in bad]
+    selected = sum(1 for s in subs if s.selected) / len(subs) if subs else 0.0
+    return CellResult(
+        aggregator=cell.aggregator, attack=cell.attack, byzantine_share=cell.share,
+        byzantine_clients=len(attackers), f=config.tolerated,
+        losses=(summaries[0].loss_before, *(s.loss_after if s.status == "published" else s.loss_before
+                                             for s in summaries)),
+        published=sum(1 for s in summaries if s.status == "published"),
+        byzantine_selected=selected, seconds=seconds,
+    )
+
+
+def _worker_init() -> None:
+    torch.set_num_threads(1)
+    logging.getLogger().setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore", category=FutureWarning, module="transformers")
+
+
+def _run_in_worker(config: SweepConfig, cell: Cell, template: Path, workdir: Path) -> CellResult:
+    return run_cell(config, cell, template, workdir)
+
+
+def run_sweep(
+    config: SweepConfig, workdir: Path, *, on_result: Callable[[CellResult], None] | None = None
+) -> list[CellResult]:
+    """Every cell of `config`, in `config.cells()` order; `on_result` sees each as it finishes."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    template = make_template(workdir, config.seed)
+    cells = list(config.cells())
+    results: dict[Cell, CellResult] = {}
+
+    def done(cell: Cell, result: CellResult) -> None:
+        results[cell] = result
+        if on_result is not None:
+            on_result(result)
+
+    if config.jobs == 1 or config.engine == "ray":
+        for cell in cells:
+            done(cell, run_cell(config, cell, template, workdir))
+    else:
+        context = multiprocessing.get_context("spawn")
+        with concurrent.futures.ProcessPoolExecutor(config.jobs, mp_context=context, initializer=_worker_init) as pool:
+            futures = {pool.submit(_run_in_worker, config, c, template, workdir): c for c in cells}
+            for future in concurrent.futures.as_completed(futures):
+                done(futures[future], future.result())
+    return [results[c] for c in cells]
+
+
+def as_row(result: CellResult, baseline: CellResult | None) -> dict[str, Any]:
+    """One CSV row: the result, its quality and its quality relative to the baseline."""
+    row = asdict(result)
+    row["losses"] = " ".join(f"{x:.5f}" for x in result.losses)
+    row["initial_loss"] = result.losses[0]
+    row["final_loss"] = result.losses[-1]
+    row["quality"] = result.quality
+    row["relative_quality"] = relative(result, baseline)
+    return row
+
+
+def relative(result: CellResult, baseline: CellResult | None) -> float:
+    if baseline is None or baseline.quality <= 0:
+        return math.nan
+    return result.quality / baseline.quality

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import tempfile
 from pathlib import Path
 from typing import Annotated, Any
@@ -114,6 +115,7 @@ def run(
 ) -> None:
     """Run an attack matrix (aggregators x attacks x Byzantine shares) and write tables and plots."""
     setup_logging(False)
+    logging.getLogger("flwr").setLevel(logging.ERROR)  # one warning per federation otherwise
     from rich.markdown import Markdown
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 

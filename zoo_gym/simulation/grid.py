@@ -77,10 +77,8 @@ class SimulationGrid(RunGrid):
         byzantine = self.adversary.identities if self.adversary else {}
         honest = [m for m in batch if m.metadata.dst_node_id not in byzantine]
         forwarded = {
-            id(m): self.inner.create_message(
-                m.content, m.metadata.message_type, self.routes[m.metadata.dst_node_id],
-                m.metadata.group_id, ttl=m.metadata.ttl,
-            )
+            id(m): Message(m.content, self.routes[m.metadata.dst_node_id], m.metadata.message_type,
+                           ttl=m.metadata.ttl, group_id=m.metadata.group_id)
             for m in honest
         }
         inner_replies = list(self.inner.send_and_receive(list(forwarded.values()), timeout=timeout))

@@ -115,12 +115,13 @@ def run(
 ) -> None:
     """Run an attack matrix (aggregators x attacks x Byzantine shares) and write tables and plots."""
     setup_logging(False)
-    logging.getLogger("flwr").setLevel(logging.ERROR)  # one warning per federation otherwise
     from rich.markdown import Markdown
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from zoo_gym.simulation.experiment import CellResult, SweepError, load_sweep, run_sweep
     from zoo_gym.simulation.report import write_report
+
+    logging.getLogger("flwr").setLevel(logging.ERROR)  # after flwr's import: one warning per federation otherwise
 
     def items(value: str) -> list[str]:
         return [v.strip() for v in value.split(",") if v.strip()]

@@ -5,6 +5,9 @@ reply goes through the coordinator's intake (`FederationBackend.receive`)
 exactly as an upload over gRPC does, so validation, the ledger and the round
 loop are the code that runs in deployment. Rounds take milliseconds plus
 training time, which makes this the Grid for tests and for sweeps.
+
+With `intake=False` the Grid returns the ClientApps' raw replies, for a wrapper
+(the simulator's adversary) that looks at them before `submit_to_intake`.
 """
 
 from __future__ import annotations
@@ -33,8 +36,10 @@ class LoopbackGrid(RunGrid):
         workers: int = 1,
         run_id: int = 1,
         tamper: Callable[[int, Message], Message] | None = None,
+        intake: bool = True,
     ) -> None:
         self.backend = backend
+        self.intake = intake
         self.nodes = nodes
         self.spool = spool
         self.workers = workers
@@ -52,19 +57,9 @@ class LoopbackGrid(RunGrid):
         reply = app(message, context)
         if self.tamper is not None:
             reply = self.tamper(node_id, reply)
-        if reply.has_error():
+        if not self.intake:
             return reply
-        payload, content, record = split_payload(reply)
-        fd, name = tempfile.mkstemp(dir=self.spool, suffix=".part")
-        path = Path(name)
-        try:
-            with open(fd, "wb") as fh:
-                fh.write(payload)
-            submission = submission_of(record)
-            _, server_content = self.backend.receive(submission, path, content, node_id=node_id)
-        finally:
-            path.unlink(missing_ok=True)
-        return Message(server_content, reply_to=message)
+        return submit_to_intake(self.backend, self.spool, node_id, reply, message)
 
     def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
         batch = list(messages)
@@ -85,3 +80,25 @@ class LoopbackGrid(RunGrid):
     ) -> Iterable[Message]:
         return list(self.pull_messages(self.push_messages(messages)))
 
+
+
+def submit_to_intake(
+    backend: FederationBackend, spool: Path, node_id: int, reply: Message, request: Message
+) -> Message:
+    """Run a ClientApp's `reply` through the coordinator's intake, as an upload over gRPC.
+
+    The payload is spooled to a file the way the gRPC servicer spools a stream; the
+    returned Message is what the ServerApp sees: the intake's verdict, no payload.
+    """
+    if reply.has_error():
+        return reply
+    payload, content, record = split_payload(reply)
+    fd, name = tempfile.mkstemp(dir=spool, suffix=".part")
+    path = Path(name)
+    try:
+        with open(fd, "wb") as fh:
+            fh.write(payload)
+        _, server_content = backend.receive(submission_of(record), path, content, node_id=node_id)
+    finally:
+        path.unlink(missing_ok=True)
+    return Message(server_content, reply_to=request)

@@ -83,3 +83,38 @@ def test_round_with_fewer_updates_than_the_rule_needs_is_aborted(tiny_home: Path
         used = [s for s in ledger.list_submissions(session) if s.decision == "accepted"]
     assert len(used) == 3
     assert all(s.aggregation_reason == "round aborted: 3 usable updates, krum needs 5" for s in used)
+
+
+def test_operator_abort_and_staged_policy_reach_the_round_loop(tiny_home: Path) -> None:
+    # Prepare: round 1 is aborted by an operator; a policy change switches round 2 to the median
+    from zoo_gym.coordinator.control import PolicyChange
+
+    shards = shard(make_examples(3 * 24, seed=3), 3)
+    fed = InProcessFederation.build(tiny_home, shards, overrides={"rounds": 2, "min_clients": 3,
+                                                                  "training": {"steps": 2}})
+    co = fed.coordinator
+    co.control.request_abort(1, by="admin:ops", reason="suspicious data")
+    staged = co.config.model_copy(update={"aggregator": "median", "byzantine_f": 1})
+    statuses: list[str] = []
+
+    def after(summary: object) -> None:
+        statuses.append(getattr(summary, "status"))
+        if len(statuses) == 1:
+            co.control.stage_policy(PolicyChange(staged, {"aggregator": ("fedavg", "median")}, by="admin:ops"))
+
+    # Execute
+    fed.run(on_round=after)
+
+    # Assert: round 1 aborted with who and why; round 2 ran under the staged rule
+    assert statuses == ["aborted", "published"]
+    with Session(co.engine) as session:
+        first, second = ledger.get_round(session, number=1), ledger.get_round(session, number=2)
+        assert first is not None and second is not None
+        assert (first.metrics or {})["aborted_by"] == "admin:ops"
+        assert (first.metrics or {})["reason"] == "suspicious data"
+        assert "median" in (ledger.list_submissions(session, round_number=2)[0].aggregation_reason or "")
+    assert co.config.aggregator == "median"
+    exposed = co.metrics.exposition().decode()
+    assert 'zoo_gym_rounds_total{status="aborted"} 1.0' in exposed
+    assert 'zoo_gym_rounds_total{status="published"} 1.0' in exposed
+    assert "zoo_gym_submissions_accepted_total 6.0" in exposed

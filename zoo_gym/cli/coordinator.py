@@ -2,24 +2,50 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated, NoReturn
 
 import typer
 
-from zoo_gym.cli.common import console, friendly, setup_logging
-from zoo_gym.coordinator.setup import CONFIG
+from zoo_gym.cli.admin import app as admin_app
+from zoo_gym.cli.common import console, err_console, friendly, setup_logging
+
+if TYPE_CHECKING:
+    from sqlalchemy import Engine
+
+    from zoo_gym.coordinator.config import CoordinatorConfig
+
+CONFIG = "coordinator.toml"  # zoo_gym.coordinator.setup.CONFIG, not imported: it loads torch
 
 app = typer.Typer(help="Run a zoo-gym coordinator.", no_args_is_help=True, add_completion=False)
+apikey_app = typer.Typer(
+    help="Operators' REST API keys (the ledger keeps only their hashes).", no_args_is_help=True
+)
+ledger_app = typer.Typer(help="The coordinator's ledger.", no_args_is_help=True)
+app.add_typer(admin_app, name="admin")
+app.add_typer(apikey_app, name="apikey")
+app.add_typer(ledger_app, name="ledger")
+
+ConfigOpt = Annotated[Path, typer.Option("--config", "-c", help="coordinator.toml")]
+FormatOpt = Annotated[str, typer.Option("--format", "-f", help="table or json")]
 
 
 @app.command()
 @friendly
 def init(
-    home: Annotated[Path, typer.Option(help="directory for config, keys, models and the ledger")] = Path("coordinator"),
-    tiny: Annotated[bool, typer.Option(help="create a tiny demo model, task and validation split")] = False,
-    base_model: Annotated[Path | None, typer.Option(help="Hugging Face model directory to start from")] = None,
-    validation: Annotated[Path | None, typer.Option(help="validation JSONL (Alpaca/ShareGPT)")] = None,
+    home: Annotated[
+        Path, typer.Option(help="directory for config, keys, models and the ledger")
+    ] = Path("coordinator"),
+    tiny: Annotated[
+        bool, typer.Option(help="create a tiny demo model, task and validation split")
+    ] = False,
+    base_model: Annotated[
+        Path | None, typer.Option(help="Hugging Face model directory to start from")
+    ] = None,
+    validation: Annotated[
+        Path | None, typer.Option(help="validation JSONL (Alpaca/ShareGPT)")
+    ] = None,
     listen: Annotated[str, typer.Option(help="gRPC address for contributors")] = "127.0.0.1:7443",
     rest_listen: Annotated[str, typer.Option(help="REST address for operators")] = "127.0.0.1:8080",
     seed: int = 0,
@@ -30,8 +56,13 @@ def init(
     if not tiny and (base_model is None or validation is None):
         raise typer.BadParameter("pass --tiny, or both --base-model and --validation")
     config, signer, published = init_home(
-        home, tiny=tiny, base_model=base_model, validation=validation, listen=listen,
-        rest_listen=rest_listen, seed=seed,
+        home,
+        tiny=tiny,
+        base_model=base_model,
+        validation=validation,
+        listen=listen,
+        rest_listen=rest_listen,
+        seed=seed,
     )
     console.print(f"coordinator home {home}: config {config}, base {published.version}")
     console.print(f"coordinator key (contributors pin it): {signer.public_key.hex()}")
@@ -40,9 +71,16 @@ def init(
 @app.command()
 @friendly
 def serve(
-    config: Annotated[Path, typer.Option("--config", "-c", help="coordinator.toml")] = Path("coordinator") / CONFIG,
-    rounds: Annotated[int | None, typer.Option(help="override: rounds to run (0 = until stopped)")] = None,
-    min_clients: Annotated[int | None, typer.Option(help="override: clients needed to start a round")] = None,
+    config: Annotated[Path, typer.Option("--config", "-c", help="coordinator.toml")] = Path(
+        "coordinator"
+    )
+    / CONFIG,
+    rounds: Annotated[
+        int | None, typer.Option(help="override: rounds to run (0 = until stopped)")
+    ] = None,
+    min_clients: Annotated[
+        int | None, typer.Option(help="override: clients needed to start a round")
+    ] = None,
     aggregator: Annotated[str | None, typer.Option(help="override: aggregation rule")] = None,
     listen: Annotated[str | None, typer.Option(help="override: gRPC address")] = None,
     rest_listen: Annotated[str | None, typer.Option(help="override: REST address")] = None,
@@ -54,11 +92,204 @@ def serve(
     from zoo_gym.coordinator.service import Coordinator
 
     cfg = load_config(config)
-    overrides = {k: v for k, v in {"rounds": rounds, "min_clients": min_clients, "aggregator": aggregator,
-                                   "listen": listen, "rest_listen": rest_listen}.items() if v is not None}
+    overrides = {
+        k: v
+        for k, v in {
+            "rounds": rounds,
+            "min_clients": min_clients,
+            "aggregator": aggregator,
+            "listen": listen,
+            "rest_listen": rest_listen,
+        }.items()
+        if v is not None
+    }
     if overrides:
         cfg = CoordinatorConfig.model_validate({**cfg.model_dump(), **overrides})
     Coordinator(cfg).serve()
+
+
+def _fail(message: str) -> NoReturn:
+    err_console.print(f"error: {message}", markup=False, soft_wrap=True)
+    raise typer.Exit(1)
+
+
+def _open_ledger(config: Path, *, migrate: bool = True) -> tuple[CoordinatorConfig, Engine]:
+    """The coordinator's config and its ledger engine (`migrate`: bring the schema to head)."""
+    from sqlalchemy.engine import make_url
+    from sqlalchemy.exc import SQLAlchemyError
+
+    from zoo_gym import ledger
+    from zoo_gym.coordinator.config import load_config
+    from zoo_gym.ledger.db import create_ledger_engine
+
+    cfg = load_config(config)
+    url = make_url(cfg.ledger_url)
+    if url.get_backend_name() == "sqlite" and not Path(url.database or "").exists():
+        _fail(f"no ledger at {url.database}; has this coordinator run (`gym-coordinator serve`)?")
+    try:
+        return cfg, (
+            ledger.open_database(cfg.ledger_url)
+            if migrate
+            else create_ledger_engine(cfg.ledger_url)
+        )
+    except SQLAlchemyError as exc:
+        _fail(
+            f"cannot open the ledger at {url.render_as_string(hide_password=True)}: {exc.args[0]}"
+        )
+
+
+def _actor() -> str:
+    import getpass
+    import socket
+
+    return f"cli:{getpass.getuser()}@{socket.gethostname()}"
+
+
+@apikey_app.command("create")
+@friendly
+def apikey_create(
+    name: Annotated[str, typer.Option(help="who or what uses the key, e.g. alice or prometheus")],
+    role: Annotated[str, typer.Option(help="admin (everything) or viewer (read only)")] = "viewer",
+    config: ConfigOpt = Path("coordinator") / CONFIG,
+    format: FormatOpt = "table",
+) -> None:
+    """Issue an API key; its token is printed once and only its hash is stored."""
+    from sqlmodel import Session
+
+    from zoo_gym import ledger
+
+    if role not in ledger.API_ROLES:
+        _fail(f"--role must be admin or viewer, not {role!r}")
+    _, engine = _open_ledger(config)
+    with Session(engine) as session:
+        try:
+            issued = ledger.create_api_key(session, name=name, role=role, actor=_actor())
+        except ledger.LedgerError as exc:
+            _fail(str(exc))
+    if format == "json":
+        typer.echo(
+            json.dumps(
+                {
+                    **ledger.ApiKeyPublic.model_validate(issued.key).model_dump(mode="json"),
+                    "token": issued.token,
+                },
+                indent=2,
+            )
+        )
+        return
+    console.print(
+        f"{role} key {issued.key.prefix} ({issued.key.name}) created. Its token, shown only now:"
+    )
+    typer.echo(issued.token)
+    console.print("Pass it as --token or ZOO_GYM_TOKEN (Authorization: Bearer <token>).")
+
+
+@apikey_app.command("list")
+@friendly
+def apikey_list(
+    config: ConfigOpt = Path("coordinator") / CONFIG, format: FormatOpt = "table"
+) -> None:
+    """Every API key (never the tokens)."""
+    from rich.table import Table
+    from sqlmodel import Session
+
+    from zoo_gym import ledger
+
+    _, engine = _open_ledger(config)
+    with Session(engine) as session:
+        keys = [
+            ledger.ApiKeyPublic.model_validate(k).model_dump(mode="json")
+            for k in ledger.list_api_keys(session)
+        ]
+    if format == "json":
+        typer.echo(json.dumps(keys, indent=2))
+        return
+    table = Table(title="API keys")
+    for col in ("prefix", "name", "role", "created_at", "revoked_at"):
+        table.add_column(col)
+    for k in keys:
+        table.add_row(k["prefix"], k["name"], k["role"], k["created_at"], k["revoked_at"] or "-")
+    console.print(table)
+
+
+@apikey_app.command("revoke")
+@friendly
+def apikey_revoke(
+    key: Annotated[str, typer.Argument(help="the key's prefix (see `apikey list`) or its name")],
+    config: ConfigOpt = Path("coordinator") / CONFIG,
+) -> None:
+    """Revoke a key: its token stops working at once."""
+    from sqlmodel import Session
+
+    from zoo_gym import ledger
+
+    _, engine = _open_ledger(config)
+    with Session(engine) as session:
+        try:
+            row = ledger.revoke_api_key(session, key=key, actor=_actor())
+        except ledger.LedgerError as exc:
+            _fail(str(exc))
+    console.print(f"revoked {row.role} key {row.prefix} ({row.name})")
+
+
+@ledger_app.command("verify")
+@friendly
+def ledger_verify(
+    config: ConfigOpt = Path("coordinator") / CONFIG,
+    public_key: Annotated[
+        str | None,
+        typer.Option(
+            help="hex Ed25519 key the checkpoints must be signed with (default: this coordinator's key)",
+        ),
+    ] = None,
+    format: FormatOpt = "table",
+) -> None:
+    """Recompute the Merkle log, every row it describes and every checkpoint; exit 1 on tampering."""
+    from sqlmodel import Session
+
+    from zoo_gym import ledger
+    from zoo_gym.core.identity import Identity
+    from zoo_gym.ledger import merkle
+    from zoo_gym.ledger.log import leaf_hashes
+
+    cfg, engine = _open_ledger(config, migrate=False)
+    if public_key is not None:
+        try:
+            key = bytes.fromhex(public_key)
+        except ValueError:
+            _fail("--public-key must be 64 hex digits")
+    else:
+        key = Identity.load(cfg.path(cfg.signing_key)).public_key
+    with Session(engine) as session:
+        report = ledger.verify_ledger(session, public_key=key)
+        root = merkle.root(leaf_hashes(session, size=report.size)).hex()
+    if format == "json":
+        typer.echo(
+            json.dumps(
+                {
+                    "ok": report.ok,
+                    "size": report.size,
+                    "checkpoints": report.checkpoints,
+                    "root": root,
+                    "problems": [str(p) for p in report.problems],
+                },
+                indent=2,
+            )
+        )
+    elif report.ok:
+        console.print(
+            f"OK: {report.size} entries, {report.checkpoints} checkpoints, root {root}",
+            soft_wrap=True,
+        )
+    else:
+        err_console.print(f"TAMPERED: {report.first}", markup=False, soft_wrap=True)
+        more = len(report.problems) - 1
+        if more:
+            err_console.print(
+                f"({more} more problem{'s' if more > 1 else ''}; --format json lists them)"
+            )
+    if not report.ok:
+        raise typer.Exit(1)
 
 
 def main() -> None:

@@ -22,6 +22,7 @@ from sqlmodel import Session
 
 from zoo_gym import ledger
 from zoo_gym.compression import EnvelopeError, inspect_envelope
+from zoo_gym.coordinator.metrics import CoordinatorMetrics
 from zoo_gym.coordinator.registry import ModelRegistry
 from zoo_gym.core.delta import Layout
 from zoo_gym.core.hashing import sha256_bytes
@@ -64,8 +65,10 @@ class CoordinatorBackend:
         max_upload_bytes: int,
         clock_skew_s: float = 300.0,
         require_approval: bool = False,
+        metrics: CoordinatorMetrics | None = None,
     ) -> None:
         self.engine = engine
+        self.metrics = metrics
         self.registry = registry
         self.signer = signer
         self.payload_dir = payload_dir
@@ -173,7 +176,12 @@ class CoordinatorBackend:
         """Record a rejection that happened before the payload was read."""
         verdict = self._record(sub, accepted=False, reason=reason)
         log.info("rejected %s round %d: %s", sub.contributor_id[:12], sub.round, verdict.reason)
+        self._observe(verdict)
         return verdict
+
+    def _observe(self, verdict: Verdict) -> None:
+        if self.metrics is not None:
+            self.metrics.observe_submission(accepted=verdict.accepted, reason=verdict.reason)
 
     def check(self, sub: Submission, payload: Path, *, node: int) -> str:
         """Empty string when `sub` may be accepted, else the reason it may not."""
@@ -217,6 +225,7 @@ class CoordinatorBackend:
                 stored = self.payload_dir / f"{sub.payload_sha256}.zgde"
                 shutil.copyfile(payload, stored)
                 verdict = self._record(sub, accepted=True, reason="accepted at intake")
+                self._observe(verdict)
                 if verdict.accepted and self.open_round is not None:
                     self.open_round.accepted.add(sub.contributor_id)
         record = ConfigRecord({

@@ -9,6 +9,7 @@ or record the round as rolled back.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -65,13 +66,17 @@ def update_layout(state: dict[str, object], spec: LoraSpec) -> Layout:
     )
 
 
+def _same(layout: Layout) -> Layout:
+    return layout
+
+
 def run_rounds(co: Coordinator, grid: Grid, *, on_round: Callable[[RoundSummary], None] | None = None) -> None:
     config = co.config
     spec = lora_spec(co)
     base = co.registry.latest()
     state = co.registry.load_state_dict(base.version)
     layout = update_layout(state, spec)  # type: ignore[arg-type]
-    strategy = co.make_strategy(lambda: layout)
+    strategy = co.make_strategy(functools.partial(_same, layout))
     loss = co.evaluator.loss(state)
     with Session(co.engine) as session:
         last = ledger.latest_round(session)
@@ -84,6 +89,16 @@ def run_rounds(co: Coordinator, grid: Grid, *, on_round: Callable[[RoundSummary]
     done = 0
     round_number = first
     while not co.stop.is_set() and (config.rounds == 0 or done < config.rounds):
+        if not co.control.wait_until_runnable(co.stop):  # blocks while an operator holds rounds paused
+            break
+        change = co.control.take_policy()
+        if change is not None:  # staged through the REST API; applies from this round on
+            co.apply_policy(change.config)
+            config = co.config
+            spec = lora_spec(co)
+            layout = update_layout(state, spec)  # type: ignore[arg-type]
+            strategy = co.make_strategy(functools.partial(_same, layout))
+            log.info("policy changed by %s: %s", change.by, ", ".join(sorted(change.changes)))
         started = time.perf_counter()
         seed = round_seed(config.seed, round_number)
         deadline_ms = int((time.time() + config.round_timeout_s) * 1000)
@@ -102,12 +117,18 @@ def run_rounds(co: Coordinator, grid: Grid, *, on_round: Callable[[RoundSummary]
         with Session(co.engine) as session:
             ledger.open_round(session, number=round_number, base_version=base.version, seed=seed,
                               aggregator=config.aggregator, codec=t.codec)
+        co.control.round_started(round_number)
+        co.metrics.round_opened(round_number)
         co.backend.open_round = OpenRound(round_number, base.version, layout, deadline_ms)
         replies = list(grid.send_and_receive(messages, timeout=config.round_timeout_s))
         co.backend.open_round.accepting = False
 
-        arrays, _ = strategy.aggregate_train(round_number, replies)
-        agg = strategy.last
+        abort = co.control.abort_requested(round_number)
+        aggregation_started = time.perf_counter()
+        arrays, _ = (None, None) if abort else strategy.aggregate_train(round_number, replies)
+        if not abort:
+            co.metrics.observe_aggregation(time.perf_counter() - aggregation_started)
+        agg = None if abort else strategy.last
         received = agg.received if agg else 0
         accepted = agg.accepted if agg else 0
         new_loss = loss
@@ -141,9 +162,14 @@ def run_rounds(co: Coordinator, grid: Grid, *, on_round: Callable[[RoundSummary]
             aggregated=len(agg.contributors) if agg else 0, loss_before=loss, loss_after=new_loss,
             seconds=time.perf_counter() - started,
         )
+        closing: dict[str, object] = dict(asdict(summary))
+        if abort:
+            closing.update(aborted_by=abort.by, reason=abort.reason)
         with Session(co.engine) as session:
             ledger.close_round(session, number=round_number, status=status,
-                               new_version=published or None, metrics=asdict(summary))
+                               new_version=published or None, metrics=closing)
+        co.metrics.observe_round(round_number, summary.seconds, status=status)
+        co.control.round_finished(round_number)
         if status == "published":
             loss = new_loss
         co.backend.open_round = None

@@ -20,7 +20,9 @@ from flwr.supercore.task_identity import TaskIdentity
 from zoo_gym import ledger
 from zoo_gym.coordinator.backend import CoordinatorBackend
 from zoo_gym.coordinator.config import CoordinatorConfig
+from zoo_gym.coordinator.control import RoundControl
 from zoo_gym.coordinator.evaluation import Evaluator
+from zoo_gym.coordinator.metrics import CoordinatorMetrics
 from zoo_gym.coordinator.registry import ModelRegistry
 from zoo_gym.coordinator.strategy import ZooStrategy
 from zoo_gym.core.delta import Layout
@@ -39,16 +41,26 @@ class Coordinator:
         self.signer = Identity.load(config.path(config.signing_key))
         self.engine = ledger.open_database(config.ledger_url)
         self.registry = ModelRegistry(config.path("models"), self.signer)
+        self.control = RoundControl()  # operators' requests (REST), read by the round loop
+        self.metrics = CoordinatorMetrics()
         self.backend = CoordinatorBackend(
             engine=self.engine, registry=self.registry, signer=self.signer,
             payload_dir=config.path("payloads"), max_upload_bytes=config.max_upload_bytes,
             clock_skew_s=config.clock_skew_s, require_approval=config.require_approval,
+            metrics=self.metrics,
         )
         self.evaluator = Evaluator(
             self.registry.latest().directory, config.path(config.validation_data),
             max_length=config.training.max_length,
         )
         self.stop = threading.Event()
+
+    def apply_policy(self, config: CoordinatorConfig) -> None:
+        """Use `config` from the next round on (a policy change staged through the REST API)."""
+        self.config = config
+        self.backend.require_approval = config.require_approval
+        self.backend.max_upload_bytes = config.max_upload_bytes
+        self.backend.clock_skew_s = config.clock_skew_s
 
     def make_strategy(self, layout: Callable[[], Layout]) -> ZooStrategy:
         c = self.config
@@ -82,7 +94,7 @@ class Coordinator:
             tls = (c.path(c.tls_cert).read_bytes(), c.path(c.tls_key).read_bytes())
         mailbox = Mailbox()
         grpc_server = start_server(self.backend, mailbox, address=c.listen, spool=c.path("spool"), tls=tls)
-        rest = RestServer(self, c.rest_listen)
+        rest = RestServer(self, c.rest_listen, control=self.control, metrics=self.metrics)
         rest.start()
 
         def _stop(signum: int, frame: FrameType | None) -> None:

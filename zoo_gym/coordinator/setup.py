@@ -39,8 +39,12 @@ def init_home(
         base_model, validation = home / "base", home / "validation.jsonl"
     assert base_model is not None and validation is not None
     published = ModelRegistry(home / "models", signer).import_base(base_model)
+    # relative when inside the home, so a home can be moved or copied whole
+    where = validation.resolve()
+    if where.is_relative_to(home.resolve()):
+        where = where.relative_to(home.resolve())
     (home / CONFIG).write_text(
         f'listen = "{listen}"\nrest_listen = "{rest_listen}"\n'
-        f'validation_data = "{validation.resolve()}"\nseed = {seed}\n{settings}\n[training]\n{training}'
+        f'validation_data = "{where}"\nseed = {seed}\n{settings}\n[training]\n{training}'
     )
     return home / CONFIG, signer, published

@@ -2,10 +2,18 @@
 
 SQLModel tables (`models`), repository functions that change them (`repository`), the RFC 9162
 Merkle tree (`merkle`, pure), the log with signed checkpoints, proofs and `verify_ledger` (`log`),
-and `open_database` with the Alembic migrations shipped in this package (`db`). This is the only
-package that imports the database; it never imports torch.
+operators' hashed API keys (`apikeys`), counts for monitoring (`stats`), and `open_database` with
+the Alembic migrations shipped in this package (`db`). This is the only package that imports the
+database; it never imports torch.
 """
 
+from zoo_gym.ledger.apikeys import (
+    IssuedKey,
+    authenticate_api_key,
+    create_api_key,
+    list_api_keys,
+    revoke_api_key,
+)
 from zoo_gym.ledger.db import open_database
 from zoo_gym.ledger.log import (
     ConsistencyProof,
@@ -22,6 +30,9 @@ from zoo_gym.ledger.log import (
     verify_ledger,
 )
 from zoo_gym.ledger.models import (
+    API_ROLES,
+    ApiKey,
+    ApiKeyPublic,
     AuditEvent,
     AuditEventPublic,
     Checkpoint,
@@ -67,8 +78,12 @@ from zoo_gym.ledger.repository import (
     set_contributor_status,
     set_round_status,
 )
+from zoo_gym.ledger.stats import LedgerStats, ledger_stats
 
 __all__ = [
+    "API_ROLES",
+    "ApiKey",
+    "ApiKeyPublic",
     "AuditEvent",
     "AuditEventPublic",
     "Checkpoint",
@@ -80,7 +95,9 @@ __all__ = [
     "ContributorPublic",
     "DuplicateSubmission",
     "InclusionProof",
+    "IssuedKey",
     "LedgerError",
+    "LedgerStats",
     "LogEntry",
     "LogEntryPublic",
     "ModelVersion",
@@ -96,8 +113,10 @@ __all__ = [
     "SubmissionPublic",
     "VerifyReport",
     "append_entry",
+    "authenticate_api_key",
     "checkpoint",
     "close_round",
+    "create_api_key",
     "get_consistency_proof",
     "get_contributor",
     "get_inclusion_proof",
@@ -105,6 +124,8 @@ __all__ = [
     "latest_checkpoint",
     "latest_model_version",
     "latest_round",
+    "ledger_stats",
+    "list_api_keys",
     "list_audit",
     "list_contributors",
     "list_entries",
@@ -121,6 +142,7 @@ __all__ = [
     "record_reward",
     "record_submission",
     "register_contributor",
+    "revoke_api_key",
     "set_contributor_status",
     "set_round_status",
     "verify_ledger",

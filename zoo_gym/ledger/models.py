@@ -311,6 +311,45 @@ class CheckpointPublic(CheckpointBase):
     id: int
 
 
+# --- API keys -----------------------------------------------------------------------------------
+
+ApiRole = Literal["admin", "viewer"]
+API_ROLES: frozenset[str] = frozenset({"admin", "viewer"})
+
+
+class ApiKeyBase(SQLModel):
+    name: str
+    role: str
+
+
+class ApiKeyCreate(ApiKeyBase):
+    prefix: str
+    secret_sha256: str
+
+
+class ApiKey(ApiKeyCreate, table=True):
+    """An operator's REST API key: only the SHA-256 of the token is stored, never the token.
+
+    `prefix` is the short random part of the token that finds the row without the secret.
+    Keys are operational state, not part of the Merkle log; creating and revoking one appends
+    an audit event to the log (`zoo_gym.ledger.apikeys`).
+    """
+
+    __tablename__ = "api_keys"
+    __table_args__ = (UniqueConstraint("prefix", name="uq_api_keys_prefix"),)
+
+    id: int | None = Field(default=None, primary_key=True)
+    created_at: datetime = Field(default_factory=utcnow)
+    revoked_at: datetime | None = None
+
+
+class ApiKeyPublic(ApiKeyBase):
+    id: int
+    prefix: str
+    created_at: datetime
+    revoked_at: datetime | None
+
+
 LEDGER_TABLES: tuple[type[SQLModel], ...] = (
     Contributor,
     Round,
@@ -320,4 +359,5 @@ LEDGER_TABLES: tuple[type[SQLModel], ...] = (
     AuditEvent,
     LogEntry,
     Checkpoint,
+    ApiKey,
 )

@@ -1,21 +1,100 @@
-"""REST app for operators (FastAPI)."""
+"""REST app for operators (FastAPI): `create_app` composes the routers, `RestServer` serves them.
+
+Every route needs a bearer token except `/health` and contributor sign-in (`/auth/challenge`,
+`/auth/token`); `/docs` and `/openapi.json` describe the API and are open too. `/metrics` needs a
+viewer key (Prometheus: `authorization: {type: Bearer, credentials_file: ...}` in the scrape
+config). Each route's OpenAPI description ends with the access it needs.
+"""
 
 from __future__ import annotations
 
 import threading
+import time
 from typing import TYPE_CHECKING, Any
 
+import fastapi.routing
 import uvicorn
-from fastapi import FastAPI
+from fastapi import FastAPI, Request, status
+from fastapi.responses import JSONResponse
+from fastapi.routing import APIRoute
+
+from zoo_gym import ledger
+from zoo_gym.coordinator.api.auth import ContributorAuth
+from zoo_gym.coordinator.api.deps import ACCESS_TEXT, ApiState, route_access
+from zoo_gym.coordinator.api.routes import auth, contributors, models, policy, rewards, rounds
+from zoo_gym.coordinator.api.routes import ledger as ledger_routes
+from zoo_gym.coordinator.api.routes import metrics as metrics_routes
+from zoo_gym.coordinator.control import PolicyError, RoundControl
+from zoo_gym.coordinator.metrics import CoordinatorMetrics
 
 if TYPE_CHECKING:
     from zoo_gym.coordinator.service import Coordinator
 
+OPEN_ROUTES: frozenset[tuple[str, str]] = frozenset(
+    {("GET", "/health"), ("POST", "/auth/challenge"), ("POST", "/auth/token")}
+)
+"""(method, path) of the routes that need no token."""
 
-def create_app(co: Coordinator) -> FastAPI:
-    app = FastAPI(title="zoo-gym coordinator", version="1")
 
-    @app.get("/health", operation_id="health")
+def _error(status_code: int) -> Any:
+    def handler(request: Request, exc: Exception) -> JSONResponse:
+        return JSONResponse({"detail": str(exc)}, status_code=status_code)
+
+    return handler
+
+
+def api_routes(app: FastAPI) -> list[APIRoute]:
+    """Every API route `app` serves, with its full path.
+
+    FastAPI 0.138 keeps an included router as one entry of `app.routes` (walked with
+    `iter_route_contexts`); earlier versions copy its routes into `app.routes`.
+    """
+    iter_contexts = getattr(fastapi.routing, "iter_route_contexts", None)
+    if iter_contexts is None:
+        return [r for r in app.routes if isinstance(r, APIRoute)]
+    originals = (c.original_route for c in iter_contexts(app.routes))
+    return [r for r in originals if isinstance(r, APIRoute)]
+
+
+def _document_access(app: FastAPI) -> None:
+    """End each route's description with the access it needs; refuse a route that states none."""
+    for route in api_routes(app):
+        found = route_access(route)
+        opened = {(m, route.path) for m in route.methods or ()} <= OPEN_ROUTES
+        if opened == bool(found) or len(found) > 1:
+            raise RuntimeError(
+                f"{route.path}: declare exactly one access dependency or list it open"
+            )
+        note = f"Access: {ACCESS_TEXT['open' if opened else next(iter(found))]}."
+        if not route.description.endswith(note):  # routers are shared by every app built
+            route.description = f"{route.description}\n\n{note}".strip()
+
+
+def create_app(
+    co: Coordinator,
+    *,
+    control: RoundControl | None = None,
+    metrics: CoordinatorMetrics | None = None,
+    contributor_auth: ContributorAuth | None = None,
+) -> FastAPI:
+    """The REST API of `co`. `control` and `metrics` are the ones the round loop uses (fresh
+    ones when not given)."""
+    app = FastAPI(
+        title="zoo-gym coordinator",
+        version="1",
+        description="Operators' API: rounds, contributors, policy, models, ledger, rewards.",
+    )
+    state = ApiState(
+        co=co,
+        control=control if control is not None else RoundControl(),
+        metrics=metrics if metrics is not None else CoordinatorMetrics(),
+        auth=contributor_auth if contributor_auth is not None else ContributorAuth(),
+    )
+    state.metrics.watch_ledger(co.engine)
+    state.metrics.watch_control(state.control)
+    app.state.zoo = state
+
+    @app.get("/health", operation_id="health", tags=["health"])
     def health() -> dict[str, Any]:
         current = co.backend.open_round
         return {
@@ -24,20 +103,49 @@ def create_app(co: Coordinator) -> FastAPI:
             "open_round": current.number if current else None,
         }
 
+    for module in (
+        auth,
+        rounds,
+        contributors,
+        policy,
+        models,
+        ledger_routes,
+        rewards,
+        metrics_routes,
+    ):
+        app.include_router(module.router)
+    app.add_exception_handler(ledger.NotFound, _error(status.HTTP_404_NOT_FOUND))
+    app.add_exception_handler(ledger.LedgerError, _error(status.HTTP_409_CONFLICT))
+    app.add_exception_handler(PolicyError, _error(422))
+    _document_access(app)
     return app
 
 
 class RestServer:
     """Uvicorn in a background thread."""
 
-    def __init__(self, co: Coordinator, listen: str) -> None:
+    def __init__(
+        self,
+        co: Coordinator,
+        listen: str,
+        *,
+        control: RoundControl | None = None,
+        metrics: CoordinatorMetrics | None = None,
+    ) -> None:
         host, port = listen.rsplit(":", 1)
-        config = uvicorn.Config(create_app(co), host=host, port=int(port), log_level="warning")
+        self.app = create_app(co, control=control, metrics=metrics)
+        config = uvicorn.Config(self.app, host=host, port=int(port), log_level="warning")
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, name="rest", daemon=True)
 
-    def start(self) -> None:
+    def start(self, *, wait_s: float = 0.0) -> None:
+        """Start serving; with `wait_s`, block until it listens (RuntimeError after that long)."""
         self.thread.start()
+        deadline = time.monotonic() + wait_s
+        while wait_s and not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("the REST server did not start; is its port taken?")
+            time.sleep(0.02)
 
     def stop(self) -> None:
         self.server.should_exit = True

@@ -1,0 +1,134 @@
+"""Every route of the app refuses a missing or bad token (401) and the wrong role (403).
+
+The routes are read from the app itself, so a route added without an access dependency fails
+here (and `create_app` refuses to build).
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import TYPE_CHECKING, Any, cast
+
+import pytest
+from api_world import sign_in
+from fastapi.routing import APIRoute
+
+from zoo_gym.coordinator.api.app import OPEN_ROUTES, api_routes, create_app
+from zoo_gym.coordinator.api.deps import route_access
+
+if TYPE_CHECKING:
+    from api_world import World
+
+    from zoo_gym.coordinator.service import Coordinator
+
+# the app's routes, built against a stand-in coordinator (routes never touch it at build time)
+APP = create_app(cast("Coordinator", SimpleNamespace(engine=None)))
+ROUTES = [
+    pytest.param(method, route, id=f"{method} {route.path}")
+    for route in api_routes(APP)
+    for method in sorted(route.methods or ())
+]
+PROTECTED = [p for p in ROUTES if (p.values[0], p.values[1].path) not in OPEN_ROUTES]
+PARAMS: dict[str, dict[str, Any]] = {
+    "/ledger/proofs/inclusion": {"index": 0},
+    "/ledger/proofs/consistency": {"old_size": 1},
+}
+
+
+def url(route: APIRoute, world: World, *, contributor: str | None = None) -> str:
+    values = {
+        "number": "1",
+        "contributor_id": contributor or world.bob.contributor_id,
+        "version": "v0000",
+        "name": "config.json",
+    }
+    return route.path.format(**values)
+
+
+def call(world: World, method: str, route: APIRoute, headers: dict[str, str], **kw: Any) -> Any:
+    body = {"aggregator": "median"} if method == "PATCH" else {"reason": "test"}
+    return world.client.request(
+        method,
+        url(route, world, **kw),
+        headers=headers,
+        params=PARAMS.get(route.path),
+        json=body if method in ("POST", "PATCH") else None,
+    )
+
+
+def test_only_health_and_sign_in_are_open() -> None:
+    open_routes = {(p.values[0], p.values[1].path) for p in ROUTES if not route_access(p.values[1])}
+    assert (
+        open_routes
+        == OPEN_ROUTES
+        == {
+            ("GET", "/health"),
+            ("POST", "/auth/challenge"),
+            ("POST", "/auth/token"),
+        }
+    )
+
+
+def test_every_route_has_a_unique_operation_id() -> None:
+    ids = [p.values[1].operation_id for p in ROUTES]
+    assert all(ids) and len(ids) == len(set(ids))
+    spec = APP.openapi()
+    from_spec = [op["operationId"] for item in spec["paths"].values() for op in item.values()]
+    assert sorted(from_spec) == sorted(ids)
+    assert spec["components"]["securitySchemes"]["HTTPBearer"]["scheme"] == "bearer"
+
+
+@pytest.mark.parametrize(("method", "route"), PROTECTED)
+def test_route_refuses_a_missing_token(shared_world: World, method: str, route: APIRoute) -> None:
+    response = call(shared_world, method, route, {})
+    assert response.status_code == 401, response.text
+    assert response.headers["www-authenticate"] == "Bearer"
+
+
+@pytest.mark.parametrize(("method", "route"), PROTECTED)
+@pytest.mark.parametrize(
+    "token",
+    ["zgk_00000000_not-a-key", "garbage", "zgc_" + "0" * 32 + "_99999999999999_" + "0" * 64],
+    ids=["unknown-key", "garbage", "forged-contributor-token"],
+)
+def test_route_refuses_a_bad_token(
+    shared_world: World, method: str, route: APIRoute, token: str
+) -> None:
+    response = call(shared_world, method, route, shared_world.auth(token))
+    assert response.status_code == 401, response.text
+    assert response.headers["www-authenticate"] == "Bearer"
+
+
+@pytest.fixture(scope="module")
+def alice_token(shared_world: World) -> str:
+    return sign_in(shared_world.client, shared_world.alice)
+
+
+@pytest.mark.parametrize(("method", "route"), PROTECTED)
+def test_route_refuses_the_wrong_role(
+    shared_world: World, alice_token: str, method: str, route: APIRoute
+) -> None:
+    (access,) = route_access(route)
+    w = shared_world
+    if access == "admin":
+        response = call(w, method, route, w.as_viewer)
+    elif access in ("viewer", "self"):  # alice's token; `self` routes name bob in the path
+        response = call(w, method, route, w.auth(alice_token))
+    else:  # "reader": every principal may call it
+        assert access == "reader"
+        response = call(w, method, route, w.auth(alice_token))
+        assert response.status_code not in (401, 403), response.text
+        return
+    assert response.status_code == 403, response.text
+
+
+def test_contributor_reads_own_records(shared_world: World, alice_token: str) -> None:
+    w, cid = shared_world, shared_world.alice.contributor_id
+    for path in ("", "/submissions", "/rewards", "/report"):
+        response = w.client.get(f"/contributors/{cid}{path}", headers=w.auth(alice_token))
+        assert response.status_code == 200, (path, response.text)
+
+
+def test_docs_and_schema_are_served(shared_world: World) -> None:
+    assert shared_world.client.get("/docs").status_code == 200
+    assert "/rounds/{number}/abort" in shared_world.client.get("/openapi.json").json()["paths"]

@@ -1,0 +1,182 @@
+"""Dependencies of the REST routes: the coordinator, a ledger session, and who is calling.
+
+Roles, from most to least power:
+
+- ``admin``  (API key): everything, including every change;
+- ``viewer`` (API key): every read;
+- ``contributor`` (token from ``POST /auth/token``): its own contributor record, submissions,
+  rewards and report, the latest checkpoint and ledger proofs.
+
+No or a bad token is answered 401 with ``WWW-Authenticate: Bearer``; a valid token without the
+role a route needs is answered 403. Each route states its access with exactly one of `AdminDep`,
+`ViewerDep`, `SelfDep` (a viewer, or the contributor named in the path) or `ReaderDep` (anyone
+authenticated); `route_access` reads that back, for the OpenAPI description and for the tests.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Annotated, Any, Literal
+
+from fastapi import Depends, HTTPException, Request, status
+from fastapi.routing import APIRoute
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from sqlmodel import Session
+
+from zoo_gym import ledger
+from zoo_gym.coordinator.api.auth import TOKEN_SCHEME, ContributorAuth
+from zoo_gym.coordinator.control import RoundControl
+from zoo_gym.coordinator.metrics import CoordinatorMetrics
+
+if TYPE_CHECKING:
+    from zoo_gym.coordinator.service import Coordinator
+
+Role = Literal["admin", "viewer", "contributor"]
+
+
+@dataclass
+class ApiState:
+    """What every route may reach: the coordinator and the API's own state."""
+
+    co: Coordinator
+    control: RoundControl
+    metrics: CoordinatorMetrics
+    auth: ContributorAuth
+
+
+@dataclass(frozen=True)
+class Principal:
+    """Who made a request: an operator's API key or a contributor's token."""
+
+    role: Role
+    name: str
+    key_prefix: str | None = None
+    contributor_id: str | None = None
+
+    @property
+    def actor(self) -> str:
+        """How the ledger's audit events name this caller."""
+        if self.contributor_id is not None:
+            return f"contributor:{self.contributor_id}"
+        return f"apikey:{self.name}/{self.key_prefix}"
+
+
+def get_state(request: Request) -> ApiState:
+    state: ApiState = request.app.state.zoo
+    return state
+
+
+StateDep = Annotated[ApiState, Depends(get_state)]
+
+
+def get_session(state: StateDep) -> Iterator[Session]:
+    with Session(state.co.engine) as session:
+        yield session
+
+
+SessionDep = Annotated[Session, Depends(get_session)]
+
+bearer = HTTPBearer(
+    auto_error=False,
+    description="An API key (`gym-coordinator apikey create`) or a contributor token (`POST /auth/token`).",
+)
+
+
+def unauthorized(detail: str) -> HTTPException:
+    return HTTPException(
+        status.HTTP_401_UNAUTHORIZED, detail=detail, headers={"WWW-Authenticate": "Bearer"}
+    )
+
+
+def forbidden(detail: str) -> HTTPException:
+    return HTTPException(status.HTTP_403_FORBIDDEN, detail=detail)
+
+
+def authenticate(
+    state: StateDep,
+    session: SessionDep,
+    credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)],
+) -> Principal:
+    if credentials is None:
+        raise unauthorized(
+            "this route needs a bearer token: an API key (gym-coordinator apikey create) "
+            "or a contributor token (POST /auth/token)"
+        )
+    token = credentials.credentials
+    if token.startswith(f"{TOKEN_SCHEME}_"):
+        contributor = state.auth.verify_token(token)
+        if contributor is None:
+            raise unauthorized("the contributor token is invalid or expired; sign in again")
+        return Principal("contributor", contributor, contributor_id=contributor)
+    key = ledger.authenticate_api_key(session, token=token)
+    if key is None:
+        raise unauthorized("the API key is unknown or revoked")
+    role: Role = "admin" if key.role == "admin" else "viewer"
+    return Principal(role, key.name, key_prefix=key.prefix)
+
+
+PrincipalDep = Annotated[Principal, Depends(authenticate)]
+
+CONTRIBUTOR_SCOPE = (
+    "contributor tokens read only their own contributor record, submissions, rewards and report, "
+    "and ledger checkpoints and proofs"
+)
+
+
+def require_admin(principal: PrincipalDep) -> Principal:
+    """Access: an admin API key."""
+    if principal.role != "admin":
+        raise forbidden(f"this needs an admin API key; the caller is a {principal.role}")
+    return principal
+
+
+def require_viewer(principal: PrincipalDep) -> Principal:
+    """Access: a viewer or admin API key."""
+    if principal.role == "contributor":
+        raise forbidden(f"this needs a viewer or admin API key; {CONTRIBUTOR_SCOPE}")
+    return principal
+
+
+def require_self(principal: PrincipalDep, contributor_id: str) -> Principal:
+    """Access: a viewer or admin API key, or the token of the contributor named in the path."""
+    if principal.role == "contributor" and principal.contributor_id != contributor_id:
+        raise forbidden(f"this belongs to another contributor; {CONTRIBUTOR_SCOPE}")
+    return principal
+
+
+def require_reader(principal: PrincipalDep) -> Principal:
+    """Access: any API key or contributor token."""
+    return principal
+
+
+AdminDep = Annotated[Principal, Depends(require_admin)]
+ViewerDep = Annotated[Principal, Depends(require_viewer)]
+SelfDep = Annotated[Principal, Depends(require_self)]
+ReaderDep = Annotated[Principal, Depends(require_reader)]
+
+ACCESS: dict[Callable[..., Any], str] = {
+    require_admin: "admin",
+    require_viewer: "viewer",
+    require_self: "self",
+    require_reader: "reader",
+}
+ACCESS_TEXT = {
+    "admin": "an admin API key",
+    "viewer": "a viewer or admin API key",
+    "self": "a viewer or admin API key, or the token of the contributor named in the path",
+    "reader": "any API key or contributor token",
+    "open": "none (no token needed)",
+}
+
+
+def route_access(route: APIRoute) -> set[str]:
+    """The access levels a route's dependencies demand (empty: the route is open)."""
+    found: set[str] = set()
+    pending = list(route.dependant.dependencies)
+    while pending:
+        dep = pending.pop()
+        if dep.call in ACCESS:
+            found.add(ACCESS[dep.call])
+        pending.extend(dep.dependencies)
+    return found

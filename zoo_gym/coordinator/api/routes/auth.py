@@ -1,0 +1,56 @@
+"""Contributor sign-in: a nonce challenge signed with the contributor's Ed25519 key."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, HTTPException, status
+
+from zoo_gym import ledger
+from zoo_gym.coordinator.api.auth import TooManyChallenges
+from zoo_gym.coordinator.api.deps import SessionDep, StateDep, unauthorized
+from zoo_gym.coordinator.api.schemas import (
+    ChallengeCreate,
+    ChallengePublic,
+    TokenCreate,
+    TokenPublic,
+)
+from zoo_gym.core.identity import verify
+
+router = APIRouter(prefix="/auth", tags=["auth"])
+
+
+@router.post("/challenge", operation_id="auth_challenge", response_model=ChallengePublic)
+def create_challenge(state: StateDep, body: ChallengeCreate) -> ChallengePublic:
+    """A single-use nonce to sign; it expires after two minutes."""
+    try:
+        issued = state.auth.challenge(body.contributor_id)
+    except TooManyChallenges:
+        raise HTTPException(
+            status.HTTP_429_TOO_MANY_REQUESTS, "too many pending challenges; retry shortly"
+        ) from None
+    return ChallengePublic(
+        contributor_id=issued.contributor_id,
+        nonce=issued.nonce,
+        expires_at_ms=issued.expires_at_ms,
+        statement=issued.statement.decode(),
+    )
+
+
+@router.post("/token", operation_id="auth_token", response_model=TokenPublic)
+def create_token(state: StateDep, session: SessionDep, body: TokenCreate) -> TokenPublic:
+    """Exchange a signed challenge for a bearer token scoped to that contributor."""
+    issued = state.auth.redeem(body.contributor_id, body.nonce)
+    if issued is None:
+        raise unauthorized("the challenge is unknown, used or expired; request a new one")
+    contributor = ledger.get_contributor(session, contributor_id=body.contributor_id)
+    try:
+        signature = bytes.fromhex(body.signature)
+    except ValueError:
+        signature = b""
+    if contributor is None or not verify(
+        bytes(contributor.public_key), signature, issued.statement
+    ):
+        raise unauthorized("the signature does not match the contributor's registered key")
+    token, expires = state.auth.issue_token(body.contributor_id)
+    return TokenPublic(
+        contributor_id=body.contributor_id, access_token=token, expires_at_ms=expires
+    )

@@ -1,0 +1,228 @@
+"""Request and response bodies of the REST API, layered Base -> Create -> Public.
+
+Ledger rows are returned as the ledger's own Public models (`RoundPublic`, `SubmissionPublic`,
+...); this module adds what the API composes from them.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any
+
+from pydantic import BaseModel, Field
+
+from zoo_gym.ledger import (
+    CheckpointPublic,
+    LogEntryPublic,
+    RewardPublic,
+    RoundPublic,
+    SubmissionPublic,
+)
+
+CONTRIBUTOR_ID = r"^[0-9a-f]{32}$"
+
+# --- contributor sign-in ------------------------------------------------------------------------
+
+
+class ChallengeBase(BaseModel):
+    contributor_id: str = Field(pattern=CONTRIBUTOR_ID, description="32 hex digits")
+
+
+class ChallengeCreate(ChallengeBase):
+    pass
+
+
+class ChallengePublic(ChallengeBase):
+    nonce: str
+    expires_at_ms: int
+    statement: str = Field(
+        description="what to sign, for reference: "
+        "zoo-gym/rest-auth/v1|<contributor_id>|<nonce>|<expires_at_ms> (build it yourself)"
+    )
+
+
+class TokenCreate(ChallengeBase):
+    nonce: str
+    signature: str = Field(description="hex Ed25519 signature of the challenge statement")
+
+
+class TokenPublic(ChallengeBase):
+    access_token: str
+    token_type: str = "bearer"
+    expires_at_ms: int
+
+
+# --- rounds -------------------------------------------------------------------------------------
+
+
+class RoundDetail(RoundPublic):
+    """A round with every submission (intake's decision, the aggregator's decision) and reward."""
+
+    submissions: list[SubmissionPublic]
+    rewards: list[RewardPublic]
+
+
+class RoundSummary(BaseModel):
+    number: int
+    status: str
+    base_version: str
+    new_version: str | None
+    aggregator: str
+    codec: str
+    opened_at: datetime
+    closed_at: datetime | None
+    received: int
+    accepted: int
+    rejected: int
+    rejected_by_reason: dict[str, int]
+    selected: int = Field(description="accepted updates the aggregator used")
+    rewarded: int
+    rewards_total: float
+    metrics: dict[str, Any]
+
+
+class ControlBase(BaseModel):
+    reason: str = Field("", max_length=500)
+
+
+class ControlCreate(ControlBase):
+    pass
+
+
+class AbortCreate(ControlBase):
+    reason: str = Field(min_length=1, max_length=500)
+
+
+class RequestPublic(ControlBase):
+    by: str
+    at: datetime
+
+
+class ControlPublic(BaseModel):
+    """Operator requests the round loop has not acted on yet."""
+
+    paused: bool
+    pause: RequestPublic | None
+    start: RequestPublic | None
+    aborts: dict[int, RequestPublic]
+    current_round: int | None
+    policy_pending: bool
+
+
+# --- contributors -------------------------------------------------------------------------------
+
+
+class StatusCreate(ControlBase):
+    pass
+
+
+class BanCreate(ControlBase):
+    reason: str = Field(min_length=1, max_length=500)
+
+
+class ReportRow(BaseModel):
+    """What happened to a contributor in one round."""
+
+    round: int
+    round_status: str | None
+    submission_id: int | None
+    decision: str
+    reason: str
+    selected: bool | None
+    weight: float | None
+    score: float | None
+    quality: float | None
+    reward: float
+    received_at: datetime | None
+
+
+class ReportTotals(BaseModel):
+    rounds: int
+    submissions: int
+    accepted: int
+    rejected: int
+    selected: int
+    reward: float
+
+
+class ContributorReport(BaseModel):
+    contributor_id: str
+    name: str
+    status: str
+    reputation: float
+    rounds: list[ReportRow]
+    totals: ReportTotals
+
+
+# --- policy -------------------------------------------------------------------------------------
+
+
+class ChangePublic(BaseModel):
+    old: Any
+    new: Any
+
+
+class PolicyPublic(BaseModel):
+    """The policy rounds run with now and a change staged for the next round."""
+
+    current: dict[str, Any]
+    pending: dict[str, Any] | None
+    pending_changes: dict[str, ChangePublic]
+    pending_by: str | None
+    next_round: int
+    settable: list[str]
+
+
+# --- models -------------------------------------------------------------------------------------
+
+
+class ModelSummary(BaseModel):
+    version: str
+    parent: str | None
+    round: int
+    aggregator: str
+    contributors: int
+    files: int
+    size_bytes: int
+    manifest_sha256: str
+    created_at: float
+    published_at: datetime | None
+    metrics: dict[str, float]
+    epsilon: float | None
+
+
+class ManifestPublic(BaseModel):
+    version: str
+    manifest: dict[str, Any]
+    manifest_sha256: str
+    signature: str = Field(description="hex Ed25519 signature of manifest.json's bytes")
+
+
+# --- ledger -------------------------------------------------------------------------------------
+
+
+class LedgerPage(BaseModel):
+    size: int
+    start: int
+    limit: int
+    entries: list[LogEntryPublic]
+
+
+class CheckpointSigned(CheckpointPublic):
+    public_key: str = Field(description="hex Ed25519 key of the coordinator that signed it")
+
+
+class InclusionProofPublic(BaseModel):
+    index: int
+    tree_size: int
+    leaf_hash: str
+    path: list[str]
+    root: str
+
+
+class ConsistencyProofPublic(BaseModel):
+    old_size: int
+    new_size: int
+    old_root: str
+    new_root: str
+    path: list[str]

@@ -5,10 +5,13 @@ Every cell runs the deployment round loop (intake, aggregation, ledger, merge) f
 synthetic addition task, `round(share * clients)` of them Byzantine. Each aggregator
 also runs once with no attack: its baseline.
 
-Quality of a run is how far it lowered the validation loss from the initial base,
-q = L_0 - L_R; a cell's relative quality is q / q_baseline of the same aggregator
-(1.0 = the attack did no harm; 0 = no progress at all; negative = worse than the
-initial model). Everything is derived from `seed`: data, Byzantine clients, LoRA
+Every cell starts from the same warmed-up base: `warmup_rounds` honest FedAvg rounds
+on the sweep's data, run once. They take the tiny model past the quick phase in which
+it learns the answer format (any update direction helps there, which would hide an
+attack's effect). Quality of a run is how far it lowered the validation loss from that
+start, q = L_0 - L_R; a cell's relative quality is q / q_baseline of the same
+aggregator (1.0 = the attack did no harm; 0 = no progress at all; negative = worse
+than the start). Everything is derived from `seed`: data, Byzantine clients, LoRA
 seeds and attack randomness, so a sweep is reproducible.
 
 The rule tolerates `f` Byzantine updates in every cell, by default the number of
@@ -57,6 +60,9 @@ class SweepConfig(BaseModel):
     byzantine_shares: list[float] = [0.1, 0.2, 0.3]
     clients: int = Field(10, ge=2)
     rounds: int = Field(4, ge=1)
+    warmup_rounds: int = Field(
+        2, ge=0, description="honest FedAvg rounds every cell starts from (past the quick format-learning phase)"
+    )
     steps: int = Field(10, ge=1, description="local training steps per round")
     learning_rate: float = Field(0.01, gt=0)
     batch_size: int = Field(8, ge=1)
@@ -179,14 +185,28 @@ def shards_for(config: SweepConfig) -> list[list[dict[str, str]]]:
     return shard(records, config.clients)
 
 
-def make_template(workdir: Path, seed: int) -> Path:
-    """The tiny coordinator home every cell copies (model, tokenizer, validation split)."""
+def make_template(workdir: Path, config: SweepConfig) -> Path:
+    """The coordinator home every cell copies: the tiny model, tokenizer and validation split,
+    after `warmup_rounds` honest FedAvg rounds on the sweep's data (published as v0001, ...)."""
     from zoo_gym.coordinator.setup import init_home
+    from zoo_gym.simulation.inprocess import InProcessFederation
 
-    template = workdir / "template"
-    if not (template / "coordinator.toml").exists():
-        shutil.rmtree(template, ignore_errors=True)
-        init_home(template, tiny=True, settings="", seed=seed)
+    key = f"{config.seed}|{config.clients}|{config.examples_per_client}|{config.warmup_rounds}|{config.steps}|" \
+          f"{config.learning_rate}|{config.batch_size}|{config.codec}"
+    template = workdir / f"template-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
+    if (template / "coordinator.toml").exists():
+        return template
+    building = template.with_name(template.name + ".part")
+    shutil.rmtree(building, ignore_errors=True)
+    init_home(building, tiny=True, settings="", seed=config.seed)
+    if config.warmup_rounds:
+        overrides = {**cell_overrides(config, Cell("fedavg", "none", 0.0)), "rounds": config.warmup_rounds,
+                     "byzantine_f": 0, "aggregator_params": {}, "pre_aggregation": "none"}
+        fed = InProcessFederation.build(building, shards_for(config), overrides=overrides, seed=config.seed)
+        fed.run()
+        fed.coordinator.engine.dispose()
+        shutil.rmtree(building / "clients", ignore_errors=True)
+    building.rename(template)
     return template
 
 
@@ -240,7 +260,7 @@ def run_sweep(
 ) -> list[CellResult]:
     """Every cell of `config`, in `config.cells()` order; `on_result` sees each as it finishes."""
     workdir.mkdir(parents=True, exist_ok=True)
-    template = make_template(workdir, config.seed)
+    template = make_template(workdir, config)
     cells = list(config.cells())
     results: dict[Cell, CellResult] = {}
 

@@ -40,8 +40,9 @@ def markdown(results: Sequence[CellResult], config: SweepConfig) -> str:
     by_cell = {(r.aggregator, r.attack, r.byzantine_share): r for r in results}
     lines = [
         f"Relative quality: validation-loss reduction under attack / without attack, same aggregator "
-        f"({config.clients} clients, {config.rounds} rounds, f = {config.tolerated}, seed {config.seed}). "
-        "100% = no harm; 0% = no progress; negative = worse than the initial model. "
+        f"({config.clients} clients, {config.rounds} rounds after {config.warmup_rounds} honest warm-up rounds, "
+        f"f = {config.tolerated}, seed {config.seed}). "
+        "100% = no harm; 0% = no progress; negative = worse than the start. "
         "In brackets: share of Byzantine updates the rule selected.",
         "",
         "| aggregator | attack | " + " | ".join(f"{round(100 * s)}% Byzantine" for s in shares) + " |",

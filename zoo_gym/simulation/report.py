@@ -78,7 +78,7 @@ def plot(results: Sequence[CellResult], directory: Path) -> list[Path]:
         cols = min(3, len(rules))
         rows = math.ceil(len(rules) / cols)
         fig = Figure(figsize=(4.2 * cols, 3.2 * rows), layout="constrained")
-        axes = fig.subplots(rows, cols, squeeze=False, sharey=True)
+        axes = fig.subplots(rows, cols, squeeze=False)  # own y scale: one divergent run must not flatten the rest
         for ax, rule in zip(axes.flat, rules, strict=False):
             if rule in base:
                 ax.plot(range(len(base[rule].losses)), base[rule].losses, "k--", label="no attack")

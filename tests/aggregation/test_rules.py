@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
@@ -19,6 +21,7 @@ from zoo_gym.aggregation import (
     nnm,
     trimmed_mean,
 )
+from zoo_gym.aggregation._select import closest_to_median
 
 
 def col(*values: float) -> torch.Tensor:
@@ -68,6 +71,36 @@ def test_median_even_count_is_mean_of_middles() -> None:
     assert [d.weight for d in decisions] == [0.0, 0.0, 0.5, 0.5]
 
 
+def test_median_ties_share_the_middle_positions() -> None:
+    # sorted 1, 1, 1, 2: the middles (positions 1 and 2) are both 1; the run of three 1s
+    # covers positions 0-2, two of them middle, so each 1 holds 2/3 of a middle position
+    result = median(col(1, 2, 1, 1))
+    assert result.vector.tolist() == [1.0]
+    assert [d.weight for d in result.decisions] == pytest.approx([1 / 3, 0.0, 1 / 3, 1 / 3])
+    assert [d.selected for d in result.decisions] == [True, False, True, True]
+
+
+def test_trimmed_mean_ties_share_the_cut() -> None:
+    # f = 1, sorted 0, 0, 5, 5, 5, kept positions 1-3: one of the two 0s and two of the
+    # three 5s are kept, shared equally; the mean is (0 + 5 + 5) / 3
+    result = trimmed_mean(col(5, 0, 5, 0, 5), f=1)
+    assert result.vector.tolist() == pytest.approx([10 / 3])
+    shares = [d.trimmed_share for d in result.decisions]
+    assert shares == pytest.approx([1 / 3, 1 / 2, 1 / 3, 1 / 2, 1 / 3])
+    assert sum(1 - s for s in shares) == pytest.approx(3.0)
+
+
+def test_bulyan_closest_to_median_ties_share_the_last_place() -> None:
+    # values 0, 2, 3, 4, 5: median 3, distances 3, 1, 0, 1, 2; beta = 2 takes 3 and one
+    # of the tied 2 and 4, shared: (3 + (2 + 4) / 2) / 2 = 3
+    mean, share = closest_to_median(col(0, 2, 3, 4, 5), beta=2)
+    assert mean.tolist() == [3.0]
+    assert share.tolist() == [0.0, 0.5, 1.0, 0.5, 0.0]
+    mean, share = closest_to_median(col(0, 2, 3, 4, 5), beta=4)  # 3, 2, 4, 5
+    assert mean.tolist() == [3.5]
+    assert share.tolist() == [0.0, 1.0, 1.0, 1.0, 1.0]
+
+
 def test_bulyan_recursive_krum_then_closest_to_median() -> None:
     # n = 7, f = 1: theta = 5, beta = 3. Recursive Krum (k = 4, 3, 2, 1, 1 neighbours,
     # ties to the smaller total distance) picks 2, then 3 (tie with 1), 1, 4 (tie with 0),
@@ -91,9 +124,31 @@ def test_geometric_median_of_collinear_points_is_the_middle_one() -> None:
 def test_centered_clipping_one_step() -> None:
     # distances 5 and 0.5 from 0; scales 0.2 and 1: v = (0.2 [3, 4] + [0.5, 0]) / 2
     x = torch.tensor([[3.0, 4.0], [0.5, 0.0]])
-    result = centered_clipping(x, tau=1.0)
+    result = centered_clipping(x, tau=1.0, iters=1)
     assert result.vector.tolist() == pytest.approx([0.55, 0.4])
     assert [d.trimmed_share for d in result.decisions] == pytest.approx([0.8, 0.0])
+
+
+def test_centered_clipping_default_radius_is_the_median_distance() -> None:
+    # from 0: distances 0, 1, 2, median 1; the update at 2 is scaled by 1/2:
+    # v = (0 + 1 + 0.5 * 2) / 3 = 2/3
+    result = centered_clipping(col(0, 1, 2), iters=1)
+    assert result.vector.tolist() == pytest.approx([2 / 3])
+    assert [d.trimmed_share for d in result.decisions] == pytest.approx([0.0, 0.0, 0.5])
+    assert "the median distance 1" in result.decisions[2].reason
+
+
+def test_centered_clipping_default_resists_far_outliers() -> None:
+    g = torch.Generator().manual_seed(0)
+    honest = 1.0 + 0.1 * torch.randn(9, 50, generator=g)
+    x = torch.cat([honest, torch.full((4, 50), 1e4)])
+    result = centered_clipping(x)  # tau=None, iters=5
+    assert (result.vector - honest.mean(dim=0)).norm() < 0.2 * honest.mean(dim=0).norm()
+    assert all(d.trimmed_share > 0.99 for d in result.decisions[-4:])
+    # a fixed radius from a zero start moves the centre by at most tau per step
+    explicit = centered_clipping(x, tau=0.5, iters=5)
+    assert explicit.vector.norm() <= 5 * 0.5 + 1e-4
+    assert "> tau 0.5" in explicit.decisions[-1].reason
 
 
 def test_centered_clipping_from_a_given_center() -> None:
@@ -170,6 +225,12 @@ def test_bad_inputs_raise_value_error() -> None:
         fedavg(torch.zeros(2, 2), weights=torch.zeros(2))
     with pytest.raises(ValueError, match="m must be"):
         krum(torch.zeros(5, 2), f=1, m=6)
+    with pytest.raises(ValueError, match="m must be an int"):
+        krum(torch.zeros(5, 2), f=1, m=2.0)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="tau must be > 0 or None"):
+        centered_clipping(torch.zeros(3, 2), tau=0.0)
+    with pytest.raises(ValueError, match="iters must be an int >= 1"):
+        geometric_median(torch.zeros(3, 2), iters=0)
 
 
 def test_chunked_coordinate_rules_match_a_direct_computation() -> None:
@@ -196,7 +257,7 @@ def test_rules_run_on_cuda_and_match_cpu() -> None:
     g = torch.Generator().manual_seed(1)
     x = torch.randn(11, 5000, generator=g)
     for rule in RULES:
-        params = {"tau": 1.0} if rule == "centered_clipping" else {}
+        params: dict[str, Any] = {"tau": 1.0} if rule == "centered_clipping" else {}
         cpu = aggregate(rule, x, f=2, **params)
         gpu = aggregate(rule, x.cuda(), f=2, **params)
         assert gpu.vector.device.type == "cuda"

@@ -3,15 +3,16 @@
 Every rule takes the updates as one `(n, d)` tensor of deltas and returns an `Aggregate`:
 the `(d,)` float32 aggregate and one `Decision` per update (selected, weight, trimmed
 share, score, reason), so the ledger can say why a contribution earned what it did.
-Sums run in float64, distances come from one float64 Gram matrix, coordinate-wise rules
-work in column chunks, and everything runs on the device the updates are on.
+Sums run in float64; distances come from one Gram matrix accumulated in float64 over
+column chunks; coordinate-wise rules sort column chunks; no rule copies the `(n, d)`
+input, and everything runs on the device the updates are on.
 """
 
 from ._core import Aggregate, Decision
 from .bulyan import bulyan
 from .centered_clipping import centered_clipping
 from .clipping import clip_updates
-from .dispatch import RULES, WEIGHTED_RULES, aggregate, min_clients
+from .dispatch import PARAMS, RULES, WEIGHTED_RULES, aggregate, min_clients
 from .fedavg import fedavg
 from .geometric_median import geometric_median
 from .krum import krum
@@ -20,6 +21,7 @@ from .nnm import nnm
 from .trimmed_mean import trimmed_mean
 
 __all__ = [
+    "PARAMS",
     "RULES",
     "WEIGHTED_RULES",
     "Aggregate",

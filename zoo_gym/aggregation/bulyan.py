@@ -6,9 +6,12 @@ With n updates of which at most f are Byzantine (n >= 4f + 3):
 1. Selection: theta = n - 2f updates are chosen by recursive Krum: score the remaining set
    with Krum (see `krum.krum_scores`), move the lowest-score update to the selection, repeat.
 2. Aggregation: per coordinate, take the median of the theta selected values and average
-   the beta = theta - 2f values closest to it.
+   the beta = theta - 2f values closest to it. Where distances to the median tie at the
+   beta-th place, the tied values share the remaining places equally (so the result does
+   not depend on the order of the updates).
 
-Distances come from one float64 Gram matrix; step 2 runs over column chunks.
+Distances come from the chunked Gram matrix of `_core.gram` (float64 accumulation); step 2
+sorts column chunks of the selected updates in float64.
 """
 
 from __future__ import annotations
@@ -21,12 +24,17 @@ from ._core import (
     Decision,
     check_f,
     check_updates,
-    column_chunks,
+    chunk_width,
     pct,
     require,
+    spans,
     squared_distances,
+    work_dtype,
 )
+from ._select import closest_to_median
 from .krum import krum_scores, lowest
+
+_EPS = 1e-9  # coordinates; shares of tied runs are fractions
 
 
 def recursive_krum(dist: Tensor, f: int, theta: int) -> list[int]:
@@ -51,21 +59,15 @@ def bulyan(updates: Tensor, *, f: int) -> Aggregate:
     dist = squared_distances(updates)
     chosen = recursive_krum(dist, f, theta)
     sel = torch.tensor(chosen, device=updates.device)
-    lo, hi = (theta - 1) // 2, theta // 2
+    dtype = work_dtype(updates)
+    width = chunk_width(updates, 48)  # gathered rows, float64 distances and shares
     out = torch.empty(d, dtype=torch.float32, device=updates.device)
-    used = torch.zeros(theta, dtype=torch.float64, device=updates.device)  # coordinates used
-    for start, stop in column_chunks(updates, 40):
-        values = updates[sel, start:stop].T.to(torch.float64)  # (c, theta)
-        ordered = torch.sort(values, dim=1).values
-        med = 0.5 * (ordered[:, lo] + ordered[:, hi])  # (c,)
-        gap = (values - med[:, None]).abs()
-        closest = torch.sort(gap, dim=1, stable=True).indices[:, :beta]  # (c, beta)
-        out[start:stop] = torch.gather(values, 1, closest).mean(dim=1)
-        used.index_add_(
-            0,
-            closest.flatten(),
-            torch.ones(closest.numel(), dtype=torch.float64, device=used.device),
-        )
+    used = torch.zeros(theta, dtype=torch.float64, device=updates.device)  # coordinates
+    for start, stop in spans(d, width):
+        values = updates[:, start:stop].detach().index_select(0, sel).to(dtype)  # (theta, c)
+        mean, share = closest_to_median(values, beta)
+        out[start:stop] = mean
+        used += share
     per_update = dict(zip(chosen, used.cpu().tolist(), strict=True))
     decisions = []
     for i in range(n):
@@ -74,10 +76,10 @@ def bulyan(updates: Tensor, *, f: int) -> Aggregate:
                 Decision(False, 0.0, 1.0, None, f"not among the {theta} updates chosen by Krum")
             )
             continue
-        share = per_update[i] / d
+        share = min(1.0, per_update[i] / d)
         decisions.append(
             Decision(
-                selected=share > 0.0,
+                selected=per_update[i] > _EPS,
                 weight=share / beta,
                 trimmed_share=1.0 - share,
                 score=None,

@@ -1,12 +1,14 @@
-"""One entry point for every rule: `aggregate(rule, updates, f=..., pre=...)`.
+"""One entry point for every rule: `aggregate(rule, updates, f=..., pre=..., **params)`.
 
 `RULES` maps a rule name to its function with the uniform signature
-`(updates, *, f, weights, **params) -> Aggregate`; `min_clients(rule, f)` gives the number
-of updates each rule needs to tolerate f Byzantine ones.
+`(updates, *, f, weights, **params) -> Aggregate`; `PARAMS` maps it to the keyword
+parameters it accepts beyond f and weights; `min_clients(rule, f)` gives the number of
+updates each rule needs to tolerate f Byzantine ones.
 """
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
@@ -90,6 +92,28 @@ RULES: dict[str, Callable[..., Aggregate]] = {
     "centered_clipping": _centered_clipping,
 }
 
+
+def _keywords(fn: Callable[..., Any]) -> frozenset[str]:
+    """Keyword-only parameters of a rule function, f and weights aside."""
+    return frozenset(
+        name
+        for name, p in inspect.signature(fn).parameters.items()
+        if p.kind is inspect.Parameter.KEYWORD_ONLY and name not in ("f", "weights")
+    )
+
+
+#: the parameters each rule accepts through `aggregate(..., **params)`
+PARAMS: dict[str, frozenset[str]] = {
+    "fedavg": _keywords(fedavg),
+    "krum": _keywords(krum),
+    "multikrum": _keywords(krum),
+    "bulyan": _keywords(bulyan),
+    "trimmed_mean": _keywords(trimmed_mean),
+    "median": _keywords(median),
+    "geometric_median": _keywords(geometric_median),
+    "centered_clipping": _keywords(centered_clipping),
+}
+
 _MIN_CLIENTS: dict[str, Callable[[int], int]] = {
     "fedavg": lambda f: 1,
     "krum": lambda f: 2 * f + 3,
@@ -114,6 +138,19 @@ def min_clients(rule: str, f: int) -> int:
     return _MIN_CLIENTS[rule](f)
 
 
+def check_params(rule: str, params: dict[str, Any]) -> None:
+    """Raise one-line ValueError if `params` names a parameter `rule` does not accept."""
+    if rule not in RULES:
+        raise ValueError(f"unknown aggregation rule {rule!r}; choose one of {', '.join(RULES)}")
+    unknown = sorted(set(params) - PARAMS[rule])
+    if unknown:
+        accepted = ", ".join(sorted(PARAMS[rule])) or "none"
+        raise ValueError(
+            f"{rule} does not take parameter(s) {', '.join(map(repr, unknown))}; "
+            f"its parameters: {accepted}"
+        )
+
+
 def aggregate(
     rule: str,
     updates: Tensor,
@@ -127,10 +164,11 @@ def aggregate(
 
     `pre="nnm"` first replaces each update by the mean of its n - f nearest neighbours
     (Allouah et al., 2023); decisions still refer to the original updates, by index.
-    `params` go to the rule (`m` for Multi-Krum, `tau` for centered clipping, ...).
+    `params` go to the rule; `PARAMS[rule]` lists the names it accepts (`m` for Krum and
+    Multi-Krum; `tau`, `iters`, `center` for centered clipping; `iters`, `eps`, `tol` for
+    the geometric median). An unknown name is a ValueError naming the accepted ones.
     """
-    if rule not in RULES:
-        raise ValueError(f"unknown aggregation rule {rule!r}; choose one of {', '.join(RULES)}")
+    check_params(rule, params)
     if pre is not None and pre not in PRE_STEPS:
         raise ValueError(
             f"unknown pre-aggregation step {pre!r}; choose one of {', '.join(PRE_STEPS)}"

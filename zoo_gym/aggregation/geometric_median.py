@@ -36,8 +36,12 @@ def geometric_median(
 ) -> Aggregate:
     """Smoothed Weiszfeld (RFA) geometric median of the `(n, d)` updates; `weights` `(n,)` >= 0."""
     n, _ = check_updates(updates, "geometric_median")
-    if iters < 1 or eps <= 0.0:
-        raise ValueError("geometric_median: iters must be >= 1 and eps > 0")
+    if isinstance(iters, bool) or not isinstance(iters, int) or iters < 1:
+        raise ValueError(f"geometric_median: iters must be an int >= 1, got {iters!r}")
+    if not eps > 0.0 or not tol >= 0.0:
+        raise ValueError(
+            f"geometric_median: need eps > 0 and tol >= 0, got eps={eps!r}, tol={tol!r}"
+        )
     a = check_weights(weights, n, "geometric_median")  # (n,) float64
     z = weighted_sum(updates, a)  # (d,)
     dist = distances_to(updates, z).cpu()  # (n,)

@@ -9,9 +9,11 @@ which requires n >= 2f + 3. Krum returns the update with the lowest score; Multi
 returns the plain average of the m lowest-score updates (m = 1 is Krum). Ties go to the
 update with the smaller total distance to all others, then to the lower index.
 
-Distances come from one float64 Gram matrix of the centred deltas (see `_core.gram`), not
+Distances come from one Gram matrix of the column-centred updates, computed chunk by
+chunk over d with a float32 GEMM per chunk accumulated in float64 (see `_core.gram`), not
 from ||x||^2 + ||y||^2 - 2 x.y in float32 on full weights, which cancels catastrophically
-when updates are small next to the weights.
+when updates are small next to the weights. The m chosen updates are averaged in float64
+without copying them.
 """
 
 from __future__ import annotations
@@ -24,9 +26,9 @@ from ._core import (
     Decision,
     check_f,
     check_updates,
+    mean_of_rows,
     require,
     squared_distances,
-    weighted_sum,
 )
 
 
@@ -63,19 +65,17 @@ def krum(updates: Tensor, *, f: int, m: int = 1) -> Aggregate:
 
     score(i) = sum of squared distances from update i to its n - f - 2 nearest neighbours.
     `updates` is (n, d); distances come from one float64 Gram matrix. Requires n >= 2f + 3
-    and 1 <= m <= n.
+    and 1 <= m <= n. Every update's decision carries its score.
     """
     n, _ = check_updates(updates, "krum")
     check_f(f, "krum")
     require(n, 2 * f + 3, f"krum with f={f}", "n >= 2f + 3")
-    if not 1 <= m <= n:
-        raise ValueError(f"krum: m must be between 1 and n={n}, got {m}")
+    if isinstance(m, bool) or not isinstance(m, int) or not 1 <= m <= n:
+        raise ValueError(f"krum: m must be an int between 1 and n={n}, got {m!r}")
     dist = squared_distances(updates)  # (n, n)
     scores = krum_scores(dist, f).cpu()  # (n,)
     chosen = lowest(scores, m, dist)
-    weights = torch.zeros(n, dtype=torch.float64)
-    weights[chosen] = 1.0 / m
-    vector = weighted_sum(updates, weights)
+    vector = mean_of_rows(updates, sorted(chosen))
     picked = set(chosen)
     what = "the lowest Krum score" if m == 1 else f"the {m} lowest Krum scores"
     decisions = tuple(

@@ -3,8 +3,10 @@ Towards Optimal Statistical Rates", ICML].
 
 For each coordinate k, sort x_1[k], ..., x_n[k], drop the f smallest and the f largest and
 average the remaining n - 2f values; requires n > 2f. (Flower's FedTrimmedAvg trims a
-fraction beta instead: int(beta * n) from each side.) Computed over column chunks, each
-transposed to `(c, n)` and sorted, so extra memory stays bounded whatever d is.
+fraction beta instead: int(beta * n) from each side.) Computed over column chunks of the
+updates, each sorted along the updates (see `_select.trimmed_columns`), so extra memory
+stays a few percent of the input whatever d is. Where values tie at a cut,
+the tied updates share the trimmed positions equally.
 """
 
 from __future__ import annotations
@@ -12,7 +14,20 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ._core import Aggregate, Decision, check_f, check_updates, column_chunks, pct, require
+from ._core import (
+    Aggregate,
+    Decision,
+    check_f,
+    check_updates,
+    chunk_width,
+    pct,
+    require,
+    spans,
+    work_dtype,
+)
+from ._select import Scratch, trimmed_columns
+
+_EPS = 1e-9  # coordinates; shares of tied runs are fractions
 
 
 def trimmed_mean(updates: Tensor, *, f: int) -> Aggregate:
@@ -20,22 +35,19 @@ def trimmed_mean(updates: Tensor, *, f: int) -> Aggregate:
     n, d = check_updates(updates, "trimmed_mean")
     check_f(f, "trimmed_mean")
     require(n, 2 * f + 1, f"trimmed_mean with f={f}", "n > 2f")
+    width = chunk_width(updates, 8)  # sorted copy, clamped copy
+    scratch = Scratch(n, width, work_dtype(updates), updates.device)
     out = torch.empty(d, dtype=torch.float32, device=updates.device)
-    kept = torch.zeros(n, dtype=torch.float64, device=updates.device)  # coordinates kept
-    for start, stop in column_chunks(updates, 24):
-        values, order = torch.sort(updates[:, start:stop].T.contiguous(), dim=1)  # (c, n)
-        out[start:stop] = values[:, f : n - f].to(torch.float64).mean(dim=1)
-        inner = order[:, f : n - f].flatten()
-        kept.index_add_(
-            0, inner, torch.ones(inner.numel(), dtype=torch.float64, device=kept.device)
-        )
+    dropped = torch.zeros(n, dtype=torch.float64, device=updates.device)  # coordinates
+    for start, stop in spans(d, width):
+        dropped += trimmed_columns(updates[:, start:stop], f, scratch, out[start:stop])
     decisions = []
-    for k in kept.cpu().tolist():
-        trimmed = 1.0 - k / d
+    for t in dropped.cpu().tolist():
+        trimmed = min(1.0, max(0.0, t / d))
         decisions.append(
             Decision(
-                selected=k > 0.0,
-                weight=k / d / (n - 2 * f),
+                selected=d - t > _EPS,
+                weight=(1.0 - trimmed) / (n - 2 * f),
                 trimmed_share=trimmed,
                 score=None,
                 reason=f"trimmed in {pct(trimmed)} of coordinates",

@@ -44,7 +44,7 @@ def test_read_commands_print_json(served: Served) -> None:
     assert [c["name"] for c in contributors] == ["alice"] and shown["status"] == "active"
     assert policy["current"]["aggregator"] == "fedavg"
     assert [m["version"] for m in models] == ["v0000"]
-    assert [(r["contributor_id"], r["amount"]) for r in rewards] == [(alice, 3.0)]
+    assert [(r["contributor_id"], r["amount"]) for r in rewards] == [(alice, "3.000000000")]
     assert report["totals"]["reward"] == 3.0 and report["rounds"][0]["decision"] == "accepted"
     assert [e["index"] for e in entries["entries"]] == [0, 1, 2]
 

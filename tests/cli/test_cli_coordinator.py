@@ -93,9 +93,9 @@ def test_ledger_verify_detects_a_tampered_row(home: Path) -> None:
     # Assert
     assert table.exit_code == 1 and as_json.exit_code == 1
     assert table.output.startswith("TAMPERED: row: entry ") and "(reward)" in table.output
-    assert "amount is 1000.0" in table.output and "Traceback" not in table.output
+    assert "amount is '1000.000000000'" in table.output and "Traceback" not in table.output
     report = json.loads(as_json.stdout)
-    assert not report["ok"] and "amount is 1000.0" in report["problems"][0]
+    assert not report["ok"] and "amount is '1000.000000000'" in report["problems"][0]
 
 
 def test_ledger_verify_with_another_key_flags_checkpoints(home: Path) -> None:

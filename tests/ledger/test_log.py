@@ -34,10 +34,10 @@ def test_records_are_canonical_versioned_and_hashed(session: Session, populated:
     for entry in entries:
         record = json.loads(entry.record)
         assert canonical_json(record) == entry.record
-        assert (record["v"], record["index"], record["kind"]) == (1, entry.index, entry.kind)
+        assert (record["v"], record["index"], record["kind"]) == (2, entry.index, entry.kind)
         assert entry.leaf_hash == merkle.leaf_hash(entry.record)
     reward = json.loads(entries[populated.entries["reward"]].record)
-    assert reward["rows"][0]["fields"]["amount"] == 10.0
+    assert reward["rows"][0]["fields"]["amount"] == "10.000000000"  # exact, fixed scale
     assert LogEntryPublic.model_validate(entries[0]).leaf_hash == entries[0].leaf_hash.hex()
 
 
@@ -91,3 +91,14 @@ def test_rejected_write_appends_nothing(session: Session, populated: Populated) 
         )
     assert log_size(session) == size
     assert verify_ledger(session, public_key=populated.signer.public_key).ok
+
+
+def test_version_1_float_amounts_read_as_exact_decimals() -> None:
+    # Records written before amounts became exact decimals still verify against migrated rows
+    from zoo_gym.ledger.log import _from_v1
+
+    assert _from_v1("rewards", "amount", 10.0) == "10.000000000"
+    assert _from_v1("rewards", "amount", 0.1) == "0.100000000"
+    assert _from_v1("submissions", "reward", None) is None
+    assert _from_v1("rewards", "quality", 0.25) == 0.25  # floats stay floats
+    assert _from_v1("contributors", "name", "alice") == "alice"

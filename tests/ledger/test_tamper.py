@@ -91,7 +91,8 @@ def test_row_inserted_without_log_entry(session: Session, populated: Populated) 
 def test_edited_log_record(session: Session, populated: Populated) -> None:
     index = populated.entries["reward"]
     record, _ = entry(session, index)
-    forged = record.replace(b'"amount":10.0', b'"amount":99.0')
+    forged = record.replace(b'"amount":"10.000000000"', b'"amount":"99.000000000"')
+    assert forged != record
     tamper(session, 'UPDATE log_entries SET record = :r WHERE "index" = :i', r=forged, i=index)
     first = check(session, populated).first
     assert first is not None
@@ -104,7 +105,8 @@ def test_rewritten_log_record_and_row_break_the_checkpoint(
 ) -> None:
     index = populated.entries["reward"]
     record, _ = entry(session, index)
-    forged = record.replace(b'"amount":10.0', b'"amount":99.0')
+    forged = record.replace(b'"amount":"10.000000000"', b'"amount":"99.000000000"')
+    assert forged != record
     tamper(
         session,
         'UPDATE log_entries SET record = :r, leaf_hash = :h WHERE "index" = :i',

@@ -21,6 +21,7 @@ import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
+from decimal import Decimal
 from typing import Any
 
 from sqlalchemy import (
@@ -30,6 +31,7 @@ from sqlalchemy import (
     Float,
     Integer,
     LargeBinary,
+    Numeric,
     TypeDecorator,
     func,
     text,
@@ -52,7 +54,8 @@ from zoo_gym.ledger.models import (
     utcnow,
 )
 
-RECORD_VERSION = 1
+RECORD_VERSION = 2
+READABLE_VERSIONS = (1, 2)  # 1: amounts as floats (before exact decimals)
 CHECKPOINT_VERSION = 1
 
 # Key of the PostgreSQL transaction-level advisory lock that serialises appends ("zoolog").
@@ -66,6 +69,14 @@ LOGGED_TABLES: tuple[type[SQLModel], ...] = (
     ModelVersion,
     AuditEvent,
 )
+
+_COLUMN_TYPES: dict[tuple[str, str], Any] = {
+    (str(m.__table__.name), c.name): c.type  # type: ignore[attr-defined]
+    for m in LOGGED_TABLES
+    for c in m.__table__.columns  # type: ignore[attr-defined]
+}
+# Float subclasses Numeric; only exact NUMERIC columns changed form between versions
+_COLUMN_TYPES = {k: t for k, t in _COLUMN_TYPES.items() if not isinstance(t, Float)}
 
 RowChange = tuple[SQLModel, Sequence[str] | None]
 """A row and the columns of it a log entry records (None: every column)."""
@@ -86,6 +97,8 @@ def _normalise(column_type: Any, value: Any) -> Any:
         return int(value)
     if isinstance(column_type, Float):
         return float(value)
+    if isinstance(column_type, Numeric):  # exact decimals, as a fixed-scale string on every backend
+        return str(Decimal(value).quantize(Decimal(1).scaleb(-(column_type.scale or 0))))
     if isinstance(column_type, DateTime):
         if isinstance(value, datetime):
             return _utc(value).isoformat(timespec="microseconds")
@@ -121,8 +134,17 @@ def _table_name(row: SQLModel) -> str:
     return str(row.__table__.name)  # type: ignore[attr-defined]
 
 
+def _from_v1(table: str, column: str, value: Any) -> Any:
+    """A version-1 field in today's form: amounts were floats before they became exact decimals."""
+    column_type = _COLUMN_TYPES.get((table, column))
+    if value is None or column_type is None or not isinstance(column_type, Numeric):
+        return value
+    return _normalise(column_type, value)
+
+
 def build_record(index: int, kind: str, changes: Sequence[RowChange]) -> bytes:
-    """Canonical bytes of log entry `index` describing `changes` (schema version 1)."""
+    """Canonical bytes of log entry `index` describing `changes` (record version 2: exact amounts
+    as fixed-scale strings; version 1 wrote them as floats and is still verified)."""
     rows = []
     for row, columns in changes:
         content = row_content(row)
@@ -374,7 +396,7 @@ def _replay_log(
             continue
         if canonical_json(record) != record_bytes:
             problems.append(Problem("log", index, kind, "record is not canonical JSON"))
-        if record.get("v") != RECORD_VERSION:
+        if record.get("v") not in READABLE_VERSIONS:
             problems.append(
                 Problem("log", index, kind, f"unknown record version {record.get('v')!r}")
             )
@@ -392,6 +414,8 @@ def _replay_log(
         for row in record.get("rows", []):
             expected = state.setdefault((row["table"], row["key"]), _Expected((index, kind)))
             for name, value in row["fields"].items():
+                if record["v"] == 1:
+                    value = _from_v1(row["table"], name, value)
                 expected.fields[name] = (value, index, kind)
     return leaves, state
 

@@ -8,10 +8,11 @@ deleted; every change to a row goes through a repository function that also appe
 from __future__ import annotations
 
 from datetime import UTC, datetime
+from decimal import Decimal
 from typing import Any, Literal
 
 from pydantic import field_validator
-from sqlalchemy import JSON, BigInteger, Index, LargeBinary, UniqueConstraint, text
+from sqlalchemy import JSON, BigInteger, Index, LargeBinary, Numeric, UniqueConstraint, text
 from sqlmodel import Field, SQLModel
 
 ContributorStatus = Literal["active", "pending", "banned"]
@@ -24,6 +25,10 @@ ROUND_STATUSES: frozenset[str] = frozenset(
 )
 CLOSED_ROUND_STATUSES: frozenset[str] = frozenset({"published", "rolled_back", "aborted"})
 DECISIONS: frozenset[str] = frozenset({"accepted", "rejected"})
+
+
+#: reward amounts are exact decimals with 9 places (the smallest unit a reward policy may pay)
+AMOUNT_DIGITS, AMOUNT_SCALE = 38, 9
 
 
 def utcnow() -> datetime:
@@ -153,7 +158,7 @@ class Submission(SubmissionCreate, table=True):
     score: float | None = None
     aggregation_reason: str | None = None
     quality: float | None = None
-    reward: float | None = None
+    reward: Decimal | None = Field(default=None, sa_type=Numeric(AMOUNT_DIGITS, AMOUNT_SCALE))
 
 
 class SubmissionPublic(SubmissionBase):
@@ -165,18 +170,21 @@ class SubmissionPublic(SubmissionBase):
     score: float | None
     aggregation_reason: str | None
     quality: float | None
-    reward: float | None
+    reward: Decimal | None
 
 
 # --- rewards ------------------------------------------------------------------------------------
 
 
 class RewardBase(SQLModel):
+    """One contributor's payment for one round: an exact decimal amount (zero with its reason)."""
+
     round_number: int = Field(foreign_key="rounds.number", index=True)
     contributor_id: str = Field(foreign_key="contributors.contributor_id", index=True)
-    quality: float
-    amount: float
+    quality: float | None
+    amount: Decimal = Field(sa_type=Numeric(AMOUNT_DIGITS, AMOUNT_SCALE))
     reputation_after: float
+    reason: str = ""
 
 
 class RewardCreate(RewardBase):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from decimal import Decimal
 from typing import Any
 
 from sqlmodel import Session, col, select
@@ -332,11 +333,16 @@ def record_reward(
     *,
     round_number: int,
     contributor_id: str,
-    quality: float,
-    amount: float,
+    quality: float | None,
+    amount: Decimal | int | str,
     reputation_after: float,
+    reason: str = "",
 ) -> Reward:
-    """Pay `amount` for a round; sets the contributor's reputation and its submission's reward."""
+    """Pay `amount` (exact; zero with its `reason`) for a round; sets the contributor's reputation
+    and its accepted submission's quality and reward."""
+    amount = Decimal(amount)
+    if not amount.is_finite() or amount < 0:
+        raise LedgerError(f"a reward amount must be a finite, non-negative decimal, not {amount}")
     with _writing(session):
         contributor = session.get(Contributor, contributor_id)
         if contributor is None:
@@ -349,6 +355,7 @@ def record_reward(
             quality=quality,
             amount=amount,
             reputation_after=reputation_after,
+            reason=reason,
         )
         contributor.reputation = reputation_after
         session.add_all([reward, contributor])

@@ -136,6 +136,6 @@ def test_rewards_per_round_and_contributor(shared_world: World) -> None:
     own = w.client.get(
         f"/contributors/{w.alice.contributor_id}/rewards", headers=w.as_viewer
     ).json()
-    assert [(r["contributor_id"], r["amount"]) for r in by_round] == [(w.alice.contributor_id, 5.0)]
+    assert [(r["contributor_id"], r["amount"]) for r in by_round] == [(w.alice.contributor_id, "5.000000000")]  # exact decimals travel as strings
     assert by_bob == []
     assert own == by_round

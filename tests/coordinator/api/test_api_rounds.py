@@ -24,7 +24,7 @@ def test_round_detail_and_summary(shared_world: World) -> None:
         w.alice.contributor_id: ("accepted", True),
         w.bob.contributor_id: ("rejected", None),
     }
-    assert [r["amount"] for r in detail["rewards"]] == [5.0]
+    assert [r["amount"] for r in detail["rewards"]] == ["5.000000000"]
     assert (summary["received"], summary["accepted"], summary["rejected"], summary["selected"]) == (
         2,
         1,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from decimal import Decimal
 from pathlib import Path
 
 import pytest
@@ -57,6 +58,21 @@ def test_multikrum_round_leaves_out_the_attacker_and_records_why(tiny_home: Path
     assert subs[attacker].selected is False and "score" in (subs[attacker].aggregation_reason or "")
     assert all(s.selected for cid, s in subs.items() if cid != attacker)
     assert summary.loss_after < summary.loss_before
+
+    # every scored contribution has a reward row; the attacker's is zero, with the rule's reason
+    with Session(fed.coordinator.engine) as session:
+        rewards = {r.contributor_id: r for r in ledger.list_rewards(session, round_number=1)}
+        reputations = {c.contributor_id: c.reputation for c in ledger.list_contributors(session)}
+    assert set(rewards) == set(subs)
+    assert rewards[attacker].amount == 0
+    assert rewards[attacker].reason.startswith("not used by multikrum: not among the 4 lowest Krum scores")
+    assert sum(r.amount for r in rewards.values()) == Decimal(100)  # exact: the whole pool
+    paid = [r for cid, r in rewards.items() if cid != attacker and r.amount > 0]
+    assert paid and all(r.quality is not None and r.quality > 0 for r in paid)
+    # shares follow quality: amount_i / amount_j == quality_i / quality_j (to the micro-unit)
+    a, b = paid[0], paid[-1]
+    assert float(a.amount) * float(b.quality) == pytest.approx(float(b.amount) * float(a.quality), rel=1e-4)
+    assert reputations[attacker] == 0.0 and all(reputations[cid] > 0 for cid in rewards if rewards[cid].amount > 0)
 
 
 def test_round_with_fewer_updates_than_the_rule_needs_is_aborted(tiny_home: Path) -> None:

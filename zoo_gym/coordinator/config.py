@@ -6,6 +6,7 @@ value stops the coordinator with one line naming the key and what to put there.
 
 from __future__ import annotations
 
+from decimal import Decimal
 from pathlib import Path
 from typing import Any, Literal
 
@@ -16,6 +17,7 @@ from zoo_gym.aggregation import RULES, aggregate, min_clients
 from zoo_gym.aggregation.dispatch import PRE_STEPS
 from zoo_gym.compression import CODECS
 from zoo_gym.core.settings import HomeConfig, load_toml
+from zoo_gym.scoring import METHODS
 
 AGGREGATORS = tuple(RULES)
 
@@ -42,6 +44,26 @@ class TrainingPolicy(BaseModel):
     def _codec_known(self) -> TrainingPolicy:
         if self.codec not in CODECS:
             raise ValueError(f"codec must be one of {', '.join(CODECS)}, not {self.codec!r}")
+        return self
+
+
+class RewardSettings(BaseModel):
+    """How each round's contributions are scored and paid (see `zoo_gym.scoring`)."""
+
+    model_config = ConfigDict(extra="forbid")
+    method: str = Field("individual", description="individual, leave_one_out, gtg_shapley, exact_shapley, or none")
+    pool: Decimal = Field(Decimal(100), ge=0, description="paid per round, split by quality")
+    min_quality: float = Field(0.0, ge=0, description="a contribution must improve validation utility by more")
+    unit: Decimal = Field(Decimal("0.000001"), gt=0, description="smallest amount paid")
+    reputation_alpha: float = Field(0.2, gt=0, le=1, description="weight of the latest round in reputation")
+    reputation_weight: float = Field(0.0, ge=0, lt=1, description="how much reputation scales a reward")
+
+    @model_validator(mode="after")
+    def _known(self) -> RewardSettings:
+        if self.method != "none" and self.method not in METHODS:
+            raise ValueError(f"method must be none or one of {', '.join(METHODS)}, not {self.method!r}")
+        if self.pool % self.unit != 0:
+            raise ValueError(f"pool {self.pool} is not a whole number of units of {self.unit}")
         return self
 
 
@@ -72,6 +94,7 @@ class CoordinatorConfig(HomeConfig):
     tls_key: Path | None = None
     signing_key: Path = Path("coordinator.key")
     training: TrainingPolicy = Field(default_factory=lambda: TrainingPolicy.model_validate({}))
+    rewards: RewardSettings = Field(default_factory=lambda: RewardSettings.model_validate({}))
 
     @model_validator(mode="after")
     def _check(self) -> CoordinatorConfig:

@@ -17,14 +17,16 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
+import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context
 from flwr.serverapp import Grid, ServerApp
 from sqlmodel import Session
 
 from zoo_gym import ledger
 from zoo_gym.coordinator.backend import OpenRound
+from zoo_gym.coordinator.rewards import pay_round
 from zoo_gym.coordinator.service import Coordinator
-from zoo_gym.core.delta import Layout, TensorSpec
+from zoo_gym.core.delta import Layout, TensorSpec, unflatten
 from zoo_gym.core.lora import LoraSpec, merge_ffa, target_weights, update_key
 from zoo_gym.core.protocol import TaskConfig
 
@@ -64,6 +66,19 @@ def update_layout(state: dict[str, object], spec: LoraSpec) -> Layout:
     return tuple(
         TensorSpec(update_key(module), (out, spec.rank)) for module, (out, _in) in sorted(shapes.items())
     )
+
+
+def validation_utility(
+    co: Coordinator, state: dict[str, torch.Tensor], layout: Layout, spec: LoraSpec, seed: int
+) -> Callable[[torch.Tensor], float]:
+    """U(v) = minus the validation loss of the base with the flat `(d,)` B-update v merged in."""
+
+    def utility(vector: torch.Tensor) -> float:
+        merged = {k: v.clone() for k, v in state.items()}
+        merge_ffa(merged, unflatten(vector.float(), layout), spec=spec, seed=seed)
+        return -co.evaluator.loss(merged)
+
+    return utility
 
 
 def _same(layout: Layout) -> Layout:
@@ -136,6 +151,8 @@ def run_rounds(co: Coordinator, grid: Grid, *, on_round: Callable[[RoundSummary]
         if arrays is None or agg is None:
             status = "aborted"
         else:
+            utility = validation_utility(co, state, layout, spec, seed)
+            pay_round(co.engine, config, round_number=round_number, agg=agg, utility=utility, baseline=-loss)
             candidate = {k: v.clone() for k, v in state.items()}
             merge_ffa(candidate, agg.update, spec=spec, seed=seed)
             new_loss = co.evaluator.loss(candidate)

@@ -38,9 +38,12 @@ class RoundAggregate:
     """What one round's aggregation produced."""
 
     update: dict[str, torch.Tensor]
-    contributors: tuple[str, ...]
+    contributors: tuple[str, ...]  # whose updates the rule used
     received: int
     accepted: int
+    rows: torch.Tensor | None = None  # (n, d): the decoded updates the rule saw
+    row_contributors: tuple[str, ...] = ()  # contributor of each row
+    decisions: tuple[Decision, ...] = ()  # the rule's decision about each row
 
 
 class ZooStrategy(FedAvg):
@@ -144,7 +147,11 @@ class ZooStrategy(FedAvg):
             if decision.selected or decision.weight > 0:
                 contributors.append(str(record["contributor_id"]))
         update = {k: v.clone() for k, v in unflatten(result.vector.float(), layout).items()}
-        self.last = RoundAggregate(update, tuple(contributors), len(replies), len(accepted))
+        self.last = RoundAggregate(
+            update, tuple(contributors), len(replies), len(accepted), rows=updates,
+            row_contributors=tuple(str(r.content.config_records[SUBMISSION]["contributor_id"]) for r in rows),
+            decisions=result.decisions,
+        )
         metrics = MetricRecord({"accepted": len(accepted), "aggregated": len(rows)})
         return ArrayRecord(torch_state_dict=update), metrics
 

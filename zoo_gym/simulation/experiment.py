@@ -175,6 +175,7 @@ def cell_overrides(config: SweepConfig, cell: Cell) -> dict[str, Any]:
         "pre_aggregation": config.pre_aggregation, "seed": config.seed, "round_timeout_s": 3600.0,
         "wait_for_clients_s": 60.0,
         "quality_gate_tolerance": 0.02 if config.quality_gate else math.inf,
+        "rewards": {"method": "none"},  # the matrix measures the rule; scoring would add n + 1 evaluations
         "training": {"steps": config.steps, "learning_rate": config.learning_rate,
                      "batch_size": config.batch_size, "codec": config.codec},
     }

@@ -81,7 +81,7 @@ class Coordinator:
         context = Context(run_id=1, node_id=SERVERAPP_NODE_ID, node_config={}, state=RecordDict(), run_config={})
         make_server_app(self, on_round=on_round)(grid, context)  # type: ignore[arg-type]
 
-    def serve(self) -> None:
+    def serve(self, *, stay: bool = False) -> None:
         """gRPC + REST + the round loop, until done or SIGINT/SIGTERM."""
         from zoo_gym.coordinator.api.app import RestServer
         from zoo_gym.transport.grid import GrpcGrid
@@ -106,9 +106,9 @@ class Coordinator:
         try:
             self.run(GrpcGrid(mailbox))
             log.info("round loop finished")
-            if c.rounds > 0:
+            if c.rounds > 0 and not stay:
                 return
-            self.stop.wait()
+            self.stop.wait()  # keep answering outcome, download and REST calls until stopped
         finally:
             grpc_server.stop()
             rest.stop()

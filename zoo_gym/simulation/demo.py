@@ -47,6 +47,7 @@ class Federation:
     seed: int = 0
     byzantine: str = ""  # attack run by the extra `byzantine_clients` contributors; empty = none
     byzantine_clients: int = 0
+    stay: bool = False  # the coordinator keeps serving (REST, outcomes) after its last round
     processes: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
     logs: list[IO[bytes]] = field(default_factory=list)
     port: int = 0
@@ -102,7 +103,8 @@ class Federation:
 
     def start(self) -> None:
         self._spawn("coordinator", _python("zoo_gym.cli.coordinator", "serve", "-c",
-                                           str(self.coordinator_home / "coordinator.toml")))
+                                           str(self.coordinator_home / "coordinator.toml"),
+                                           *(("--stay",) if self.stay else ())))
         for i in range(self.total_clients):
             self.start_client(i, *(("--byzantine", self.byzantine) if i >= self.clients else ()))
 
@@ -118,7 +120,8 @@ class Federation:
         return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
     def wait(self, *, timeout_s: float, on_round: Callable[[dict[str, Any]], None] | None = None) -> None:
-        """Until the coordinator exits; raises if it fails or runs past `timeout_s`."""
+        """Until the coordinator exits (or, with `stay`, has run every round); raises if it fails
+        or runs past `timeout_s`."""
         seen = 0
         deadline = time.monotonic() + timeout_s
         coordinator = self.processes["coordinator"]
@@ -128,6 +131,8 @@ class Federation:
                 if on_round is not None:
                     on_round(row)
             seen = len(rows)
+            if self.stay and seen >= self.rounds:
+                return
             code = coordinator.poll()
             if code is not None:
                 if code != 0:

@@ -10,6 +10,7 @@ from flwr.app import Message, RecordDict
 from sqlmodel import Session
 
 from zoo_gym import ledger
+from zoo_gym.coordinator.rounds import RoundSummary
 from zoo_gym.core.synthetic import make_examples, shard
 from zoo_gym.simulation.inprocess import InProcessFederation
 
@@ -113,8 +114,8 @@ def test_operator_abort_and_staged_policy_reach_the_round_loop(tiny_home: Path) 
     staged = co.config.model_copy(update={"aggregator": "median", "byzantine_f": 1})
     statuses: list[str] = []
 
-    def after(summary: object) -> None:
-        statuses.append(getattr(summary, "status"))
+    def after(summary: RoundSummary) -> None:
+        statuses.append(summary.status)
         if len(statuses) == 1:
             co.control.stage_policy(PolicyChange(staged, {"aggregator": ("fedavg", "median")}, by="admin:ops"))
 

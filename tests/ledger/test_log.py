@@ -99,6 +99,7 @@ def test_version_1_float_amounts_read_as_exact_decimals() -> None:
 
     assert _from_v1("rewards", "amount", 10.0) == "10.000000000"
     assert _from_v1("rewards", "amount", 0.1) == "0.100000000"
+    assert _from_v1("rewards", "amount", 0.0) == "0.000000000"  # never "0E-9"
     assert _from_v1("submissions", "reward", None) is None
     assert _from_v1("rewards", "quality", 0.25) == 0.25  # floats stay floats
     assert _from_v1("contributors", "name", "alice") == "alice"

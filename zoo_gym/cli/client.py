@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import sys
+from enum import StrEnum
 from pathlib import Path
 from typing import Annotated
 
@@ -92,6 +94,67 @@ def status(
         table.add_row(str(r["round"]), r["base_version"], r["decision"], r["reason"], str(r["payload_bytes"]),
                       f"{r['train_loss']:.4f}")
     console.print(table)
+
+
+class RewardsFormat(StrEnum):
+    table = "table"
+    json = "json"
+    csv = "csv"
+    html = "html"
+
+
+@app.command()
+@friendly
+def rewards(
+    home: Annotated[Path, typer.Option(help="directory made by `gym-client init`")] = Path("contributor"),
+    api: Annotated[str | None, typer.Option(
+        help="the coordinator's REST address, e.g. http://coordinator.example.org:8080 (default: api_url in client.toml)",
+    )] = None,
+    format: Annotated[RewardsFormat, typer.Option(
+        "--format", help="table for people, json or csv for programs, html for a page with a plot",
+    )] = RewardsFormat.table,
+    out: Annotated[Path | None, typer.Option(help="write to this file (html: default rewards.html)")] = None,
+    verify: Annotated[bool, typer.Option(
+        "--verify", help="check every reward against the ledger's checkpoint signed by the coordinator key pinned at join",
+    )] = False,
+) -> None:
+    """Your reward statement: per round the decision and why, quality, reward, reputation and privacy spent."""
+    from rich.console import Console
+
+    from zoo_gym.cli.common import err_console
+    from zoo_gym.client import rewards as report
+    from zoo_gym.client.config import load_client_config
+    from zoo_gym.core.identity import Identity
+
+    cfg = load_client_config(home / CONFIG)
+    identity = Identity.load(cfg.path(cfg.key))
+    pinned = report.pinned_coordinator_key(home / "state" / "state.json") if verify else b""
+    url = report.api_base(api or cfg.api_url)
+    with report.connect(url, ca_cert=cfg.ca_cert and cfg.path(cfg.ca_cert)) as http:
+        session = report.ReportApi(http, identity)
+        statement = report.fetch_statement(session)
+        checked = report.verify_statement(session, statement, coordinator_key=pinned) if verify else None
+    if format is RewardsFormat.html:
+        target = out or Path("rewards.html")
+        target.write_text(report.to_html(statement, checked, source=url), encoding="utf-8")
+        console.print(f"wrote {target} ({len(statement.rounds)} round(s))", markup=False)
+    elif format is RewardsFormat.table:
+        if out is None:
+            console.print(report.render_table(statement, checked))
+        else:
+            with out.open("w", encoding="utf-8") as fh:
+                Console(file=fh, width=160).print(report.render_table(statement, checked))
+    else:
+        text = (report.to_json if format is RewardsFormat.json else report.to_csv)(statement, checked)
+        if out is None:
+            sys.stdout.write(text)
+            sys.stdout.flush()
+        else:
+            out.write_text(text, encoding="utf-8")
+    if checked is not None and not checked.ok:
+        raise report.RewardsError(f"verification failed: {checked.problem}")
+    if checked is not None:
+        (console if format is RewardsFormat.table else err_console).print(checked.summary(), markup=False, soft_wrap=True)
 
 
 def main() -> None:

@@ -23,6 +23,7 @@ def user_errors() -> tuple[type[BaseException], ...]:
     """Exceptions a user can cause; they are shown as one line, never as a traceback."""
     from zoo_gym.client.config import ClientConfigError
     from zoo_gym.client.data import DataError
+    from zoo_gym.client.rewards import RewardsError
     from zoo_gym.client.session import JoinError
     from zoo_gym.compression import EnvelopeError
     from zoo_gym.coordinator.config import ConfigError
@@ -31,7 +32,7 @@ def user_errors() -> tuple[type[BaseException], ...]:
     from zoo_gym.simulation.experiment import SweepError
     from zoo_gym.transport.client import TransportError
 
-    return (ClientConfigError, DataError, JoinError, EnvelopeError, ConfigError, IdentityError,
+    return (ClientConfigError, DataError, JoinError, RewardsError, EnvelopeError, ConfigError, IdentityError,
             ManifestError, SweepError, TransportError, FileNotFoundError, PermissionError)
 
 

@@ -185,6 +185,7 @@ def run_rounds(co: Coordinator, grid: Grid, *, on_round: Callable[[RoundSummary]
         with Session(co.engine) as session:
             ledger.close_round(session, number=round_number, status=status,
                                new_version=published or None, metrics=closing)
+            ledger.checkpoint(session, signer=co.signer)  # contributors verify their rewards against it
         co.metrics.observe_round(round_number, summary.seconds, status=status)
         co.control.round_finished(round_number)
         if status == "published":

@@ -33,6 +33,18 @@ def request_statement(method: str, contributor_id: str, timestamp_ms: int, diges
     return f"{PREFIX}|{method}|{contributor_id}|{timestamp_ms}|{digest}".encode()
 
 
+REST_AUTH_PREFIX = "zoo-gym/rest-auth/v1"
+
+
+def rest_challenge_statement(contributor_id: str, nonce: str, expires_at_ms: int) -> bytes:
+    """Bytes a contributor signs to answer a REST sign-in challenge (`POST /auth/challenge`).
+
+    Its own prefix keeps it apart from every statement of the gRPC protocol; the contributor
+    builds these bytes itself from the challenge, so it never signs bytes the server chose freely.
+    """
+    return f"{REST_AUTH_PREFIX}|{contributor_id}|{nonce}|{expires_at_ms}".encode()
+
+
 @dataclass(frozen=True)
 class Submission:
     """A contributor's signed claim: "this payload is my update for this round and base".
@@ -106,7 +118,13 @@ class TaskConfig:
     lora_rank: int = 8
     lora_alpha: float = 16.0
     target_modules: tuple[str, ...] = (
-        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+        "q_proj",
+        "k_proj",
+        "v_proj",
+        "o_proj",
+        "gate_proj",
+        "up_proj",
+        "down_proj",
     )
     steps: int = 30
     learning_rate: float = 5e-3
@@ -131,6 +149,7 @@ class TaskConfig:
             if isinstance(f.type, str) and f.type in _SCALARS:
                 values[f.name] = _SCALARS[f.type](values[f.name])
         return cls(**values)
+
 
 class RequestError(Exception):
     """A request the coordinator refuses; `code` names the gRPC status to answer with.

@@ -98,7 +98,7 @@ def _normalise(column_type: Any, value: Any) -> Any:
     if isinstance(column_type, Float):
         return float(value)
     if isinstance(column_type, Numeric):  # exact decimals, as a fixed-scale string on every backend
-        return str(Decimal(value).quantize(Decimal(1).scaleb(-(column_type.scale or 0))))
+        return format(Decimal(value).quantize(Decimal(1).scaleb(-(column_type.scale or 0))), "f")
     if isinstance(column_type, DateTime):
         if isinstance(value, datetime):
             return _utc(value).isoformat(timespec="microseconds")

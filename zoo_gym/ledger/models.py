@@ -11,7 +11,7 @@ from datetime import UTC, datetime
 from decimal import Decimal
 from typing import Any, Literal
 
-from pydantic import field_validator
+from pydantic import field_serializer, field_validator
 from sqlalchemy import JSON, BigInteger, Index, LargeBinary, Numeric, UniqueConstraint, text
 from sqlmodel import Field, SQLModel
 
@@ -29,6 +29,11 @@ DECISIONS: frozenset[str] = frozenset({"accepted", "rejected"})
 
 #: reward amounts are exact decimals with 9 places (the smallest unit a reward policy may pay)
 AMOUNT_DIGITS, AMOUNT_SCALE = 38, 9
+
+
+def fixed_amount(amount: Decimal) -> str:
+    """`amount` with exactly AMOUNT_SCALE places, never in exponent form ("0.000000000", not "0E-9")."""
+    return format(Decimal(amount).quantize(Decimal(1).scaleb(-AMOUNT_SCALE)), "f")
 
 
 def utcnow() -> datetime:
@@ -172,6 +177,10 @@ class SubmissionPublic(SubmissionBase):
     quality: float | None
     reward: Decimal | None
 
+    @field_serializer("reward")
+    def _fixed(self, reward: Decimal | None) -> str | None:
+        return None if reward is None else fixed_amount(reward)
+
 
 # --- rewards ------------------------------------------------------------------------------------
 
@@ -204,6 +213,10 @@ class Reward(RewardCreate, table=True):
 class RewardPublic(RewardBase):
     id: int
     recorded_at: datetime
+
+    @field_serializer("amount")
+    def _fixed(self, amount: Decimal) -> str:
+        return fixed_amount(amount)
 
 
 # --- model versions -----------------------------------------------------------------------------

@@ -119,10 +119,14 @@ def test_report_per_round_with_totals(shared_world: World) -> None:
         "accepted": 1,
         "rejected": 0,
         "selected": 1,
+        "rewarded": 1,
         "reward": 5.0,
+        "amount": "5.000000000",
+        "epsilon": None,
     }
     (row,) = bob["rounds"]
-    assert (row["decision"], row["reward"]) == ("rejected", 0.0)
+    assert (row["decision"], row["reward"], row["amount"]) == ("rejected", 0.0, "0.000000000")
+    assert (row["reward_id"], row["log_index"], row["reputation_after"]) == (None, None, None)
     assert row["reason"] == "update envelope is invalid: bad magic"
     assert bob["totals"]["rejected"] == 1 and bob["totals"]["reward"] == 0.0
 
@@ -136,6 +140,8 @@ def test_rewards_per_round_and_contributor(shared_world: World) -> None:
     own = w.client.get(
         f"/contributors/{w.alice.contributor_id}/rewards", headers=w.as_viewer
     ).json()
-    assert [(r["contributor_id"], r["amount"]) for r in by_round] == [(w.alice.contributor_id, "5.000000000")]  # exact decimals travel as strings
+    assert [(r["contributor_id"], r["amount"]) for r in by_round] == [
+        (w.alice.contributor_id, "5.000000000")
+    ]  # exact decimals travel as strings
     assert by_bob == []
     assert own == by_round

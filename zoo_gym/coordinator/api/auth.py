@@ -1,8 +1,9 @@
 """Contributor sign-in for the REST API: a signed nonce challenge, then a short-lived token.
 
 1. ``POST /auth/challenge {contributor_id}`` returns a random nonce and its expiry.
-2. The contributor signs `challenge_statement(contributor_id, nonce, expires_at_ms)` with its
-   Ed25519 key (it builds the bytes itself, so it never signs bytes the server chose freely).
+2. The contributor signs `challenge_statement(contributor_id, nonce, expires_at_ms)`
+   (`zoo_gym.core.protocol.rest_challenge_statement`) with its Ed25519 key (it builds the bytes
+   itself, so it never signs bytes the server chose freely).
 3. ``POST /auth/token {contributor_id, nonce, signature}`` checks the signature against the key
    the ledger registered for that contributor and returns a bearer token scoped to it.
 
@@ -21,17 +22,18 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-STATEMENT_PREFIX = "zoo-gym/rest-auth/v1"
+from zoo_gym.core.protocol import REST_AUTH_PREFIX, rest_challenge_statement
+
+STATEMENT_PREFIX = REST_AUTH_PREFIX
 TOKEN_SCHEME = "zgc"
 CHALLENGE_TTL_S = 120.0
 TOKEN_TTL_S = 900.0
 MAX_PENDING = 10_000
 
 
-def challenge_statement(contributor_id: str, nonce: str, expires_at_ms: int) -> bytes:
-    """Bytes a contributor signs to answer a REST challenge (domain-separated from every
-    statement of the gRPC protocol)."""
-    return f"{STATEMENT_PREFIX}|{contributor_id}|{nonce}|{expires_at_ms}".encode()
+challenge_statement = rest_challenge_statement
+"""Bytes a contributor signs to answer a REST challenge (defined in `zoo_gym.core.protocol`,
+which client and coordinator share)."""
 
 
 @dataclass(frozen=True)

@@ -7,9 +7,10 @@ Ledger rows are returned as the ledger's own Public models (`RoundPublic`, `Subm
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Any
+from decimal import Decimal
+from typing import Annotated, Any
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, PlainSerializer
 
 from zoo_gym.ledger import (
     CheckpointPublic,
@@ -18,6 +19,7 @@ from zoo_gym.ledger import (
     RoundPublic,
     SubmissionPublic,
 )
+from zoo_gym.ledger.models import AMOUNT_SCALE
 
 CONTRIBUTOR_ID = r"^[0-9a-f]{32}$"
 
@@ -120,19 +122,48 @@ class BanCreate(ControlBase):
     reason: str = Field(min_length=1, max_length=500)
 
 
+REPORT_VERSION = 2
+"""Version of `ContributorReport` (2: exact amounts, reputation, epsilon and log indices)."""
+
+
+def _exact(amount: Decimal) -> str:
+    return f"{amount:.{AMOUNT_SCALE}f}"
+
+
+Amount = Annotated[
+    Decimal,
+    PlainSerializer(_exact, return_type=str, when_used="json"),
+    Field(description='exact decimal with 9 places, as a string (e.g. "5.000000000")'),
+]
+
+
 class ReportRow(BaseModel):
-    """What happened to a contributor in one round."""
+    """What happened to a contributor in one round: its submission(s) and its reward."""
 
     round: int
     round_status: str | None
-    submission_id: int | None
-    decision: str
-    reason: str
+    submission_id: int | None = Field(description="the submission that decided the round")
+    decision: str = Field(description="accepted or rejected (at intake); none without submission")
+    reason: str = Field(
+        description="why: the aggregator's reason for an accepted update, intake's for a rejected one"
+    )
     selected: bool | None
     weight: float | None
-    score: float | None
-    quality: float | None
-    reward: float
+    score: float | None = Field(description="the aggregator's score of the update")
+    quality: float | None = Field(description="quality of the contribution (None: not scored)")
+    reward: float = Field(description="`amount` as a float, for display")
+    amount: Amount
+    reward_reason: str = Field(description="why the reward is what it is; empty when unpaid")
+    reputation_after: float | None = Field(description="reputation after the round's reward")
+    epsilon: float | None = Field(
+        description="privacy spent in the round: the sum of its submissions' epsilon "
+        "(basic composition); None when none reported one"
+    )
+    reward_id: int | None
+    log_index: int | None = Field(
+        description="index of the log entry that recorded the reward "
+        "(its record: GET /contributors/{id}/rewards/entries; proof: /ledger/proofs/inclusion)"
+    )
     received_at: datetime | None
 
 
@@ -142,10 +173,21 @@ class ReportTotals(BaseModel):
     accepted: int
     rejected: int
     selected: int
-    reward: float
+    rewarded: int = Field(description="rounds with a positive reward")
+    reward: float = Field(description="`amount` as a float, for display")
+    amount: Amount
+    epsilon: float | None = Field(
+        description="sum of the rounds' epsilon (basic composition, an upper bound); "
+        "None when no round reported one"
+    )
 
 
 class ContributorReport(BaseModel):
+    """A contributor's statement: per round, the decision, why, quality, reward, reputation after
+    and privacy spent; totals. Each reward names the log entry that recorded it, so the statement
+    can be checked against a signed checkpoint."""
+
+    version: int = REPORT_VERSION
     contributor_id: str
     name: str
     status: str

@@ -1,11 +1,15 @@
-"""Contributors: the register, operator decisions (approve, ban, unban) and reward reports."""
+"""Contributors: the register, operator decisions (approve, ban, unban) and reward reports
+(with the log entries that recorded each reward, for checking them against a checkpoint)."""
 
 from __future__ import annotations
 
+import json
+from decimal import Decimal
 from typing import Annotated
 
 from fastapi import APIRouter, HTTPException, Query, status
-from sqlmodel import Session
+from sqlalchemy import ColumnElement, LargeBinary, func, literal
+from sqlmodel import Session, col, select
 
 from zoo_gym import ledger
 from zoo_gym.coordinator.api.deps import AdminDep, SelfDep, SessionDep, ViewerDep
@@ -16,9 +20,12 @@ from zoo_gym.coordinator.api.schemas import (
     ReportTotals,
     StatusCreate,
 )
+from zoo_gym.core.hashing import canonical_json
 from zoo_gym.ledger import (
     Contributor,
     ContributorPublic,
+    LogEntry,
+    LogEntryPublic,
     Reward,
     RewardPublic,
     Submission,
@@ -26,6 +33,8 @@ from zoo_gym.ledger import (
 )
 
 router = APIRouter(prefix="/contributors", tags=["contributors"])
+
+ZERO = Decimal(0)
 
 RoundQuery = Annotated[int | None, Query(alias="round", description="only this round")]
 
@@ -80,20 +89,105 @@ def list_contributor_rewards(
     return ledger.list_rewards(session, round_number=round_number, contributor_id=contributor_id)
 
 
+def _record_holds(session: Session, needle: bytes) -> ColumnElement[bool] | None:
+    """SQL for "the entry's record holds `needle`" (None where no backend function is known)."""
+    dialect = session.get_bind().dialect.name
+    if dialect == "sqlite":
+        return func.instr(LogEntry.record, needle) > 0
+    if dialect == "postgresql":
+        return func.position(literal(needle, LargeBinary).op("IN")(LogEntry.record)) > 0
+    return None
+
+
+def reward_entries(session: Session, contributor_id: str) -> dict[int, LogEntry]:
+    """The log entries that recorded `contributor_id`'s rewards, by reward id.
+
+    A reward entry's record holds the rewards row with every field, the contributor among them:
+    a byte search in the canonical record narrows the scan, the parsed record decides.
+    """
+    query = select(LogEntry).where(LogEntry.kind == "reward").order_by(col(LogEntry.index))
+    holds = _record_holds(session, canonical_json({"contributor_id": contributor_id})[1:-1])
+    if holds is not None:
+        query = query.where(holds)
+    found: dict[int, LogEntry] = {}
+    for entry in session.exec(query):
+        for row in json.loads(bytes(entry.record)).get("rows", []):
+            fields = row.get("fields", {})
+            if row.get("table") == "rewards" and fields.get("contributor_id") == contributor_id:
+                found.setdefault(int(row["key"]), entry)
+    return found
+
+
+@router.get(
+    "/{contributor_id}/rewards/entries",
+    operation_id="list_contributor_reward_entries",
+    response_model=list[LogEntryPublic],
+)
+def list_contributor_reward_entries(
+    session: SessionDep, reader: SelfDep, contributor_id: str
+) -> list[LogEntryPublic]:
+    """The log entries that recorded the contributor's rewards (canonical JSON records), oldest
+    first: with `/ledger/proofs/inclusion` and `/ledger/checkpoint` a contributor checks its
+    report against the signed log without reading anyone else's records."""
+    _contributor(session, contributor_id)
+    entries = sorted(reward_entries(session, contributor_id).values(), key=lambda e: e.index)
+    return [LogEntryPublic.model_validate(e) for e in entries]
+
+
 def _deciding(subs: list[Submission]) -> Submission:
     """The submission that decided a round: the accepted one, else the last received."""
     return max(subs, key=lambda s: (s.decision == "accepted", s.id or 0))
 
 
+def _epsilon(subs: list[Submission]) -> float | None:
+    """Privacy a round's submissions spent: the sum of their epsilon (basic composition)."""
+    spent = [s.epsilon for s in subs if s.epsilon is not None]
+    return float(sum(spent)) if spent else None
+
+
+def _row(
+    number: int,
+    status_: str | None,
+    subs: list[Submission],
+    reward: Reward | None,
+    entry: LogEntry | None,
+) -> ReportRow:
+    sub = _deciding(subs) if subs else None
+    amount = reward.amount if reward is not None else ZERO
+    quality = sub.quality if sub is not None else None
+    return ReportRow(
+        round=number,
+        round_status=status_,
+        submission_id=sub.id if sub is not None else None,
+        decision=sub.decision if sub is not None else "none",
+        reason=(sub.aggregation_reason or sub.reason) if sub is not None else "no submission",
+        selected=sub.selected if sub is not None else None,
+        weight=sub.weight if sub is not None else None,
+        score=sub.score if sub is not None else None,
+        quality=reward.quality if reward is not None else quality,
+        reward=float(amount),
+        amount=amount,
+        reward_reason=reward.reason if reward is not None else "",
+        reputation_after=reward.reputation_after if reward is not None else None,
+        epsilon=_epsilon(subs),
+        reward_id=reward.id if reward is not None else None,
+        log_index=entry.index if entry is not None else None,
+        received_at=sub.received_at if sub is not None else None,
+    )
+
+
 def build_report(
     session: Session, contributor: Contributor, *, round_number: int | None = None
 ) -> ContributorReport:
+    """Per round: the contributor's submission(s) and its reward (an intake-rejected submission
+    has no reward row: it is reported as zero with intake's reason); totals."""
     cid = contributor.contributor_id
     subs = ledger.list_submissions(session, round_number=round_number, contributor_id=cid)
     rewards = {
         r.round_number: r
         for r in ledger.list_rewards(session, round_number=round_number, contributor_id=cid)
     }
+    entries = reward_entries(session, cid) if rewards else {}
     statuses = {r.number: r.status for r in ledger.list_rounds(session)}
     by_round: dict[int, list[Submission]] = {}
     for sub in subs:
@@ -101,47 +195,20 @@ def build_report(
     rows = []
     for number in sorted(set(by_round) | set(rewards)):
         reward = rewards.get(number)
-        amount = float(reward.amount) if reward is not None else None
-        if number in by_round:
-            sub = _deciding(by_round[number])
-            rows.append(
-                ReportRow(
-                    round=number,
-                    round_status=statuses.get(number),
-                    submission_id=sub.id,
-                    decision=sub.decision,
-                    reason=sub.aggregation_reason or sub.reason,
-                    selected=sub.selected,
-                    weight=sub.weight,
-                    score=sub.score,
-                    quality=reward.quality if reward is not None else sub.quality,
-                    reward=amount if amount is not None else float(sub.reward or 0.0),
-                    received_at=sub.received_at,
-                )
-            )
-        elif reward is not None:
-            rows.append(
-                ReportRow(
-                    round=number,
-                    round_status=statuses.get(number),
-                    submission_id=None,
-                    decision="none",
-                    reason="rewarded without a submission",
-                    selected=None,
-                    weight=None,
-                    score=None,
-                    quality=reward.quality,
-                    reward=float(reward.amount),
-                    received_at=None,
-                )
-            )
+        entry = entries.get(reward.id) if reward is not None and reward.id is not None else None
+        rows.append(_row(number, statuses.get(number), by_round.get(number, []), reward, entry))
+    amount = sum((r.amount for r in rows), ZERO)
+    epsilons = [r.epsilon for r in rows if r.epsilon is not None]
     totals = ReportTotals(
         rounds=len(rows),
         submissions=len(subs),
         accepted=sum(s.decision == "accepted" for s in subs),
         rejected=sum(s.decision == "rejected" for s in subs),
         selected=sum(bool(s.selected) for s in subs),
-        reward=float(sum(r.reward for r in rows)),
+        rewarded=sum(r.amount > 0 for r in rows),
+        reward=float(amount),
+        amount=amount,
+        epsilon=float(sum(epsilons)) if epsilons else None,
     )
     return ContributorReport(
         contributor_id=cid,
@@ -161,7 +228,9 @@ def build_report(
 def get_contributor_report(
     session: SessionDep, reader: SelfDep, contributor_id: str, round_number: RoundQuery = None
 ) -> ContributorReport:
-    """Per round: the decision about the contributor's update, why, its score and reward; totals."""
+    """A contributor's statement. Per round: the decision about its update and why, the quality
+    score, the reward (exact decimal string and the reason), the reputation after the round, the
+    privacy spent (epsilon) and the log entry that recorded the reward; totals."""
     return build_report(session, _contributor(session, contributor_id), round_number=round_number)
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import sys
 import tempfile
 from pathlib import Path
 from typing import Annotated, Any
@@ -58,43 +59,24 @@ def demo(
                       f"{row['published_version'] or row['status']}")
 
     with Federation(work, clients=clients, rounds=rounds, aggregator=rule, steps=steps, codec=codec,
-                    byzantine=byzantine or "", byzantine_clients=byzantine_clients) as fed:
+                    byzantine=byzantine or "", byzantine_clients=byzantine_clients, stay=True) as fed:
         console.print(f"preparing tiny model and {fed.total_clients} data shards in {work} ...")
         fed.prepare()
         fed.start()
         console.print(f"coordinator on 127.0.0.1:{fed.port} (REST :{fed.rest_port}); "
                       f"{clients} clients{attackers} joining")
         fed.wait(timeout_s=timeout, on_round=show)
-        fed.wait_clients(30)
-    console.print(table)
+        fed.wait_clients(60)
+        console.print(table)
+        for i in range(fed.total_clients):  # each contributor's own statement, checked against the ledger
+            console.print(f"\n[bold]{fed.client_name(i)}[/bold]: gym-client rewards --verify")
+            report = fed.reward_report(i, "--verify", width=max(console.width, 120))
+            sys.stdout.write(report.stdout or report.stderr)
+            sys.stdout.flush()
     rows = fed.summaries()
     if rows:
         console.print(f"validation loss {rows[0]['loss_before']:.4f} -> {rows[-1]['loss_after']:.4f} "
                       f"over {len(rows)} rounds; logs and ledger in {work}")
-    console.print(_decisions(fed))
-
-
-def _decisions(fed: Any) -> Table:
-    """What the coordinator decided about each contributor's update, per round, from its ledger."""
-    from sqlmodel import Session
-
-    from zoo_gym import ledger
-    from zoo_gym.coordinator.config import load_config
-
-    config = load_config(fed.coordinator_home / "coordinator.toml")
-    engine = ledger.open_database(config.ledger_url)
-    with Session(engine) as session:
-        names = {c.contributor_id: c.name for c in ledger.list_contributors(session)}
-        subs = sorted(ledger.list_submissions(session), key=lambda s: (names.get(s.contributor_id, ""), s.round_number))
-    engine.dispose()
-    table = Table(title="decisions per contributor (from the ledger)")
-    for col in ("contributor", "round", "intake", "aggregation"):
-        table.add_column(col)
-    for sub in subs:
-        picked = "" if sub.selected is None else ("selected" if sub.selected else "not selected")
-        table.add_row(names.get(sub.contributor_id, sub.contributor_id[:12]), str(sub.round_number), sub.decision,
-                      f"{picked}: {sub.aggregation_reason}" if sub.aggregation_reason else picked)
-    return table
 
 
 @app.command()

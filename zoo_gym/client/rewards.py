@@ -247,6 +247,8 @@ class RoundLine:
     @property
     def why(self) -> str:
         """The decision's reason and, when it says more, the reward's."""
+        if self.reason and self.reason in self.reward_reason:  # the reward's reason repeats it
+            return self.reward_reason
         if self.reward_reason and self.reward_reason != self.reason:
             return f"{self.reason}; {self.reward_reason}" if self.reason else self.reward_reason
         return self.reason

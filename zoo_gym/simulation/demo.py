@@ -113,6 +113,14 @@ class Federation:
             "zoo_gym.cli.client", "join", f"127.0.0.1:{self.port}", "--home", str(self.client_home(i)),
             "--data", str(self.client_home(i) / "data.jsonl"), "--max-rounds", str(self.rounds), *extra))
 
+    def reward_report(self, i: int, *extra: str, width: int = 120) -> subprocess.CompletedProcess[str]:
+        """`gym-client rewards` of client i against this federation's REST API (needs `stay`)."""
+        return subprocess.run(
+            _python("zoo_gym.cli.client", "rewards", "--home", str(self.client_home(i)),
+                    "--api", f"http://127.0.0.1:{self.rest_port}", *extra),
+            capture_output=True, text=True, timeout=120, env={**os.environ, "COLUMNS": str(width)},
+        )
+
     def summaries(self) -> list[dict[str, Any]]:
         path = self.coordinator_home / "rounds.jsonl"
         if not path.exists():

@@ -57,6 +57,10 @@ class RewardSettings(BaseModel):
     unit: Decimal = Field(Decimal("0.000001"), gt=0, description="smallest amount paid")
     reputation_alpha: float = Field(0.2, gt=0, le=1, description="weight of the latest round in reputation")
     reputation_weight: float = Field(0.0, ge=0, lt=1, description="how much reputation scales a reward")
+    selection_floor: float = Field(
+        0.0, ge=0, le=1,
+        description="with clients_per_round, sample by reputation with this floor (0: uniformly)",
+    )
 
     @model_validator(mode="after")
     def _known(self) -> RewardSettings:

@@ -69,6 +69,7 @@ class Coordinator:
             min_clients=c.min_clients,
             clients_per_round=c.clients_per_round, quorum=c.quorum,
             wait_for_clients_s=c.wait_for_clients_s, stop=self.stop, layout=layout,
+            selection_floor=c.rewards.selection_floor,
         )
 
     def run(self, grid: object, *, on_round: Callable[[RoundSummary], None] | None = None) -> None:

@@ -28,7 +28,9 @@ from zoo_gym.aggregation import WEIGHTED_RULES, Aggregate, Decision, aggregate, 
 from zoo_gym.compression import EnvelopeError, decode_into
 from zoo_gym.coordinator.backend import CoordinatorBackend
 from zoo_gym.core.delta import Layout, numel, unflatten
+from zoo_gym.core.identity import node_id
 from zoo_gym.core.protocol import SUBMISSION, TASK_CONFIG, TRAIN_METRICS
+from zoo_gym.scoring import sample_contributors
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +63,7 @@ class ZooStrategy(FedAvg):
         wait_for_clients_s: float,
         stop: threading.Event,
         layout: Callable[[], Layout],
+        selection_floor: float = 0.0,
     ) -> None:
         super().__init__(
             fraction_train=1.0, fraction_evaluate=0.0, min_train_nodes=min_clients,
@@ -76,6 +79,7 @@ class ZooStrategy(FedAvg):
         self.wait_for_clients_s = wait_for_clients_s
         self.stop = stop
         self.layout = layout
+        self.selection_floor = selection_floor
         self.last: RoundAggregate | None = None
 
     def wait_for_nodes(self, grid: Grid) -> list[int]:
@@ -96,8 +100,18 @@ class ZooStrategy(FedAvg):
         if not nodes:
             return []
         if 0 < self.clients_per_round < len(nodes):
-            nodes = random.sample(nodes, self.clients_per_round)
+            nodes = self.sample(nodes, self.clients_per_round)
         return self._construct_messages(RecordDict({TASK_CONFIG: config}), sorted(nodes), MessageType.TRAIN)
+
+    def sample(self, nodes: list[int], k: int) -> list[int]:
+        """k of `nodes`: uniformly, or by reputation when `selection_floor` > 0 (weights
+        max(r, floor) / sum, see `zoo_gym.scoring.selection_weights`)."""
+        if self.selection_floor <= 0:
+            return random.sample(nodes, k)
+        with Session(self.backend.engine) as session:
+            known = {node_id(c.public_key): c.reputation for c in ledger.list_contributors(session)}
+        reputations = {str(n): known.get(n, 0.0) for n in nodes}
+        return [int(n) for n in sample_contributors(reputations, k, floor=self.selection_floor)]
 
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]

@@ -72,6 +72,13 @@ def test_unknown_parameter_is_reported_before_anything_runs() -> None:
         aggregate("median", torch.zeros(1, 1), f=3, tau=1.0)  # too few updates, too
 
 
+def test_whole_float_counts_from_a_config_are_accepted() -> None:
+    x = torch.randn(7, 4, generator=torch.Generator().manual_seed(1))
+    assert torch.equal(aggregate("multikrum", x, f=1, m=3.0).vector, krum(x, f=1, m=3).vector)
+    a = aggregate("centered_clipping", x, iters=2.0)
+    assert torch.equal(a.vector, centered_clipping(x, iters=2).vector)
+
+
 def test_centered_clipping_needs_no_tau() -> None:
     result = aggregate("centered_clipping", torch.zeros(3, 2), f=1)
     assert result.vector.tolist() == [0.0, 0.0]

@@ -18,7 +18,7 @@ from flwr.serverapp.strategy.multikrum import select_multikrum
 
 from zoo_gym.aggregation import RULES, aggregate, krum, median, trimmed_mean
 from zoo_gym.aggregation._core import squared_distances
-from zoo_gym.aggregation._select import sorted_columns
+from zoo_gym.aggregation._select import coordinatewise, sorted_columns
 
 
 def test_small_deltas_on_large_weights() -> None:
@@ -55,8 +55,13 @@ def direct_distances(x: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize(("n", "d"), [(5, 3), (20, 3_000), (45, 40_000), (300, 5_000)])
-def test_chunked_shifted_gram_matches_float64(n: int, d: int) -> None:
-    # full product; two-block triangle; four blocks over several chunks; blocks of 128 rows
+@pytest.mark.parametrize("threads", [1, 2])
+def test_chunked_shifted_gram_matches_float64(
+    n: int, d: int, threads: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # whole products, or on one thread block triangles of two (n = 20) or four (n = 45)
+    # blocks over several chunks; blocks of 128 rows (n = 300) whatever the threads
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
     g = torch.Generator().manual_seed(n)
     x = 3.0 + torch.randn(n, d, generator=g)  # a common component, as with full weights
     x[: n // 5] += 2.0 * torch.randn(n // 5, d, generator=g)  # some far updates
@@ -95,3 +100,21 @@ def test_inputs_that_require_grad_are_fine() -> None:
     for rule in RULES:
         params: dict[str, Any] = {"tau": 1.0} if rule == "centered_clipping" else {}
         assert torch.isfinite(aggregate(rule, x, f=1, **params).vector).all()
+
+
+@pytest.mark.parametrize("kind", ["median", "trimmed"])
+@pytest.mark.parametrize("values", ["gauss", "ties"])
+@pytest.mark.parametrize("threads", [1, 3])
+def test_numpy_and_torch_engines_agree(
+    kind: str, values: str, threads: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # the CPU engine (NumPy, chunks shared among threads) against the torch one (GPUs)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(11, 3_001, generator=g)
+    if values == "ties":
+        x = torch.randint(-2, 3, (11, 3_001), generator=g).float()
+    out_np, rows_np = coordinatewise(x, kind, 3, 256, engine="numpy")
+    out_t, rows_t = coordinatewise(x, kind, 3, 256, engine="torch")
+    assert torch.equal(out_np, out_t)
+    assert torch.allclose(rows_np, rows_t, rtol=0, atol=1e-9)

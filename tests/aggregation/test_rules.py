@@ -225,8 +225,8 @@ def test_bad_inputs_raise_value_error() -> None:
         fedavg(torch.zeros(2, 2), weights=torch.zeros(2))
     with pytest.raises(ValueError, match="m must be"):
         krum(torch.zeros(5, 2), f=1, m=6)
-    with pytest.raises(ValueError, match="m must be an int"):
-        krum(torch.zeros(5, 2), f=1, m=2.0)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"m must be an int >= 1, got 2\.5"):
+        krum(torch.zeros(5, 2), f=1, m=2.5)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="tau must be > 0 or None"):
         centered_clipping(torch.zeros(3, 2), tau=0.0)
     with pytest.raises(ValueError, match="iters must be an int >= 1"):

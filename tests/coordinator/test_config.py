@@ -29,6 +29,7 @@ def test_rule_parameters_and_pre_aggregation_are_loaded(tmp_path: Path) -> None:
     ('aggregator = "bulyan"\nbyzantine_f = 1\nmin_clients = 6\n', "bulyan with byzantine_f = 1 needs at least 7"),
     ('pre_aggregation = "mix"\n', "pre_aggregation must be none or nnm, not 'mix'"),
     ('aggregator = "centered_clipping"\nmin_clients = 3\n[aggregator_params]\ntau = -1.0\n', "tau must be > 0"),
+    ('aggregator = "median"\n[aggregator_params]\ntau = 1.0\n', "median does not take parameter(s) 'tau'"),
     ('[rewards]\nmethod = "vibes"\n', "rewards: method must be none or one of individual, leave_one_out"),
     ('[rewards]\npool = "10.0000005"\n', "pool 10.0000005 is not a whole number of units of 0.000001"),
     ('[rewards]\npool = -1\n', "rewards.pool: Input should be greater than or equal to 0"),

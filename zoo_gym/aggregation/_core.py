@@ -21,11 +21,15 @@ __all__ = ["Aggregate", "Decision"]
 
 _MIN_BUDGET = 1 << 20  # bytes of chunk temporaries, at least
 _MAX_BUDGET = 32 << 20  # and at most
+_SORT_BUDGET = 2 << 20  # at most, for rules that sort chunks on CPU: a chunk stays in L2
 _BUDGET_SHARE = 100  # 1% of the input
-_SUM_WIDTH = 1 << 16  # columns per float64 accumulator chunk on CPU (512 KiB, stays in L2)
+# columns per float64 accumulator chunk on CPU: stays in L2, and is below torch's parallel
+# grain size (32768), so each row added runs on the calling thread; the sum is memory-bound
+# anyway, and a thread barrier per row stalls on a busy machine
+_SUM_WIDTH = 32_000
 _SUM_WIDTH_ACCELERATOR = 1 << 22  # fewer, larger kernels on a GPU
 _GRAM_BLOCK = 128  # rows per block of the block-triangular Gram product (n >= 256)
-_GRAM_TRIANGULAR_FROM = 16  # n from which only the lower block triangle is computed
+_GRAM_TRIANGULAR_FROM = 16  # n from which the lower block triangle is computed on one thread
 _PROBE_WIDTH = 4096  # columns of the first chunk used to choose the first reference
 
 
@@ -76,6 +80,16 @@ def check_f(f: int, rule: str) -> None:
         raise ValueError(f"{rule}: f (number of Byzantine updates) must be an int >= 0, got {f!r}")
 
 
+def check_count(value: object, name: str, rule: str, minimum: int = 1) -> int:
+    """`value` as an int >= minimum (a whole float such as 5.0 from a config is accepted),
+    or ValueError."""
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{rule}: {name} must be an int >= {minimum}, got {value!r}")
+    return value
+
+
 def require(n: int, minimum: int, rule: str, condition: str) -> None:
     """Raise ValueError unless `n >= minimum`, naming the precondition."""
     if n < minimum:
@@ -105,13 +119,20 @@ def work_dtype(updates: Tensor) -> torch.dtype:
     return torch.float64 if updates.dtype == torch.float64 else torch.float32
 
 
-def chunk_width(updates: Tensor, bytes_per_value: int) -> int:
+def chunk_width(updates: Tensor, bytes_per_value: int, max_budget: int = _MAX_BUDGET) -> int:
     """Columns per chunk so that chunk temporaries of `bytes_per_value` bytes per value of an
-    `(n, width)` chunk stay within the budget: 1% of the input, clamped to [1 MiB, 32 MiB]."""
+    `(n, width)` chunk stay within the budget: 1% of the input, clamped to [1 MiB,
+    `max_budget`] (32 MiB by default)."""
     n, d = updates.shape
     input_bytes = updates.numel() * updates.element_size()
-    budget = min(max(input_bytes // _BUDGET_SHARE, _MIN_BUDGET), _MAX_BUDGET)
+    budget = min(max(input_bytes // _BUDGET_SHARE, _MIN_BUDGET), max(_MIN_BUDGET, max_budget))
     return max(1, min(d, budget // max(1, n * bytes_per_value)))
+
+
+def sort_budget(updates: Tensor) -> int:
+    """Largest chunk budget for rules that sort chunks: 2 MiB on CPU, where a chunk should
+    stay in the L2 cache while it is sorted and scanned; 32 MiB elsewhere."""
+    return _SORT_BUDGET if updates.device.type == "cpu" else _MAX_BUDGET
 
 
 def spans(d: int, width: int) -> Iterator[tuple[int, int]]:
@@ -138,9 +159,12 @@ def gram(updates: Tensor) -> Tensor:
     outlier, so the shifted values stay small and G_ii + G_jj - 2 G_ij does not cancel even
     when all updates share a large common component (full weights instead of deltas).
     x_i - x_r is exact when the two are within a factor 2 (Sterbenz), and small integer
-    inputs give exact distances. From n = 16 on, only the lower block triangle is
-    multiplied, in blocks of rows: two below n = 40 (75% of the flops), four below n = 256
-    (62%), then 128 rows each (about 56% for n = 1000).
+    inputs give exact distances. Only the lower block triangle is multiplied, in blocks of
+    rows: 128 each from n = 256 on (about 56% of the flops for n = 1000); below that, from
+    n = 16 and on one thread only, two blocks below n = 40 (75%) or four (62%): such thin
+    products do not spread over threads, one whole product per chunk does. On a GPU the
+    GEMM follows torch's float32 matmul precision: keep it at "highest" (the default),
+    TF32 keeps 10 bits.
     """
     updates = updates.detach()
     n, d = updates.shape
@@ -149,44 +173,49 @@ def gram(updates: Tensor) -> Tensor:
     part = torch.zeros((n, n), dtype=dtype, device=updates.device)  # one chunk's product
     width = chunk_width(updates, torch.finfo(dtype).bits // 8)
     buf = torch.empty((n, width), dtype=dtype, device=updates.device)  # shifted chunk, reused
+    triangular = n >= 2 * _GRAM_BLOCK or (
+        n >= _GRAM_TRIANGULAR_FROM and torch.get_num_threads() == 1
+    )
     ref = -1
     for k, (start, stop) in enumerate(spans(d, width)):
         chunk = updates[:, start:stop]  # (n, c)
         x = buf[:, : stop - start]  # (n, c)
         if k == 0:  # probe a few columns, shifted by update 0, for the first medoid
             probe = min(stop - start, _PROBE_WIDTH)
-            _shifted_product(chunk[:, :probe], 0, x[:, :probe], part)
-            ref = _medoid(_symmetric(part.to(torch.float64), n))
+            _shifted_product(chunk[:, :probe], 0, x[:, :probe], part, triangular)
+            ref = _medoid(_symmetric(part.to(torch.float64), triangular))
         elif k & (k - 1) == 0:  # k a power of two
-            ref = _medoid(_symmetric(g, n))
-        _shifted_product(chunk, ref, x, part)
-        g += part
-    return _symmetric(g, n)
+            ref = _medoid(_symmetric(g, triangular))
+        for rows, cols in _shifted_product(chunk, ref, x, part, triangular):
+            g[rows, cols] += part[rows, cols]  # only the blocks that were computed
+    return _symmetric(g, triangular)
 
 
-def _shifted_product(chunk: Tensor, ref: int, x: Tensor, part: Tensor) -> None:
+def _shifted_product(
+    chunk: Tensor, ref: int, x: Tensor, part: Tensor, triangular: bool
+) -> list[tuple[slice, slice]]:
     """part <- (chunk - chunk[ref]) (chunk - chunk[ref])^T, using `x` `(n, c)` as scratch;
-    from n = 16 on, only the lower block triangle of `part` is written."""
+    returns the (rows, cols) blocks of `part` written: all of it, or with `triangular` the
+    lower block triangle."""
     n = chunk.shape[0]
     if chunk.dtype == x.dtype:
         torch.sub(chunk, chunk[ref], out=x)
     else:
         x.copy_(chunk)
         x.sub_(x[ref].clone())
-    if n < _GRAM_TRIANGULAR_FROM:
+    if not triangular:
         torch.mm(x, x.T, out=part)
-        return
+        return [(slice(None), slice(None))]
     block = _GRAM_BLOCK if n >= 2 * _GRAM_BLOCK else -(-n // (4 if n >= 40 else 2))
-    for i0 in range(0, n, block):
-        i1 = min(n, i0 + block)
-        torch.mm(x[i0:], x[i0:i1].T, out=part[i0:, i0:i1])  # (n - i0, i1 - i0)
+    blocks = [(slice(i0, None), slice(i0, min(n, i0 + block))) for i0 in range(0, n, block)]
+    for rows, cols in blocks:
+        torch.mm(x[rows], x[cols].T, out=part[rows, cols])  # (n - i0, block)
+    return blocks
 
 
-def _symmetric(g: Tensor, n: int) -> Tensor:
-    """The full matrix from one whose lower block triangle is exact (for n >= 16)."""
-    if n < _GRAM_TRIANGULAR_FROM:
-        return g
-    return torch.tril(g) + torch.tril(g, -1).T
+def _symmetric(g: Tensor, triangular: bool) -> Tensor:
+    """The full matrix from one whose lower block triangle is exact (if `triangular`)."""
+    return torch.tril(g) + torch.tril(g, -1).T if triangular else g
 
 
 def _medoid(g: Tensor) -> int:

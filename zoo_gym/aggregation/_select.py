@@ -1,19 +1,33 @@
-"""Per-coordinate order statistics over one column chunk `(n, c)` of the updates.
+"""Per-coordinate order statistics over column chunks `(n, c)` of the updates.
 
 Shared by the coordinate-wise rules (median, trimmed mean, Bulyan). Each chunk is
-transposed to `(c, n)` and sorted along the updates: on CPU with NumPy's vectorised sort
-(x86-simd-sort on AVX-512/AVX2 machines, several times faster per value than
-`torch.sort`, `torch.topk` or `torch.kthvalue` over short columns), elsewhere with
-`torch.sort`. Which update sits at which sorted position is found by comparing the
-updates with the values at the cut positions. That is only ambiguous when values tie
-across a cut; then every update of the tied run gets an equal share of the positions the
-run covers, so the per-update decisions do not depend on the order of the updates.
+transposed to `(c, n)` and sorted along the updates. Which update sits at which sorted
+position is found by comparing the updates with the values at the cut positions. That is
+only ambiguous when values tie across a cut; then every update of the tied run gets an
+equal share of the positions the run covers, so the per-update decisions do not depend on
+the order of the updates.
+
+Two engines compute the same numbers. On CPU: NumPy, whose vectorised sort (x86-simd-sort
+on AVX-512/AVX2 machines) is several times faster per value than `torch.sort`,
+`torch.topk` or `torch.kthvalue` over short columns; the chunks are shared out among
+`torch.get_num_threads()` threads, each with its own buffers (NumPy releases the GIL),
+so no step waits on a barrier of all threads, which keeps a busy shared machine from
+stalling the rule. On other devices: the same steps in torch.
 """
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
 import torch
+from numpy.typing import NDArray
 from torch import Tensor
+
+from ._core import spans
+
+Array = NDArray[Any]  # a NumPy array of the working dtype
 
 
 class Scratch:
@@ -155,3 +169,134 @@ def closest_to_median(values: Tensor, beta: int) -> tuple[Tensor, Tensor]:
     g = sorted_columns(gap)  # (c, theta)
     share = window_shares(gap, 0, beta, g[:, 0], g[:, beta - 1])  # (theta, c)
     return (share * v).sum(0) / beta, share.sum(1)
+
+
+# --- CPU engine: the same kernels on NumPy arrays, chunks shared out among threads ----------
+
+
+class _NpScratch:
+    """NumPy buffers of one thread, reused by each of its chunks of up to `width` columns."""
+
+    def __init__(self, n: int, width: int, dtype: type[np.floating[Any]]) -> None:
+        self.sorted = np.empty((width, n), dtype=dtype)  # (c, n)
+        self.mask = np.empty((2, n, width), dtype=np.bool_)  # (2, n, c)
+        self.acc = np.empty(width, dtype=np.float64)  # (c,)
+
+
+def _np_sorted(x: Array, scratch: _NpScratch) -> Array:
+    c = x.shape[1]
+    s = scratch.sorted[:c]
+    s[...] = x.T
+    s.sort(axis=1)  # in place, vectorised
+    return s
+
+
+def _np_tie_shares(
+    x: Array, tie: Array, p: int, q: int, first: Array, last: Array
+) -> NDArray[np.float64]:
+    """`window_shares` over the tied columns only, summed per row `(n,)`."""
+    cols = np.flatnonzero(tie)
+    keys = torch.from_numpy(np.ascontiguousarray(x[:, cols]))
+    share = window_shares(keys, p, q, torch.from_numpy(first[cols]), torch.from_numpy(last[cols]))
+    return np.asarray(share.sum(1).numpy(), dtype=np.float64)
+
+
+def _np_median(x: Array, scratch: _NpScratch, out: NDArray[np.float32]) -> NDArray[np.float64]:
+    """NumPy twin of `median_columns`."""
+    n, c = x.shape
+    lo, hi = (n - 1) // 2, n // 2
+    s = _np_sorted(x, scratch)
+    v_lo, v_hi = s[:, lo], s[:, hi]
+    acc = scratch.acc[:c]
+    np.add(v_lo, v_hi, out=acc, dtype=np.float64)
+    out[...] = acc * 0.5
+    tie = np.zeros(c, dtype=np.bool_)
+    if lo >= 1:
+        tie |= s[:, lo - 1] == v_lo
+    if hi + 1 < n:
+        tie |= s[:, hi + 1] == v_hi
+    # without a tie at the cuts, the rows holding the middle values are those equal to them
+    middle, other = scratch.mask[0, :, :c], scratch.mask[1, :, :c]
+    np.equal(x, v_lo, out=middle)
+    if hi != lo:
+        np.logical_or(middle, np.equal(x, v_hi, out=other), out=middle)
+    used = np.asarray(np.count_nonzero(middle, axis=1), dtype=np.float64)
+    if tie.any():
+        used -= np.count_nonzero(middle[:, tie], axis=1)
+        used += _np_tie_shares(x, tie, lo, hi + 1, v_lo, v_hi)
+    return used
+
+
+def _np_trimmed(
+    x: Array, f: int, scratch: _NpScratch, out: NDArray[np.float32]
+) -> NDArray[np.float64]:
+    """NumPy twin of `trimmed_columns`."""
+    n, c = x.shape
+    acc = scratch.acc[:c]
+    if f == 0:
+        np.sum(x, axis=0, dtype=np.float64, out=acc)
+        out[...] = acc / n
+        return np.zeros(n, dtype=np.float64)
+    s = _np_sorted(x, scratch)
+    acc[...] = 0.0
+    for j in range(f, n - f):  # one sorted position at a time, in float64
+        np.add(acc, s[:, j], out=acc)
+    out[...] = acc / (n - 2 * f)
+    first, last = s[:, f], s[:, n - f - 1]  # smallest and largest kept values
+    tie = (s[:, f - 1] == first) | (s[:, n - f] == last)
+    # without a tie at the cuts, the dropped values are those outside [first, last]
+    outside, other = scratch.mask[0, :, :c], scratch.mask[1, :, :c]
+    np.logical_or(np.less(x, first, out=outside), np.greater(x, last, out=other), out=outside)
+    dropped = np.asarray(np.count_nonzero(outside, axis=1), dtype=np.float64)
+    if tie.any():
+        dropped -= np.count_nonzero(outside[:, tie], axis=1)
+        dropped += np.count_nonzero(tie) - _np_tie_shares(x, tie, f, n - f, first, last)
+    return dropped
+
+
+def coordinatewise(
+    updates: Tensor, kind: str, f: int, width: int, engine: str | None = None
+) -> tuple[Tensor, Tensor]:
+    """Run the `kind` ("median" or "trimmed") kernel over all column chunks of `width`
+    columns: the `(d,)` float32 result and the per-row sums `(n,)` float64 (middle
+    positions held, or values dropped). `engine` "numpy" (CPU only) or "torch"; by default
+    NumPy on CPU and torch elsewhere."""
+    updates = updates.detach()
+    n, d = updates.shape
+    engine = engine or ("numpy" if updates.device.type == "cpu" else "torch")
+    out = torch.empty(d, dtype=torch.float32, device=updates.device)
+    dtype = torch.float64 if updates.dtype == torch.float64 else torch.float32
+    if engine == "torch":
+        scratch = Scratch(n, width, dtype, updates.device)
+        rows = torch.zeros(n, dtype=torch.float64, device=updates.device)
+        for start, stop in spans(d, width):
+            x = updates[:, start:stop]
+            if kind == "median":
+                rows += median_columns(x, scratch, out[start:stop])
+            else:
+                rows += trimmed_columns(x, f, scratch, out[start:stop])
+        return out, rows
+    out_np = out.numpy()
+    np_dtype = np.float64 if dtype == torch.float64 else np.float32
+
+    def kernel(x: Array, scratch: _NpScratch, o: NDArray[np.float32]) -> NDArray[np.float64]:
+        return _np_median(x, scratch, o) if kind == "median" else _np_trimmed(x, f, scratch, o)
+
+    def run(group: list[tuple[int, int]]) -> NDArray[np.float64]:
+        scratch = _NpScratch(n, width, np_dtype)
+        total = np.zeros(n, dtype=np.float64)
+        for start, stop in group:
+            chunk = updates[:, start:stop]
+            x = chunk.numpy() if chunk.dtype == dtype else chunk.to(dtype).numpy()
+            total += kernel(x, scratch, out_np[start:stop])
+        return total
+
+    ranges = list(spans(d, width))
+    workers = max(1, min(torch.get_num_threads(), len(ranges)))
+    groups = [ranges[i::workers] for i in range(workers)]
+    if workers == 1:
+        totals = [run(groups[0])]
+    else:
+        with ThreadPoolExecutor(workers) as pool:
+            totals = list(pool.map(run, groups))
+    return out, torch.from_numpy(np.sum(totals, axis=0))

@@ -27,6 +27,7 @@ from ._core import (
     chunk_width,
     pct,
     require,
+    sort_budget,
     spans,
     squared_distances,
     work_dtype,
@@ -60,7 +61,7 @@ def bulyan(updates: Tensor, *, f: int) -> Aggregate:
     chosen = recursive_krum(dist, f, theta)
     sel = torch.tensor(chosen, device=updates.device)
     dtype = work_dtype(updates)
-    width = chunk_width(updates, 48)  # gathered rows, float64 distances and shares
+    width = chunk_width(updates, 48, sort_budget(updates))  # gathered rows, gaps, shares
     out = torch.empty(d, dtype=torch.float32, device=updates.device)
     used = torch.zeros(theta, dtype=torch.float64, device=updates.device)  # coordinates
     for start, stop in spans(d, width):

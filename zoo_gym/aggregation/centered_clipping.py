@@ -34,7 +34,15 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ._core import Aggregate, Decision, check_updates, distances_to, pct, weighted_sum
+from ._core import (
+    Aggregate,
+    Decision,
+    check_count,
+    check_updates,
+    distances_to,
+    pct,
+    weighted_sum,
+)
 
 
 def centered_clipping(
@@ -52,8 +60,7 @@ def centered_clipping(
     n, d = check_updates(updates, "centered_clipping")
     if tau is not None and (isinstance(tau, bool) or not float(tau) > 0.0):
         raise ValueError(f"centered_clipping: tau must be > 0 or None (adaptive), got {tau!r}")
-    if isinstance(iters, bool) or not isinstance(iters, int) or iters < 1:
-        raise ValueError(f"centered_clipping: iters must be an int >= 1, got {iters!r}")
+    iters = check_count(iters, "iters", "centered_clipping")
     if center is not None and tuple(center.shape) != (d,):
         raise ValueError(
             f"centered_clipping: center must have shape ({d},), got {tuple(center.shape)}"

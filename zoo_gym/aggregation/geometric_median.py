@@ -18,6 +18,7 @@ from torch import Tensor
 from ._core import (
     Aggregate,
     Decision,
+    check_count,
     check_updates,
     check_weights,
     distances_to,
@@ -36,8 +37,7 @@ def geometric_median(
 ) -> Aggregate:
     """Smoothed Weiszfeld (RFA) geometric median of the `(n, d)` updates; `weights` `(n,)` >= 0."""
     n, _ = check_updates(updates, "geometric_median")
-    if isinstance(iters, bool) or not isinstance(iters, int) or iters < 1:
-        raise ValueError(f"geometric_median: iters must be an int >= 1, got {iters!r}")
+    iters = check_count(iters, "iters", "geometric_median")
     if not eps > 0.0 or not tol >= 0.0:
         raise ValueError(
             f"geometric_median: need eps > 0 and tol >= 0, got eps={eps!r}, tol={tol!r}"

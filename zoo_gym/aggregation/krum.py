@@ -24,6 +24,7 @@ from torch import Tensor
 from ._core import (
     Aggregate,
     Decision,
+    check_count,
     check_f,
     check_updates,
     mean_of_rows,
@@ -70,8 +71,9 @@ def krum(updates: Tensor, *, f: int, m: int = 1) -> Aggregate:
     n, _ = check_updates(updates, "krum")
     check_f(f, "krum")
     require(n, 2 * f + 3, f"krum with f={f}", "n >= 2f + 3")
-    if isinstance(m, bool) or not isinstance(m, int) or not 1 <= m <= n:
-        raise ValueError(f"krum: m must be an int between 1 and n={n}, got {m!r}")
+    m = check_count(m, "m", "krum")
+    if m > n:
+        raise ValueError(f"krum: m must be between 1 and n={n}, got {m}")
     dist = squared_distances(updates)  # (n, n)
     scores = krum_scores(dist, f).cpu()  # (n,)
     chosen = lowest(scores, m, dist)

@@ -4,14 +4,13 @@ Towards Optimal Statistical Rates", ICML].
 For each coordinate k, sort x_1[k], ..., x_n[k], drop the f smallest and the f largest and
 average the remaining n - 2f values; requires n > 2f. (Flower's FedTrimmedAvg trims a
 fraction beta instead: int(beta * n) from each side.) Computed over column chunks of the
-updates, each sorted along the updates (see `_select.trimmed_columns`), so extra memory
-stays a few percent of the input whatever d is. Where values tie at a cut,
-the tied updates share the trimmed positions equally.
+updates, each sorted along the updates (see `_select`), so extra memory stays a few
+percent of the input whatever d is. Where values tie at a cut, the tied updates share the
+trimmed positions equally.
 """
 
 from __future__ import annotations
 
-import torch
 from torch import Tensor
 
 from ._core import (
@@ -22,10 +21,9 @@ from ._core import (
     chunk_width,
     pct,
     require,
-    spans,
-    work_dtype,
+    sort_budget,
 )
-from ._select import Scratch, trimmed_columns
+from ._select import coordinatewise
 
 _EPS = 1e-9  # coordinates; shares of tied runs are fractions
 
@@ -35,12 +33,8 @@ def trimmed_mean(updates: Tensor, *, f: int) -> Aggregate:
     n, d = check_updates(updates, "trimmed_mean")
     check_f(f, "trimmed_mean")
     require(n, 2 * f + 1, f"trimmed_mean with f={f}", "n > 2f")
-    width = chunk_width(updates, 8)  # sorted copy, clamped copy
-    scratch = Scratch(n, width, work_dtype(updates), updates.device)
-    out = torch.empty(d, dtype=torch.float32, device=updates.device)
-    dropped = torch.zeros(n, dtype=torch.float64, device=updates.device)  # coordinates
-    for start, stop in spans(d, width):
-        dropped += trimmed_columns(updates[:, start:stop], f, scratch, out[start:stop])
+    width = chunk_width(updates, 8, sort_budget(updates))  # sorted copy, masks
+    out, dropped = coordinatewise(updates, "trimmed", f, width)  # dropped: coordinates
     decisions = []
     for t in dropped.cpu().tolist():
         trimmed = min(1.0, max(0.0, t / d))

@@ -19,6 +19,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from sqlalchemy.engine import Engine
 from sqlmodel import Session
 
 from zoo_gym import ledger
@@ -39,7 +40,7 @@ log = logging.getLogger(__name__)
 
 
 def pay_round(
-    engine: Any,
+    engine: Engine,
     config: CoordinatorConfig,
     *,
     round_number: int,

@@ -235,6 +235,7 @@ def run_cell(config: SweepConfig, cell: Cell, template: Path, workdir: Path) -> 
         raise RuntimeError(f"cell {cell.name} ran no round; see {home}")
     with Session(co.engine) as session:
         subs = [s for s in ledger.list_submissions(session) if s.contributor_id in bad]
+    co.engine.dispose()  # a worker runs many cells: close this one's database connections
     selected = sum(1 for s in subs if s.selected) / len(subs) if subs else 0.0
     return CellResult(
         aggregator=cell.aggregator, attack=cell.attack, byzantine_share=cell.share,

@@ -138,8 +138,8 @@ def run_ray_federation(
     params = config.attack_params.get(cell.attack, {})
     crafted = set(attackers) if cell.attack in UPDATE_ATTACKS else set()
     clients = [i for i in range(config.clients) if i not in crafted]
-    virtual = {register(co.backend, node_identity(config.seed, i), f"client-{i}"): node_identity(config.seed, i)
-               for i in sorted(crafted)}
+    keys = {i: node_identity(config.seed, i) for i in sorted(crafted)}
+    virtual = {register(co.backend, key, f"client-{i}"): key for i, key in keys.items()}
     adversary = Adversary(cell.attack, virtual, f=config.tolerated, seed=config.seed, params=params) if virtual else None
     misbehaviour = {i: Misbehaviour(cell.attack, dict(params), seed=config.seed + i)
                     for i in attackers if i not in crafted}

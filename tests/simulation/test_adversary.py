@@ -15,7 +15,7 @@ from zoo_gym.simulation.adversary import Adversary
 from zoo_gym.transport.records import split_payload, submission_of
 
 TASK = TaskConfig(
-    round=3, base_version="v0002", seed=7, method="ffa_lora", lora_rank=2, lora_alpha=4.0,
+    round=3, base_version="v0002", seed=7, lora_rank=2, lora_alpha=4.0,
     target_modules=("q_proj",), steps=1, learning_rate=0.01, batch_size=1, max_length=16, clip_norm=0.0,
     codec="none", group_size=128, deadline_ms=0,
 )

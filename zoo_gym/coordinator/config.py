@@ -27,8 +27,13 @@ class ConfigError(ValueError):
 
 
 class TrainingPolicy(BaseModel):
+    """What every contributor runs each round; each field travels in the round's `TaskConfig`."""
+
     model_config = ConfigDict(extra="forbid")
-    method: Literal["ffa_lora"] = "ffa_lora"
+    method: Literal["sft", "grpo", "gspo"] = Field("sft", description="objective: sft, grpo or gspo")
+    adapter: Literal["ffa_lora", "lora", "dora", "qlora", "full"] = Field(
+        "ffa_lora", description="ffa_lora sends B; lora, dora, qlora and full send dense weight deltas"
+    )
     lora_rank: int = Field(8, ge=1, le=1024)
     lora_alpha: float = Field(16.0, gt=0)
     target_modules: list[str] = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -36,15 +41,45 @@ class TrainingPolicy(BaseModel):
     learning_rate: float = Field(5e-3, gt=0, le=1.0)
     batch_size: int = Field(8, ge=1)
     max_length: int = Field(96, ge=8)
-    clip_norm: float = Field(0.0, ge=0)
+    clip_norm: float = Field(0.0, ge=0, description="clip each update to this L2 norm; 0 = off")
     codec: str = "bitdelta"
     group_size: int = Field(128, ge=8, le=1 << 20)
+    num_generations: int = Field(4, ge=2, le=64, description="GRPO/GSPO completions per prompt")
+    max_new_tokens: int = Field(8, ge=1, le=4096)
+    temperature: float = Field(1.0, gt=0, le=10)
+    clip_epsilon: float = Field(0.2, gt=0, lt=1)
+    kl_beta: float = Field(0.04, ge=0)
+    reward_functions: list[str] = Field(
+        default_factory=lambda: ["exact_answer"], description="built-in rewards summed per completion"
+    )
+    dp_noise_multiplier: float = Field(0.0, ge=0, description="DP-SGD noise multiplier; 0 = no DP-SGD")
+    dp_max_grad_norm: float = Field(1.0, gt=0)
+    dp_target_epsilon: float = Field(0.0, ge=0, description="per-round epsilon; the client picks sigma")
+    dp_delta: float = Field(1e-5, gt=0, lt=1)
+    dp_accountant: Literal["rdp", "prv"] = "rdp"
+    update_noise_multiplier: float = Field(
+        0.0, ge=0, description="Gaussian noise on the clipped update, std = this x clip_norm"
+    )
 
     @model_validator(mode="after")
-    def _codec_known(self) -> TrainingPolicy:
+    def _consistent(self) -> TrainingPolicy:
+        from zoo_gym.core.protocol import BUILTIN_REWARDS
+
         if self.codec not in CODECS:
             raise ValueError(f"codec must be one of {', '.join(CODECS)}, not {self.codec!r}")
+        unknown = [name for name in self.reward_functions if name not in BUILTIN_REWARDS]
+        if unknown:
+            raise ValueError(
+                f"reward_functions may name only built-ins ({', '.join(BUILTIN_REWARDS)}), not {unknown[0]!r}; "
+                "contributors add their own in their client config"
+            )
+        if self.update_noise_multiplier > 0 and self.clip_norm <= 0:
+            raise ValueError("update_noise_multiplier needs clip_norm > 0 (noise is scaled to the clipping norm)")
         return self
+
+    def task_fields(self) -> dict[str, Any]:
+        """This policy as `TaskConfig` keyword arguments."""
+        return {k: tuple(v) if isinstance(v, list) else v for k, v in self.model_dump().items()}
 
 
 class RewardSettings(BaseModel):

@@ -119,11 +119,7 @@ def run_rounds(co: Coordinator, grid: Grid, *, on_round: Callable[[RoundSummary]
         deadline_ms = int((time.time() + config.round_timeout_s) * 1000)
         t = config.training
         task = TaskConfig(
-            round=round_number, base_version=base.version, seed=seed, method=t.method,
-            lora_rank=t.lora_rank, lora_alpha=t.lora_alpha, target_modules=tuple(t.target_modules),
-            steps=t.steps, learning_rate=t.learning_rate, batch_size=t.batch_size,
-            max_length=t.max_length, clip_norm=t.clip_norm, codec=t.codec, group_size=t.group_size,
-            deadline_ms=deadline_ms,
+            round=round_number, base_version=base.version, seed=seed, deadline_ms=deadline_ms, **t.task_fields()
         )
         messages = list(strategy.configure_train(round_number, ArrayRecord(), ConfigRecord(task.to_record()), grid))
         if not messages:

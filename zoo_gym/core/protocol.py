@@ -107,14 +107,32 @@ class Outcome:
 _SCALARS: dict[str, type] = {"int": int, "float": float, "str": str}
 
 
+OBJECTIVES = ("sft", "grpo", "gspo")
+"""What a round optimises: supervised fine-tuning, or GRPO / GSPO on a reward."""
+
+ADAPTERS = ("ffa_lora", "lora", "dora", "qlora", "full")
+"""What a round trains. ``ffa_lora`` sends the B matrices (A frozen from the round's seed);
+``lora``, ``dora`` and ``qlora`` train free factors and send the dense delta of the target
+modules' weights; ``full`` trains every weight and sends the dense delta of all of them."""
+
+DENSE_ADAPTERS = frozenset({"lora", "dora", "qlora", "full"})
+
+BUILTIN_REWARDS = ("exact_answer", "format", "length")
+"""Reward functions a task may name; a contributor's own ones come from its local config."""
+
+
 @dataclass(frozen=True)
 class TaskConfig:
-    """The round task a ClientApp receives (the ConfigRecord under TASK_CONFIG)."""
+    """The round task a ClientApp receives (the ConfigRecord under TASK_CONFIG).
+
+    Field names match `zoo_gym.coordinator.config.TrainingPolicy`, which fills them.
+    """
 
     round: int
     base_version: str
     seed: int
-    method: str = "ffa_lora"
+    method: str = "sft"  # one of OBJECTIVES
+    adapter: str = "ffa_lora"  # one of ADAPTERS
     lora_rank: int = 8
     lora_alpha: float = 16.0
     target_modules: tuple[str, ...] = (
@@ -134,6 +152,20 @@ class TaskConfig:
     codec: str = "bitdelta"
     group_size: int = 128
     deadline_ms: int = 0
+    # GRPO / GSPO: prompts per step are batch_size, completions per prompt num_generations
+    num_generations: int = 4
+    max_new_tokens: int = 8
+    temperature: float = 1.0
+    clip_epsilon: float = 0.2
+    kl_beta: float = 0.04
+    reward_functions: tuple[str, ...] = ("exact_answer",)  # names from BUILTIN_REWARDS
+    # privacy (DESIGN.md, "Privacy"); 0 switches a mechanism off
+    dp_noise_multiplier: float = 0.0  # DP-SGD sigma; with dp_target_epsilon > 0 the client picks it
+    dp_max_grad_norm: float = 1.0  # DP-SGD per-example clipping norm C
+    dp_target_epsilon: float = 0.0  # per round, at dp_delta
+    dp_delta: float = 1e-5
+    dp_accountant: str = "rdp"  # "rdp" or "prv"
+    update_noise_multiplier: float = 0.0  # Gaussian noise std on the clipped update / clip_norm
 
     def to_record(self) -> dict[str, Any]:
         """Flat scalars and lists for a Flower ConfigRecord."""
@@ -141,13 +173,22 @@ class TaskConfig:
 
     @classmethod
     def from_record(cls, record: Any) -> TaskConfig:
-        """Inverse of `to_record`; scalar types are checked by the fields' own types."""
+        """Inverse of `to_record`; scalar types are checked by the fields' own types.
+
+        A field missing from the record takes its default, so an older coordinator's task
+        still parses.
+        """
         r = dict(record)
-        values = {f.name: r[f.name] for f in fields(cls)}
-        values["target_modules"] = tuple(values["target_modules"])
+        values: dict[str, Any] = {}
         for f in fields(cls):
-            if isinstance(f.type, str) and f.type in _SCALARS:
-                values[f.name] = _SCALARS[f.type](values[f.name])
+            if f.name not in r:
+                continue
+            value = r[f.name]
+            if isinstance(f.type, str) and f.type.startswith("tuple"):
+                value = tuple(str(v) for v in value)
+            elif isinstance(f.type, str) and f.type in _SCALARS:
+                value = _SCALARS[f.type](value)
+            values[f.name] = value
         return cls(**values)
 
 

@@ -9,6 +9,7 @@ completion-token loss, (3) returns the B matrices as the update. See FFA-LoRA
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -56,6 +57,7 @@ class StepInfo:
     steps: int
     loss: float
     tokens_per_s: float
+    reward: float | None = None  # mean reward of the step's completions (GRPO / GSPO)
 
 
 @dataclass(frozen=True)
@@ -68,6 +70,7 @@ class RoundResult:
     tokens: int
     seconds: float
     sample_rate: float | None = None  # Poisson rate under DP-SGD, else None
+    mean_reward: float | None = None  # GRPO / GSPO: mean reward over the round's completions
 
 
 class FfaLoraTrainer:
@@ -125,6 +128,19 @@ class FfaLoraTrainer:
             update_key(name): _lora(layer, "lora_B").detach().float().cpu().clone()
             for name, layer in sorted(self.layers.items())
         }
+
+    def begin_round(self, seed: int) -> list[torch.nn.Parameter]:
+        """Start a round from the published base; return the parameters the round trains."""
+        return self.reset_adapters(seed)
+
+    def update(self) -> Delta:
+        """What this round sends (here the B matrices)."""
+        return self.adapter_b()
+
+    def reference(self) -> contextlib.AbstractContextManager[None]:
+        """Context in which `self.model` computes the base model (adapter off): a KL reference
+        without a second copy of the weights."""
+        return self.model.disable_adapter()
 
     def reset_adapters(self, seed: int) -> list[torch.nn.Parameter]:
         """Set every A to the round's frozen A and every B to zero; return the B parameters."""

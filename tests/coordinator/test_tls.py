@@ -1,0 +1,252 @@
+"""TLS material from `zoo_gym.coordinator.tls`: what the certificates say, and that gRPC
+(BoringSSL) and Python's ssl (uvicorn, httpx) really accept them."""
+
+from __future__ import annotations
+
+import datetime as dt
+import hashlib
+import ipaddress
+import socket
+import ssl
+import stat
+import threading
+from collections.abc import Iterator
+from concurrent import futures
+from pathlib import Path
+
+import grpc
+import pytest
+from cryptography import x509
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import ExtendedKeyUsageOID
+
+from zoo_gym.coordinator.tls import (
+    TlsError,
+    check_server_files,
+    create_ca,
+    issue_server_certificate,
+    load_certificate,
+    write_tls_material,
+)
+
+HOSTS = ("localhost", "127.0.0.1", "coordinator.example.org")
+ECHO = "/zoo_gym.test.Echo/Call"
+
+
+@pytest.fixture(scope="module")
+def material(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    directory = tmp_path_factory.mktemp("tls") / "tls"
+    write_tls_material(directory, HOSTS)
+    return directory
+
+
+def test_files_and_permissions(material: Path) -> None:
+    # Assert: four PEM files; both private keys readable by the owner only
+    assert sorted(p.name for p in material.iterdir()) == [
+        "ca.key",
+        "ca.pem",
+        "server.key",
+        "server.pem",
+    ]
+    for key in ("ca.key", "server.key"):
+        assert stat.S_IMODE((material / key).stat().st_mode) == 0o600
+        private = serialization.load_pem_private_key((material / key).read_bytes(), None)
+        assert isinstance(private, ec.EllipticCurvePrivateKey)
+        assert private.curve.name == "secp256r1"
+
+
+def test_ca_certificate(material: Path) -> None:
+    ca = load_certificate(material / "ca.pem")
+
+    constraints = ca.extensions.get_extension_for_class(x509.BasicConstraints)
+    usage = ca.extensions.get_extension_for_class(x509.KeyUsage).value
+    assert constraints.critical and constraints.value.ca and constraints.value.path_length == 0
+    assert usage.key_cert_sign and usage.crl_sign
+    ca.verify_directly_issued_by(ca)  # self-signed
+    lifetime = ca.not_valid_after_utc - ca.not_valid_before_utc
+    assert dt.timedelta(days=3650) <= lifetime <= dt.timedelta(days=3650, minutes=5)
+
+
+def test_server_certificate(material: Path) -> None:
+    ca = load_certificate(material / "ca.pem")
+    server = load_certificate(material / "server.pem")
+
+    server.verify_directly_issued_by(ca)
+    san = server.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    assert san.get_values_for_type(x509.DNSName) == ["localhost", "coordinator.example.org"]
+    assert san.get_values_for_type(x509.IPAddress) == [ipaddress.ip_address("127.0.0.1")]
+    assert not server.extensions.get_extension_for_class(x509.BasicConstraints).value.ca
+    eku = server.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value
+    assert list(eku) == [ExtendedKeyUsageOID.SERVER_AUTH]
+    lifetime = server.not_valid_after_utc - server.not_valid_before_utc
+    assert dt.timedelta(days=825) <= lifetime <= dt.timedelta(days=825, minutes=5)
+
+
+def test_fingerprint_is_sha256_of_der(material: Path) -> None:
+    from zoo_gym.coordinator.tls import fingerprint
+
+    ca = load_certificate(material / "ca.pem")
+    der = ca.public_bytes(serialization.Encoding.DER)
+
+    expected = hashlib.sha256(der).hexdigest().upper()
+    assert fingerprint(ca).replace(":", "") == expected
+    assert len(fingerprint(ca).split(":")) == 32
+
+
+def test_server_certificate_ends_with_its_ca() -> None:
+    # Prepare: a CA with one day left
+    now = dt.datetime.now(dt.UTC)
+    ca_key, ca = create_ca(days=1, now=now)
+
+    _, server = issue_server_certificate(ca_key, ca, ["localhost"], now=now)
+
+    assert server.not_valid_after_utc == ca.not_valid_after_utc
+
+
+@pytest.mark.parametrize("host", ["a b", "", "-bad.example", "x" * 64 + ".org", "under_score.org"])
+def test_bad_host_names_refused(host: str, tmp_path: Path) -> None:
+    with pytest.raises(TlsError, match="neither an IP address nor a DNS name"):
+        write_tls_material(tmp_path / "tls", [host])
+    assert not (tmp_path / "tls").exists()
+
+
+def test_no_host_refused() -> None:
+    ca_key, ca = create_ca()
+    with pytest.raises(TlsError, match="at least one --host"):
+        issue_server_certificate(ca_key, ca, [])
+
+
+def test_never_overwrites(material: Path) -> None:
+    before = (material / "ca.pem").read_bytes()
+    with pytest.raises(TlsError, match="exists; move the old TLS files away"):
+        write_tls_material(material, ["localhost"])
+    assert (material / "ca.pem").read_bytes() == before
+
+
+def test_mismatched_key_refused(material: Path, tmp_path: Path) -> None:
+    other = write_tls_material(tmp_path / "other", ["localhost"])
+
+    with pytest.raises(TlsError, match="is not the private key of"):
+        check_server_files(material / "server.pem", other.server_key)
+    with pytest.raises(TlsError, match="is not a PEM certificate"):
+        check_server_files(material / "server.key", material / "server.key")
+    check_server_files(material / "server.pem", material / "server.key")  # the pair is fine
+
+
+def test_expired_certificate_refused(tmp_path: Path) -> None:
+    # Prepare: a certificate that ended yesterday
+    past = dt.datetime.now(dt.UTC) - dt.timedelta(days=3)
+    ca_key, ca = create_ca(now=past)
+    key, cert = issue_server_certificate(ca_key, ca, ["localhost"], days=1, now=past)
+    (tmp_path / "s.pem").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    (tmp_path / "s.key").write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        )
+    )
+
+    with pytest.raises(TlsError, match="expired on"):
+        check_server_files(tmp_path / "s.pem", tmp_path / "s.key")
+
+
+# --- the certificates in real TLS stacks ---------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def grpc_port(material: Path) -> Iterator[int]:
+    """A gRPC server (BoringSSL) on 127.0.0.1 serving one echo method with `material`."""
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    handler = grpc.unary_unary_rpc_method_handler(lambda request, context: b"echo:" + request)
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler("zoo_gym.test.Echo", {"Call": handler}),)
+    )
+    creds = grpc.ssl_server_credentials(
+        [((material / "server.key").read_bytes(), (material / "server.pem").read_bytes())]
+    )
+    port = server.add_secure_port("127.0.0.1:0", creds)
+    server.start()
+    yield port
+    server.stop(0).wait()
+
+
+def _echo(target: str, roots: bytes, *, override: str | None = None) -> bytes:
+    options = [("grpc.ssl_target_name_override", override)] if override else []
+    with grpc.secure_channel(target, grpc.ssl_channel_credentials(roots), options=options) as ch:
+        call = ch.unary_unary(ECHO)
+        reply: bytes = call(b"hi", timeout=10)
+        return reply
+
+
+@pytest.mark.parametrize("host", ["localhost", "127.0.0.1"])
+def test_grpc_accepts_the_certificate(material: Path, grpc_port: int, host: str) -> None:
+    assert _echo(f"{host}:{grpc_port}", (material / "ca.pem").read_bytes()) == b"echo:hi"
+
+
+def test_grpc_refuses_another_ca(grpc_port: int, tmp_path: Path) -> None:
+    stranger = write_tls_material(tmp_path / "stranger", ["localhost"])
+
+    with pytest.raises(grpc.RpcError) as err:
+        _echo(f"localhost:{grpc_port}", stranger.ca_cert.read_bytes())
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+def test_grpc_refuses_a_name_not_in_the_certificate(material: Path, grpc_port: int) -> None:
+    with pytest.raises(grpc.RpcError) as err:
+        _echo(
+            f"127.0.0.1:{grpc_port}",
+            (material / "ca.pem").read_bytes(),
+            override="evil.example.org",
+        )
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+def test_python_ssl_accepts_the_certificate(material: Path) -> None:
+    """What uvicorn serves and httpx / `gym-client rewards` checks: Python's ssl (OpenSSL)."""
+    server_ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    server_ctx.load_cert_chain(material / "server.pem", material / "server.key")
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+
+    def serve_one() -> None:
+        conn, _ = listener.accept()
+        with server_ctx.wrap_socket(conn, server_side=True) as tls:
+            tls.sendall(tls.recv(5))
+
+    thread = threading.Thread(target=serve_one, daemon=True)
+    thread.start()
+    client_ctx = ssl.create_default_context(cafile=str(material / "ca.pem"))
+    with (
+        socket.create_connection(("127.0.0.1", port), timeout=10) as raw,
+        client_ctx.wrap_socket(raw, server_hostname="localhost") as tls,
+    ):
+        tls.sendall(b"hello")
+        assert tls.recv(5) == b"hello"
+        assert tls.version() in ("TLSv1.2", "TLSv1.3")
+    thread.join(5)
+    listener.close()
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (
+            ["--host", "localhost"],
+            "error: --host names the hosts of the TLS certificate; add --tls",
+        ),
+        (["--tls"], "error: --tls needs at least one --host"),
+        (["--tls", "--host", "a b"], "error: --host 'a b' is neither an IP address nor a DNS name"),
+    ],
+)
+def test_init_refuses_bad_tls_options(tmp_path: Path, args: list[str], message: str) -> None:
+    from typer.testing import CliRunner
+
+    from zoo_gym.cli.coordinator import app
+
+    result = CliRunner().invoke(app, ["init", "--home", str(tmp_path / "c"), "--tiny", *args])
+
+    assert result.exit_code == 1
+    assert result.stderr.startswith(message) and len(result.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "c").exists()  # nothing written

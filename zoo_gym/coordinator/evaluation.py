@@ -1,20 +1,25 @@
 """Validation utility on the coordinator's private validation set.
 
 One model is loaded once and receives candidate weights in place, so scoring a
-round costs a forward pass over the validation set, not a model load.
+round costs a forward pass over the validation set, not a model load. Utility is
+minus the validation loss for SFT and the mean reward of greedy completions for
+GRPO / GSPO (DESIGN "Quality and rewards").
 """
 
 from __future__ import annotations
 
 import json
 import threading
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from zoo_gym.core.chat import to_conversation
+from zoo_gym.core.chat import encode_prompt, pad_id_of, to_conversation
 from zoo_gym.core.evaluate import validation_loss
+from zoo_gym.core.rewards import BUILTIN
 
 
 class Evaluator:
@@ -27,7 +32,9 @@ class Evaluator:
         except (OSError, ValueError) as exc:
             raise ValueError(f"validation set {validation_data} is unreadable: {exc}") from None
         if not self.records:
-            raise ValueError(f"validation set {validation_data} is empty; it needs Alpaca/ShareGPT JSONL records")
+            raise ValueError(
+                f"validation set {validation_data} is empty; it needs Alpaca/ShareGPT JSONL records"
+            )
         self.max_length = max_length
         self.lock = threading.Lock()
 
@@ -35,4 +42,60 @@ class Evaluator:
         """Mean completion-token NLL of the model with `state_dict` loaded."""
         with self.lock:
             self.model.load_state_dict(state_dict, strict=False)
-            return validation_loss(self.model, self.tokenizer, self.records, max_length=self.max_length)
+            return validation_loss(
+                self.model, self.tokenizer, self.records, max_length=self.max_length
+            )
+
+    def mean_reward(
+        self,
+        state_dict: dict[str, torch.Tensor],
+        *,
+        reward_functions: Sequence[str],
+        max_new_tokens: int,
+        batch_size: int = 64,
+    ) -> float:
+        """Mean over the validation prompts of the summed built-in rewards of the greedy completion.
+
+        Each record's prompt is its conversation up to the last assistant turn and its answer
+        that turn, as on the contributors. Greedy decoding makes the score deterministic.
+        """
+        unknown = [name for name in reward_functions if name not in BUILTIN]
+        if unknown or not reward_functions:
+            raise ValueError(
+                f"reward_functions must name built-ins ({', '.join(BUILTIN)}), got {list(reward_functions)}"
+            )
+        functions = [BUILTIN[name] for name in reward_functions]
+        pad_id = pad_id_of(self.tokenizer)
+        eos_id = self.tokenizer.eos_token_id if self.tokenizer.eos_token_id is not None else pad_id
+        prompts = [(c[:-1], c[-1]["content"].strip()) for c in self.records]
+        room = max(1, self.max_length - max_new_tokens)
+        encoded = [encode_prompt(self.tokenizer, prompt)[-room:] for prompt, _ in prompts]
+        total = 0.0
+        model: Any = self.model
+        with self.lock, torch.no_grad():
+            model.load_state_dict(state_dict, strict=False)
+            model.eval()
+            for start in range(0, len(encoded), batch_size):
+                rows = encoded[start : start + batch_size]
+                width = max(len(r) for r in rows)
+                ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+                mask = torch.zeros((len(rows), width), dtype=torch.long)
+                for i, row in enumerate(rows):  # left padding, as in generation on the clients
+                    ids[i, width - len(row) :] = torch.tensor(row, dtype=torch.long)
+                    mask[i, width - len(row) :] = 1
+                out = model.generate(
+                    input_ids=ids,
+                    attention_mask=mask,
+                    do_sample=False,
+                    max_new_tokens=max_new_tokens,
+                    pad_token_id=pad_id,
+                    eos_token_id=eos_id,
+                )
+                for row, (_, answer) in zip(
+                    out[:, width:], prompts[start : start + batch_size], strict=True
+                ):
+                    ends = (row == eos_id).nonzero()
+                    cut = row[: int(ends[0]) + 1] if len(ends) else row
+                    text = str(self.tokenizer.decode(cut.tolist(), skip_special_tokens=True))
+                    total += float(sum(f(text, answer) for f in functions))
+        return total / len(prompts)

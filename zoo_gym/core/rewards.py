@@ -1,0 +1,82 @@
+"""Built-in reward functions for GRPO / GSPO, shared by contributors and the coordinator.
+
+Each is a tiny pure function ``(completion, answer) -> float`` in the style of
+TRL's reward functions. A round's reward is the sum of the functions the task
+names (`zoo_gym.core.protocol.BUILTIN_REWARDS`); the coordinator scores a model
+with the same sum (DESIGN "Quality and rewards": utility = mean reward for GRPO).
+They live in `core` because both sides use them and neither may import the other.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+
+from zoo_gym.core.synthetic import exact_match_reward
+
+RewardFunction = Callable[[str, str], float]
+
+LENGTH_SLACK = 4  # characters a completion may run past its answer before `length` penalises
+LENGTH_SCALE = 32  # characters of excess at which `length` reaches its floor of -1.0
+_NUMBER = re.compile(r"-?\d+")
+
+
+def exact_answer(completion: str, answer: str) -> float:
+    """1.0 if the completion's first line is the answer (whitespace ignored), else 0.0.
+
+    >>> exact_answer("19", "19")
+    1.0
+    >>> exact_answer(" 19\\nbecause 12 + 7 = 19", "19")
+    1.0
+    >>> exact_answer("18", "19")
+    0.0
+    """
+    return exact_match_reward(completion, answer)
+
+
+def format(completion: str, answer: str) -> float:  # the name a task config uses
+    """1.0 if the completion is one bare integer on one line (right or wrong), else 0.0.
+
+    >>> format("42", "19")
+    1.0
+    >>> format(" -3 ", "19")
+    1.0
+    >>> format("19 apples", "19")
+    0.0
+    >>> format("19\\n19", "19")
+    0.0
+    """
+    return 1.0 if _NUMBER.fullmatch(completion.strip()) else 0.0
+
+
+def length(completion: str, answer: str) -> float:
+    """0.0 up to ``len(answer) + LENGTH_SLACK`` characters, then -1/32 per extra character, floor -1.0.
+
+    Penalises rambling without rewarding an empty reply.
+
+    >>> length("19", "19")
+    0.0
+    >>> length("19 is the sum", "19")  # 13 characters, 7 past the allowance of 6
+    -0.21875
+    >>> length("x" * 100, "19")
+    -1.0
+    """
+    excess = len(completion.strip()) - (len(answer.strip()) + LENGTH_SLACK)
+    return -min(1.0, excess / LENGTH_SCALE) if excess > 0 else 0.0
+
+
+BUILTIN: dict[str, RewardFunction] = {
+    "exact_answer": exact_answer,
+    "format": format,
+    "length": length,
+}
+"""The reward functions a task may name, by name."""
+
+
+def total_reward(functions: dict[str, RewardFunction], completion: str, answer: str) -> float:
+    """Sum of `functions` on one completion.
+
+    >>> total_reward(BUILTIN, "19", "19")
+    2.0
+    """
+    return float(sum(f(completion, answer) for f in functions.values()))

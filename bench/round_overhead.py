@@ -14,14 +14,14 @@ examples per client, seed 0, OMP_NUM_THREADS=1 everywhere):
    `ClientRuntime.ensure_base` (task out: model copy + verify + load), `FfaLoraTrainer.train_round`
    (local training), the rest of `ClientRuntime.train` (clip + compress + sign),
    `CoordinatorBackend.receive` (validate), `ZooStrategy.aggregate_train` (decode + aggregate) and
-   `merge_ffa` / `Evaluator.loss` / `ModelRegistry.publish` (publish). Upload is measured after
+   `merge_update` / `Evaluator.loss` / `ModelRegistry.publish` (publish). Upload is measured after
    that run: each client's real last-round reply is streamed with `FederationClient.submit` to a
    gRPC server over the same coordinator backend (the intake refuses it, round closed, after the
    full payload is spooled and hashed).
 3. Flower (anchor): `flower-superlink --insecure` + N `flower-supernode --insecure` on
    127.0.0.1 (subprocess isolation), `flwr run` of bench/flower_anchor: FedAvg over an
    ArrayRecord of the float32 B matrices, each ClientApp loads the tiny model and trains it with
-   the same `FfaLoraTrainer`, central evaluation merges (`merge_ffa`) and computes the same
+   the same `FfaLoraTrainer`, central evaluation merges (`merge_update`) and computes the same
    validation loss. Round time = ServerApp timestamps from `configure_train` to the end of
    `evaluate_fn`; also submission (`flwr run`) to completion.
 
@@ -158,7 +158,7 @@ def zoo_inprocess(workdir: Path, clients: int, steps: int, rounds: int) -> dict[
             (ZooStrategy, "aggregate_train"),
             (Evaluator, "loss"),
             (ModelRegistry, "publish"),
-            (rounds_mod, "merge_ffa"),
+            (rounds_mod, "merge_update"),
             (LoopbackGrid, "_deliver"),
         )
     ]
@@ -176,7 +176,7 @@ def zoo_inprocess(workdir: Path, clients: int, steps: int, rounds: int) -> dict[
         clock.wrap(ZooStrategy, "aggregate_train", "aggregate")
         clock.wrap(Evaluator, "loss", "evaluate")
         clock.wrap(ModelRegistry, "publish", "write_version")
-        clock.wrap(rounds_mod, "merge_ffa", "merge")
+        clock.wrap(rounds_mod, "merge_update", "merge")
         clock.wrap(LoopbackGrid, "_deliver", "deliver")
 
         def tamper(node_id: int, reply: Any) -> Any:

@@ -7,10 +7,13 @@ from zoo_gym.core.lora import (
     LoraSpec,
     dense_delta,
     frozen_a,
+    merge_dense,
     merge_ffa,
+    merge_update,
     module_of,
     target_weights,
     update_key,
+    update_shapes,
 )
 from zoo_gym.core.tiny import build_tiny_model
 
@@ -110,3 +113,62 @@ def test_merge_ffa_in_place_keeps_dtype(dtype: torch.dtype) -> None:
     assert state["m.q_proj.weight"] is weight and weight.dtype == dtype
     torch.testing.assert_close(weight.float(), expected.to(dtype).float())
     assert torch.equal(state["m.q_proj.bias"], torch.zeros(3))
+
+
+def test_merge_dense_adds_by_name_in_place() -> None:
+    weight = torch.tensor([[1.0, 2.0], [3.0, 4.0]], dtype=torch.bfloat16)
+    bias = torch.tensor([0.5, -0.5])
+    state = {"m.q_proj.weight": weight, "m.q_proj.bias": bias, "m.norm.weight": torch.ones(2)}
+
+    merge_dense(
+        state,
+        {
+            "m.q_proj.weight": torch.tensor([[0.5, -1.0], [0.0, 2.0]]),
+            "m.q_proj.bias": torch.tensor([1.0, 1.0]),
+        },
+    )
+
+    assert state["m.q_proj.weight"] is weight and weight.dtype == torch.bfloat16
+    assert weight.float().tolist() == [[1.5, 1.0], [3.0, 6.0]]
+    assert bias.tolist() == [1.5, 0.5]
+    assert state["m.norm.weight"].tolist() == [1.0, 1.0]
+    with pytest.raises(
+        ValueError, match=r"m.k_proj.weight: the update's shape \(2, 2\) does not fit"
+    ):
+        merge_dense(state, {"m.k_proj.weight": torch.zeros(2, 2)})
+    with pytest.raises(ValueError, match=r"does not fit the base \(shape \(2, 2\)\)"):
+        merge_dense(state, {"m.q_proj.weight": torch.zeros(2, 3)})
+
+
+def test_merge_update_dispatches_on_the_adapter() -> None:
+    spec = LoraSpec(rank=2, alpha=2.0)
+    b = torch.full((3, 2), 0.5)
+    dense = spec.scaling * b @ frozen_a(3, "m.q_proj", 4, 2)
+    ffa_state = {"m.q_proj.weight": torch.zeros(3, 4)}
+    lora_state = {"m.q_proj.weight": torch.zeros(3, 4)}
+
+    merge_update(ffa_state, {"m.q_proj.lora_B": b}, adapter="ffa_lora", spec=spec, seed=3)
+    merge_update(lora_state, {"m.q_proj.weight": dense}, adapter="lora", spec=spec, seed=3)
+
+    torch.testing.assert_close(ffa_state["m.q_proj.weight"], lora_state["m.q_proj.weight"])
+
+
+def test_update_shapes_per_adapter() -> None:
+    spec = LoraSpec(rank=4, target_modules=("q_proj",))
+    state = {
+        "m.q_proj.weight": torch.zeros(8, 6),
+        "m.q_proj.bias": torch.zeros(8),
+        "m.k_proj.weight": torch.zeros(2, 6),
+        "m.embed.weight": torch.zeros(10, 6),
+        "m.position_ids": torch.zeros(5, dtype=torch.long),
+    }
+
+    assert update_shapes(state, adapter="ffa_lora", spec=spec) == {"m.q_proj.lora_B": (8, 4)}
+    for adapter in ("lora", "dora", "qlora"):
+        assert update_shapes(state, adapter=adapter, spec=spec) == {"m.q_proj.weight": (8, 6)}
+    assert update_shapes(state, adapter="full", spec=spec) == {
+        "m.q_proj.weight": (8, 6),
+        "m.q_proj.bias": (8,),
+        "m.k_proj.weight": (2, 6),
+        "m.embed.weight": (10, 6),
+    }

@@ -10,6 +10,11 @@ aggregation is exact and linear: ``mean_i(B_i) @ A == mean_i(B_i @ A)``.
 
 Module names are the base model's (``"model.layers.0.self_attn.q_proj"``), never
 peft's prefixed ones.
+
+The other adapters (plain LoRA, DoRA, QLoRA, full fine-tuning) send dense weight
+deltas keyed by base weight names; `update_shapes` says what an update of each
+adapter consists of and `merge_update` merges either kind (`merge_ffa`,
+`merge_dense`).
 """
 
 from __future__ import annotations
@@ -124,3 +129,59 @@ def merge_ffa(state_dict: dict[str, Tensor], update: Delta, *, spec: LoraSpec, s
         for name, delta in dense.items():
             weight = state_dict[name]
             weight.copy_((weight.float() + delta.to(weight.device)).to(weight.dtype))
+
+
+def merge_dense(state_dict: dict[str, Tensor], delta: Delta) -> None:
+    """Add each tensor of `delta` to the `state_dict` entry of the same name, in place.
+
+    For the dense adapters (``lora``, ``dora``, ``qlora``, ``full``) whose updates are
+    keyed by base weight names. The sum is formed in float32 and written back in each
+    weight's own dtype.
+    """
+    for name, tensor in delta.items():
+        weight = state_dict.get(name)
+        if weight is None or tuple(weight.shape) != tuple(tensor.shape):
+            found = "absent" if weight is None else f"shape {tuple(weight.shape)}"
+            raise ValueError(
+                f"{name}: the update's shape {tuple(tensor.shape)} does not fit the base ({found})"
+            )
+    with torch.no_grad():
+        for name, tensor in delta.items():
+            weight = state_dict[name]
+            summed = weight.float() + tensor.detach().float().to(weight.device)
+            weight.copy_(summed.to(weight.dtype))
+
+
+def merge_update(
+    state_dict: dict[str, Tensor], update: Delta, *, adapter: str, spec: LoraSpec, seed: int
+) -> None:
+    """Merge one (aggregated) update of `adapter` into `state_dict`, in place.
+
+    ``ffa_lora``: ``W += scaling * B @ A`` (`merge_ffa`); every other adapter sends
+    dense deltas keyed by weight name: ``W += delta`` (`merge_dense`).
+    """
+    if adapter == "ffa_lora":
+        merge_ffa(state_dict, update, spec=spec, seed=seed)
+    else:
+        merge_dense(state_dict, update)
+
+
+def update_shapes(
+    state_dict: Mapping[str, Tensor], *, adapter: str, spec: LoraSpec
+) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of every tensor an update of `adapter` consists of, for this base.
+
+    ``ffa_lora``: ``"<module>.lora_B"`` `(out, rank)`; ``lora`` / ``dora`` / ``qlora``:
+    ``"<module>.weight"`` `(out, in)` of each target module; ``full``: every floating
+    tensor of the base under its own name.
+    """
+    if adapter == "full":
+        return {
+            name: tuple(int(s) for s in t.shape)
+            for name, t in state_dict.items()
+            if torch.is_floating_point(t)
+        }
+    shapes = target_weights(state_dict, spec)
+    if adapter == "ffa_lora":
+        return {update_key(module): (out, spec.rank) for module, (out, _in) in shapes.items()}
+    return {module + ".weight": (out, in_) for module, (out, in_) in shapes.items()}

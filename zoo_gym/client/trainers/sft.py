@@ -1,10 +1,17 @@
-"""FFA-LoRA supervised fine-tuning, one federated round at a time.
+"""Supervised fine-tuning, one federated round at a time, and the FFA-LoRA trainer.
 
-One long, linear program. The model is loaded once and wrapped with peft LoRA
-once; each round (1) writes the round's frozen A matrices (`frozen_a`, shared by
-every client) and zeroes every B, (2) trains only B with AdamW on the
-completion-token loss, (3) returns the B matrices as the update. See FFA-LoRA
-[Sun et al., 2024] and LoRA [Hu et al., 2022].
+`Trainer.train_round` is one long, linear program shared by every adapter: the
+model is loaded once and kept between rounds; each round (1) `begin_round`
+resets the adapter from the round's seed and names what trains, (2) AdamW (or
+Opacus DP-SGD) trains it on the completion-token loss, (3) `update` returns what
+the round sends. Sequences are batched by length (`length_bucketed_batches`),
+not packed: packing several conversations into one row would need a per-document
+attention mask to keep the completion loss exact.
+
+`FfaLoraTrainer` (the default) writes the round's frozen A matrices (`frozen_a`,
+shared by every client), zeroes every B, trains only B and sends the B matrices.
+See FFA-LoRA [Sun et al., 2024] and LoRA [Hu et al., 2022]. The other adapters
+(plain LoRA, DoRA, QLoRA, full fine-tuning) are in `adapters.py`.
 """
 
 from __future__ import annotations
@@ -62,7 +69,8 @@ class StepInfo:
 
 @dataclass(frozen=True)
 class RoundResult:
-    """What one round produced: ``update`` maps ``"<module>.lora_B"`` to `(out, rank)` float32."""
+    """What one round produced: ``update`` is the trainer's `update()` (float32, on the CPU):
+    ``"<module>.lora_B"`` `(out, rank)` for FFA-LoRA, base weight names for dense adapters."""
 
     update: Delta
     num_examples: int
@@ -73,88 +81,60 @@ class RoundResult:
     mean_reward: float | None = None  # GRPO / GSPO: mean reward over the round's completions
 
 
-class FfaLoraTrainer:
-    """Keeps one peft-wrapped model across rounds and trains its B matrices per round."""
+class Trainer:
+    """One model kept across rounds, and the SFT loop every adapter shares.
+
+    A subclass sets `model` (the module to run forward on), `shapes` (target module ->
+    weight shape `(out, in)`) and implements `load_base`, `begin_round`, `update` and
+    `reference`.
+    """
+
+    adapter = ""
+    model: PeftModel | PreTrainedModel
+    shapes: dict[str, tuple[int, int]]
 
     def __init__(
         self,
-        model: PreTrainedModel,
         tokenizer: PreTrainedTokenizerBase,
         *,
         spec: LoraSpec,
         device: str = "cpu",
+        gradient_checkpointing: bool = False,
     ) -> None:
         self.spec = spec
         self.tokenizer = tokenizer
         self.device = torch.device(device)
-        self.shapes = target_weights(model, spec)
-        if not self.shapes:
-            raise ValueError(f"the model has none of the target modules {spec.target_modules}")
-        config = LoraConfig(
-            r=spec.rank,
-            lora_alpha=spec.alpha,  # type: ignore[arg-type]
-            target_modules=list(spec.target_modules),
-            lora_dropout=0.0,
-            bias="none",
-        )
-        model.to(self.device)  # type: ignore[arg-type]
-        self.base = model
-        self.model: PeftModel = get_peft_model(model, config)  # wraps `model` in place
-        self.layers: dict[str, LoraLayer] = {
-            name: module
-            for name, module in self.base.named_modules()
-            if isinstance(module, LoraLayer)
-        }
-        if set(self.layers) != set(self.shapes):
-            raise RuntimeError("peft adapted a different set of modules than target_weights found")
+        self.gradient_checkpointing = gradient_checkpointing
+
+    def _checkpointing(self, model: PreTrainedModel) -> None:
+        """Recompute activations in backward (non-reentrant: frozen inputs need no grad)."""
+        if self.gradient_checkpointing:
+            kwargs = {"use_reentrant": False}
+            enable = getattr(model, "activation_checkpointing_enable", None)  # transformers >= 5
+            if enable is not None:
+                enable(activation_checkpointing_kwargs=kwargs)
+            else:
+                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)  # type: ignore[no-untyped-call]
+            model.config.use_cache = False
 
     def load_base(self, state_dict: dict[str, Tensor]) -> None:
-        """Copy a new published base version into the wrapped model, in place."""
-        mapped = {}
-        for key, tensor in state_dict.items():
-            module, _, leaf = key.rpartition(".")
-            mapped[f"{module}.base_layer.{leaf}" if module in self.layers else key] = tensor
-        result = self.base.load_state_dict(mapped, strict=False)
-        missing = [key for key in result.missing_keys if ".lora_" not in key]
-        if result.unexpected_keys or missing:
-            raise ValueError(
-                f"base state dict does not match the model: missing {missing[:3]}, "
-                f"unexpected {result.unexpected_keys[:3]}"
-            )
-
-    def adapter_b(self) -> Delta:
-        """The current B matrices, keyed like an update."""
-        return {
-            update_key(name): _lora(layer, "lora_B").detach().float().cpu().clone()
-            for name, layer in sorted(self.layers.items())
-        }
+        """Copy a new published base version into the model, in place."""
+        raise NotImplementedError
 
     def begin_round(self, seed: int) -> list[torch.nn.Parameter]:
         """Start a round from the published base; return the parameters the round trains."""
-        return self.reset_adapters(seed)
+        raise NotImplementedError
 
     def update(self) -> Delta:
-        """What this round sends (here the B matrices)."""
-        return self.adapter_b()
+        """What this round sends, float32 on the CPU."""
+        raise NotImplementedError
 
     def reference(self) -> contextlib.AbstractContextManager[None]:
-        """Context in which `self.model` computes the base model (adapter off): a KL reference
-        without a second copy of the weights."""
-        return self.model.disable_adapter()
+        """Context in which `self.model` computes the base model (adapter off)."""
+        raise NotImplementedError
 
-    def reset_adapters(self, seed: int) -> list[torch.nn.Parameter]:
-        """Set every A to the round's frozen A and every B to zero; return the B parameters."""
-        params = []
-        with torch.no_grad():
-            for name, layer in sorted(self.layers.items()):
-                a = _lora(layer, "lora_A")  # (r, in)
-                a.copy_(frozen_a(seed, name, a.shape[1], self.spec.rank))
-                a.requires_grad_(False)
-                b = _lora(layer, "lora_B")  # (out, r)
-                b.zero_()
-                b.requires_grad_(True)
-                params.append(b)
-        return params
+    def check_dp(self) -> None:
+        """Raise if DP-SGD cannot run on this adapter's trainable parameters."""
 
     def train_round(
         self,
@@ -168,17 +148,19 @@ class FfaLoraTrainer:
         on_step: Callable[[StepInfo], None] | None = None,
         dp: DpConfig | None = None,
     ) -> RoundResult:
-        """Train B for `steps` AdamW steps on `conversations`.
+        """Train what `begin_round` returns for `steps` AdamW steps on `conversations`.
 
         Deterministic under `seed` without `dp`; with `dp` the noise is secret.
         """
         if not conversations:
             raise ValueError("train_round needs at least one conversation")
+        if dp is not None:
+            self.check_dp()
         start = time.perf_counter()
         examples = [
             encode_conversation(self.tokenizer, c, max_length=max_length) for c in conversations
         ]
-        params = self.reset_adapters(seed)
+        params = self.begin_round(seed)
         optimizer: torch.optim.Optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
         generator = torch.Generator().manual_seed(seed)
         forward: torch.nn.Module = self.model
@@ -186,7 +168,7 @@ class FfaLoraTrainer:
         if dp is None:
             lengths = [len(ids) for ids, _ in examples]
             batches = length_bucketed_batches(lengths, batch_size, generator)
-        else:  # hooks go on after reset_adapters: only parameters that require grad get them
+        else:  # hooks go on after begin_round: only parameters that require grad get them
             sample_rate = min(1.0, batch_size / len(examples))
             batches = poisson_batches(len(examples), sample_rate, generator)
             forward = GradSampleModule(self.model, loss_reduction="mean")
@@ -231,13 +213,131 @@ class FfaLoraTrainer:
         seconds = time.perf_counter() - start
         logger.info("round trained: %d steps, mean loss %.4f, %.1fs", steps, _mean(losses), seconds)
         return RoundResult(
-            update=self.adapter_b(),
+            update=self.update(),
             num_examples=len(conversations),
             mean_loss=_mean(losses),
             tokens=tokens,
             seconds=seconds,
             sample_rate=sample_rate,
         )
+
+
+class PeftTrainer(Trainer):
+    """A base model wrapped once with a peft LoRA adapter on the spec's target modules."""
+
+    model: PeftModel
+
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        tokenizer: PreTrainedTokenizerBase,
+        *,
+        spec: LoraSpec,
+        device: str = "cpu",
+        gradient_checkpointing: bool = False,
+        use_dora: bool = False,
+    ) -> None:
+        super().__init__(
+            tokenizer, spec=spec, device=device, gradient_checkpointing=gradient_checkpointing
+        )
+        self.shapes = target_weights(model, spec)
+        if not self.shapes:
+            raise ValueError(f"the model has none of the target modules {spec.target_modules}")
+        config = LoraConfig(
+            r=spec.rank,
+            lora_alpha=spec.alpha,  # type: ignore[arg-type]
+            target_modules=list(spec.target_modules),
+            lora_dropout=0.0,
+            bias="none",
+            use_dora=use_dora,
+        )
+        if not getattr(model, "is_loaded_in_4bit", False):
+            model.to(self.device)  # type: ignore[arg-type]
+        self._checkpointing(model)
+        self.base = model
+        self.model = get_peft_model(model, config)  # wraps `model` in place
+        self.layers: dict[str, LoraLayer] = {
+            name: module
+            for name, module in self.base.named_modules()
+            if isinstance(module, LoraLayer)
+        }
+        if set(self.layers) != set(self.shapes):
+            raise RuntimeError("peft adapted a different set of modules than target_weights found")
+
+    def load_base(self, state_dict: dict[str, Tensor]) -> None:
+        mapped = {}
+        for key, tensor in state_dict.items():
+            module, _, leaf = key.rpartition(".")
+            mapped[f"{module}.base_layer.{leaf}" if module in self.layers else key] = tensor
+        result = self.base.load_state_dict(mapped, strict=False)
+        missing = [key for key in result.missing_keys if ".lora_" not in key]
+        if result.unexpected_keys or missing:
+            raise ValueError(
+                f"base state dict does not match the model: missing {missing[:3]}, "
+                f"unexpected {result.unexpected_keys[:3]}"
+            )
+
+    def reference(self) -> contextlib.AbstractContextManager[None]:
+        """Context in which `self.model` computes the base model (adapter off): a KL reference
+        without a second copy of the weights."""
+        return self.model.disable_adapter()
+
+    def reset_factors(self, seed: int, *, train_a: bool) -> list[torch.nn.Parameter]:
+        """Set every A to the round's A (`frozen_a`, the same on every client) and every B to
+        zero; return the B parameters, preceded by the A's when `train_a`."""
+        a_params, b_params = [], []
+        with torch.no_grad():
+            for name, layer in sorted(self.layers.items()):
+                a = _lora(layer, "lora_A")  # (r, in)
+                a.copy_(frozen_a(seed, name, a.shape[1], self.spec.rank))
+                a.requires_grad_(train_a)
+                a_params.append(a)
+                b = _lora(layer, "lora_B")  # (out, r)
+                b.zero_()
+                b.requires_grad_(True)
+                b_params.append(b)
+        return a_params + b_params if train_a else b_params
+
+
+class FfaLoraTrainer(PeftTrainer):
+    """FFA-LoRA: A frozen from the round's seed, only B trains; the update is the B matrices."""
+
+    adapter = "ffa_lora"
+
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        tokenizer: PreTrainedTokenizerBase,
+        *,
+        spec: LoraSpec,
+        device: str = "cpu",
+        gradient_checkpointing: bool = False,
+    ) -> None:
+        super().__init__(
+            model,
+            tokenizer,
+            spec=spec,
+            device=device,
+            gradient_checkpointing=gradient_checkpointing,
+        )
+
+    def adapter_b(self) -> Delta:
+        """The current B matrices, keyed like an update."""
+        return {
+            update_key(name): _lora(layer, "lora_B").detach().float().cpu().clone()
+            for name, layer in sorted(self.layers.items())
+        }
+
+    def begin_round(self, seed: int) -> list[torch.nn.Parameter]:
+        return self.reset_adapters(seed)
+
+    def update(self) -> Delta:
+        """What this round sends (here the B matrices)."""
+        return self.adapter_b()
+
+    def reset_adapters(self, seed: int) -> list[torch.nn.Parameter]:
+        """Set every A to the round's frozen A and every B to zero; return the B parameters."""
+        return self.reset_factors(seed, train_a=False)
 
 
 def length_bucketed_batches(

@@ -4,15 +4,24 @@ from __future__ import annotations
 
 import json
 import sys
+import warnings
 from enum import StrEnum
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
 from zoo_gym.cli.common import console, friendly, setup_logging
 
-app = typer.Typer(help="Contribute to a zoo-gym network.", no_args_is_help=True, add_completion=False)
+if TYPE_CHECKING:
+    from rich.table import Table
+
+    from zoo_gym.client.privacy import PrivacyBudget
+    from zoo_gym.client.state import LocalState
+
+app = typer.Typer(
+    help="Contribute to a zoo-gym network.", no_args_is_help=True, add_completion=False
+)
 
 CONFIG = "client.toml"
 
@@ -20,7 +29,9 @@ CONFIG = "client.toml"
 @app.command()
 @friendly
 def init(
-    home: Annotated[Path, typer.Option(help="directory for your key, config and local state")] = Path("contributor"),
+    home: Annotated[
+        Path, typer.Option(help="directory for your key, config and local state")
+    ] = Path("contributor"),
     name: Annotated[str, typer.Option(help="name shown to the operator")] = "contributor",
 ) -> None:
     """Create an Ed25519 identity and a config file."""
@@ -38,62 +49,216 @@ def init(
 @app.command()
 @friendly
 def join(
-    coordinator: Annotated[str, typer.Argument(help="HOST:PORT of the coordinator")],
-    data: Annotated[Path | None, typer.Option(help="your training data (Alpaca/ShareGPT JSONL)")] = None,
-    home: Annotated[Path, typer.Option(help="directory made by `gym-client init`")] = Path("contributor"),
+    coordinator: Annotated[
+        str | None,
+        typer.Argument(help="HOST:PORT of the coordinator (default: coordinator in client.toml)"),
+    ] = None,
+    data: Annotated[
+        Path | None, typer.Option(help="your training data (Alpaca/ShareGPT JSONL)")
+    ] = None,
+    home: Annotated[Path, typer.Option(help="directory made by `gym-client init`")] = Path(
+        "contributor"
+    ),
+    config: Annotated[
+        Path | None,
+        typer.Option(
+            help="config file (default: HOME/client.toml); every option below overrides its key"
+        ),
+    ] = None,
     method: Annotated[str, typer.Option(help="training method")] = "sft",
-    ca_cert: Annotated[Path | None, typer.Option(help="CA certificate for a TLS coordinator")] = None,
-    max_rounds: Annotated[int | None, typer.Option(help="leave after this many submissions")] = None,
+    ca_cert: Annotated[
+        Path | None, typer.Option(help="CA certificate for a TLS coordinator")
+    ] = None,
+    max_rounds: Annotated[
+        int | None, typer.Option(help="leave after this many submissions")
+    ] = None,
     device: Annotated[str | None, typer.Option(help="cpu, cuda, cuda:1 ...")] = None,
+    privacy_budget_epsilon: Annotated[
+        float | None,
+        typer.Option(help="refuse any round that would take your records' total epsilon past this"),
+    ] = None,
+    privacy_budget_delta: Annotated[
+        float | None,
+        typer.Option(help="delta at which the budget is checked (default: each task's dp_delta)"),
+    ] = None,
     verbose: Annotated[bool, typer.Option("--verbose", "-v")] = False,
-    byzantine: Annotated[str | None, typer.Option(
-        hidden=True, help="attack the federation on purpose: label_flip, random_completion, sign_flip, scaling, ipm, gaussian",
-    )] = None,
+    byzantine: Annotated[
+        str | None,
+        typer.Option(
+            hidden=True,
+            help="attack the federation on purpose: label_flip, random_completion, sign_flip, scaling, ipm, gaussian",
+        ),
+    ] = None,
 ) -> None:
-    """Register, then train and submit an update every round until stopped (Ctrl-C)."""
+    """Register, then train and submit an update every round until stopped (Ctrl-C).
+
+    Settings come from client.toml; options given here override them for this run. With a
+    privacy budget set, the client stops (exit 0) at the first round that would exceed it,
+    before training: nothing is submitted for that round.
+    """
     setup_logging(verbose)
+    if (
+        not verbose
+    ):  # Opacus's hooks on a frozen-input model: expected with LoRA, not news to a contributor
+        warnings.filterwarnings("ignore", message="Full backward hook is firing")
+    from pydantic import ValidationError
+
     from zoo_gym.cli.progress import JoinDisplay
-    from zoo_gym.client.config import ClientConfig, load_client_config
+    from zoo_gym.client.config import ClientConfig, ClientConfigError, load_client_config
+    from zoo_gym.client.privacy import PrivacyRefusal
     from zoo_gym.client.session import JoinError
     from zoo_gym.client.session import join as run_join
 
     if method != "sft":
         raise JoinError(f"method {method!r} is not available; use --method sft")
-    cfg = load_client_config(home / CONFIG)
-    overrides = {"coordinator": coordinator, "data": data and data.resolve(), "ca_cert": ca_cert,
-                 "max_rounds": max_rounds, "device": device, "byzantine": byzantine}
-    cfg = ClientConfig.model_validate({**cfg.model_dump(), **{k: v for k, v in overrides.items() if v is not None}})
+    cfg = load_client_config(config or home / CONFIG)
+    overrides = {
+        "coordinator": coordinator,
+        "data": data and data.resolve(),
+        "ca_cert": ca_cert,
+        "max_rounds": max_rounds,
+        "device": device,
+        "byzantine": byzantine,
+        "privacy_budget_epsilon": privacy_budget_epsilon,
+        "privacy_budget_delta": privacy_budget_delta,
+    }
+    try:
+        cfg = ClientConfig.model_validate(
+            {**cfg.model_dump(), **{k: v for k, v in overrides.items() if v is not None}}
+        )
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first["loc"]).replace("_", "-")
+        raise ClientConfigError(
+            f"--{where}: {first['msg'].removeprefix('Value error, ')}"
+        ) from None
     with JoinDisplay(console) as display:
-        made = run_join(cfg, on_event=display.event, say=display.say)
+        try:
+            made = run_join(cfg, on_event=display.event, say=display.say)
+        except PrivacyRefusal as refusal:
+            display.say(f"stopped: {refusal}")
+            return
     console.print(f"left after {made} submission(s)")
+
+
+class StatusFormat(StrEnum):
+    table = "table"
+    json = "json"
 
 
 @app.command()
 @friendly
 def status(
-    home: Annotated[Path, typer.Option(help="directory made by `gym-client init`")] = Path("contributor"),
-    format: Annotated[str, typer.Option("--format", help="table or json")] = "table",
+    home: Annotated[Path, typer.Option(help="directory made by `gym-client init`")] = Path(
+        "contributor"
+    ),
+    format: Annotated[
+        StatusFormat, typer.Option("--format", help="table for people, json for programs")
+    ] = (StatusFormat.table),
 ) -> None:
-    """Show local state: identity, coordinator and contributions."""
-    from dataclasses import asdict
-
-    from rich.table import Table
-
+    """Show local state: identity, coordinator, contributions, and privacy spent against your budget."""
+    from zoo_gym.client.config import load_client_config
     from zoo_gym.client.state import LocalState
 
     state = LocalState.load(home / "state" / "state.json")
-    rows = [asdict(c) for c in sorted(state.contributions.values(), key=lambda c: c.round)]
-    if format == "json":
-        console.print_json(json.dumps({"contributor_id": state.contributor_id,
-                                       "coordinator": state.coordinator, "contributions": rows}))
+    budget = (
+        load_client_config(home / CONFIG).privacy_budget() if (home / CONFIG).exists() else None
+    )
+    body = status_body(state, budget)
+    if format is StatusFormat.json:
+        sys.stdout.write(json.dumps(body, indent=1) + "\n")
+        sys.stdout.flush()
         return
-    table = Table(title=f"contributor {state.contributor_id[:16] or '(not joined yet)'} @ {state.coordinator or '-'}")
-    for col in ("round", "base", "decision", "reason", "upload bytes", "train loss"):
+    console.print(status_table(body))
+    console.print(privacy_line(body["privacy"]), markup=False, soft_wrap=True)
+
+
+def status_body(state: LocalState, budget: PrivacyBudget | None) -> dict[str, Any]:
+    """What `gym-client status --format json` prints (format 1)."""
+    from dataclasses import asdict
+
+    spent = {r.round: r for r in state.privacy.rounds}
+    rows = []
+    for c in sorted(state.contributions.values(), key=lambda c: c.round):
+        row = asdict(c)
+        r = spent.get(c.round)
+        row["epsilon"] = r.epsilon if r else None
+        row["epsilon_total"] = r.epsilon_total if r else None
+        rows.append(row)
+    last = state.privacy.rounds[-1] if state.privacy.rounds else None
+    delta = (
+        budget.delta
+        if budget is not None and budget.delta is not None
+        else (last.delta if last else 1e-5)
+    )
+    accountant = last.accountant if last else "rdp"
+    privacy = {
+        "rounds": len(state.privacy.rounds),
+        "delta": delta,
+        "accountant": accountant,
+        "epsilon_total": state.privacy.total(delta, accountant) if last else 0.0,
+        "user_epsilon_total": state.privacy.user_total(delta, accountant) if last else 0.0,
+        "naive_epsilon_sum": state.privacy.naive_epsilon_sum,
+        "budget_epsilon": budget.epsilon if budget is not None else None,
+        "per_round": [asdict(r) for r in state.privacy.rounds],
+    }
+    return {
+        "format": 1,
+        "contributor_id": state.contributor_id,
+        "coordinator": state.coordinator,
+        "contributions": rows,
+        "privacy": privacy,
+    }
+
+
+def status_table(body: dict[str, Any]) -> Table:
+    from rich.table import Table
+
+    who = str(body["contributor_id"])[:16] or "(not joined yet)"
+    table = Table(title=f"contributor {who} @ {body['coordinator'] or '-'}")
+    for col in (
+        "round",
+        "base",
+        "decision",
+        "reason",
+        "upload bytes",
+        "train loss",
+        "reward",
+        "epsilon",
+        "total",
+    ):
         table.add_column(col)
-    for r in rows:
-        table.add_row(str(r["round"]), r["base_version"], r["decision"], r["reason"], str(r["payload_bytes"]),
-                      f"{r['train_loss']:.4f}")
-    console.print(table)
+    for r in body["contributions"]:
+        table.add_row(
+            str(r["round"]),
+            r["base_version"],
+            r["decision"],
+            r["reason"],
+            str(r["payload_bytes"]),
+            f"{r['train_loss']:.4f}",
+            f"{r['reward']:g}",
+            _eps(r["epsilon"]),
+            _eps(r["epsilon_total"]),
+        )
+    return table
+
+
+def privacy_line(p: dict[str, Any]) -> str:
+    """``privacy: epsilon 3.2 of 8 spent over 4 round(s) at delta 1e-05 (rdp); ...``"""
+    if not p["rounds"]:
+        return "privacy: nothing spent yet" + (
+            f" (budget epsilon {p['budget_epsilon']:g})" if p["budget_epsilon"] else ""
+        )
+    of = f" of {p['budget_epsilon']:g}" if p["budget_epsilon"] is not None else " (no budget set)"
+    return (
+        f"privacy: epsilon {_eps(p['epsilon_total'])}{of} spent over {p['rounds']} round(s) at delta "
+        f"{p['delta']:g} ({p['accountant']}); user-level {_eps(p['user_epsilon_total'])}; "
+        f"sum of round epsilons {p['naive_epsilon_sum']:.3g}"
+    )
+
+
+def _eps(value: float | None) -> str:
+    return "unbounded" if value is None else f"{value:.3g}"
 
 
 class RewardsFormat(StrEnum):
@@ -106,17 +271,32 @@ class RewardsFormat(StrEnum):
 @app.command()
 @friendly
 def rewards(
-    home: Annotated[Path, typer.Option(help="directory made by `gym-client init`")] = Path("contributor"),
-    api: Annotated[str | None, typer.Option(
-        help="the coordinator's REST address, e.g. http://coordinator.example.org:8080 (default: api_url in client.toml)",
-    )] = None,
-    format: Annotated[RewardsFormat, typer.Option(
-        "--format", help="table for people, json or csv for programs, html for a page with a plot",
-    )] = RewardsFormat.table,
-    out: Annotated[Path | None, typer.Option(help="write to this file (html: default rewards.html)")] = None,
-    verify: Annotated[bool, typer.Option(
-        "--verify", help="check every reward against the ledger's checkpoint signed by the coordinator key pinned at join",
-    )] = False,
+    home: Annotated[Path, typer.Option(help="directory made by `gym-client init`")] = Path(
+        "contributor"
+    ),
+    api: Annotated[
+        str | None,
+        typer.Option(
+            help="the coordinator's REST address, e.g. http://coordinator.example.org:8080 (default: api_url in client.toml)",
+        ),
+    ] = None,
+    format: Annotated[
+        RewardsFormat,
+        typer.Option(
+            "--format",
+            help="table for people, json or csv for programs, html for a page with a plot",
+        ),
+    ] = RewardsFormat.table,
+    out: Annotated[
+        Path | None, typer.Option(help="write to this file (html: default rewards.html)")
+    ] = None,
+    verify: Annotated[
+        bool,
+        typer.Option(
+            "--verify",
+            help="check every reward against the ledger's checkpoint signed by the coordinator key pinned at join",
+        ),
+    ] = False,
 ) -> None:
     """Your reward statement: per round the decision and why, quality, reward, reputation and privacy spent."""
     from rich.console import Console
@@ -133,7 +313,9 @@ def rewards(
     with report.connect(url, ca_cert=cfg.ca_cert and cfg.path(cfg.ca_cert)) as http:
         session = report.ReportApi(http, identity)
         statement = report.fetch_statement(session)
-        checked = report.verify_statement(session, statement, coordinator_key=pinned) if verify else None
+        checked = (
+            report.verify_statement(session, statement, coordinator_key=pinned) if verify else None
+        )
     if format is RewardsFormat.html:
         target = out or Path("rewards.html")
         target.write_text(report.to_html(statement, checked, source=url), encoding="utf-8")
@@ -145,7 +327,9 @@ def rewards(
             with out.open("w", encoding="utf-8") as fh:
                 Console(file=fh, width=160).print(report.render_table(statement, checked))
     else:
-        text = (report.to_json if format is RewardsFormat.json else report.to_csv)(statement, checked)
+        text = (report.to_json if format is RewardsFormat.json else report.to_csv)(
+            statement, checked
+        )
         if out is None:
             sys.stdout.write(text)
             sys.stdout.flush()
@@ -154,7 +338,9 @@ def rewards(
     if checked is not None and not checked.ok:
         raise report.RewardsError(f"verification failed: {checked.problem}")
     if checked is not None:
-        (console if format is RewardsFormat.table else err_console).print(checked.summary(), markup=False, soft_wrap=True)
+        (console if format is RewardsFormat.table else err_console).print(
+            checked.summary(), markup=False, soft_wrap=True
+        )
 
 
 def main() -> None:

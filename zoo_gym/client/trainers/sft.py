@@ -45,7 +45,8 @@ class DpConfig:
     """DP-SGD [Abadi et al., 2016] on the B matrices, through Opacus.
 
     Each step samples every example independently with probability
-    ``batch_size / len(data)`` (Poisson sampling, which the accountants assume),
+    ``batch_size / len(data)`` (Poisson sampling, which the accountants assume, drawn from a
+    CSPRNG-seeded generator so the public round seed does not reveal it),
     clips each example's gradient to `max_grad_norm` and adds Gaussian noise of
     std ``noise_multiplier * max_grad_norm`` from a CSPRNG-seeded generator.
     Account with ``zoo_gym.privacy.accounting.epsilon(noise_multiplier,
@@ -170,7 +171,9 @@ class Trainer:
             batches = length_bucketed_batches(lengths, batch_size, generator)
         else:  # hooks go on after begin_round: only parameters that require grad get them
             sample_rate = min(1.0, batch_size / len(examples))
-            batches = poisson_batches(len(examples), sample_rate, generator)
+            # secret sampling: the accountants assume nobody knows which records each step used,
+            # and the round seed is public
+            batches = poisson_batches(len(examples), sample_rate, secure_generator())
             forward = GradSampleModule(self.model, loss_reduction="mean")
             optimizer = DPOptimizer(
                 optimizer,

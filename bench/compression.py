@@ -1,87 +1,151 @@
-"""Throughput of BitDelta pack/unpack against a plain copy, and compressed sizes versus bf16.
+"""BitDelta pack/unpack throughput against a plain copy, and compressed sizes versus bf16.
 
-Run: python bench/compression.py. Prints medians of repeated runs; the anchor is
-`torch.Tensor.copy_` of the same float32 bytes, measured in the same run.
+Run: python bench/compression.py. Every operation is timed interleaved with its anchor, a
+`torch.Tensor.copy_` of the same float32 tensors into preallocated tensors, so both see the
+same machine load; the table gives medians and the ratio copy time / operation time
+(target >= 0.5 on CPU). Rows:
+
+- ``pack`` / ``unpack``: `bitdelta.pack_many` / `bitdelta.unpack_many` (the codec itself);
+- ``encode`` / ``decode_into``: the whole envelope (header, SHA-256, scale checks) as a client
+  encodes it and the coordinator decodes it into one row of its (n, d) buffer.
+
+Both the operation and its anchor run with ``--threads`` torch threads (default 1: on a shared
+machine, OpenMP threads that wait for a busy core distort small operations).
 """
 
 from __future__ import annotations
 
+import argparse
 import statistics
 import time
 from collections.abc import Callable
 
 import torch
 
-from zoo_gym.compression import CODECS, CodecSpec, bitdelta, encode
+from zoo_gym.compression import CODECS, CodecSpec, bitdelta, decode_into, encode
+from zoo_gym.core.delta import layout_of, numel
+from zoo_gym.core.lora import LoraSpec, target_weights, update_key
+from zoo_gym.core.tiny import build_tiny_model
 
-REPEATS = 15
+REPEATS = 21
+GROUP = 128
 
 
-def median_seconds(fn: Callable[[], object]) -> float:
+def ratio_to_copy(fn: Callable[[], object], copy: Callable[[], object]) -> tuple[float, float]:
+    """Median seconds of `copy` and of `fn`, run alternately `REPEATS` times after a warm-up."""
     fn()
-    times = []
+    copy()
+    t_fn, t_copy = [], []
     for _ in range(REPEATS):
         start = time.perf_counter()
+        copy()
+        t_copy.append(time.perf_counter() - start)
+        start = time.perf_counter()
         fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+        t_fn.append(time.perf_counter() - start)
+    return statistics.median(t_copy), statistics.median(t_fn)
+
+
+def tiny_ffa_update(rank: int = 8) -> dict[str, torch.Tensor]:
+    """The B matrices (out, r) an FFA-LoRA client of the tiny model sends."""
+    model = build_tiny_model(vocab_size=512)
+    gen = torch.Generator().manual_seed(1)
+    return {
+        update_key(module): torch.randn(out, rank, generator=gen)
+        for module, (out, _) in target_weights(model, LoraSpec(rank=rank)).items()
+    }
+
+
+def tiny_dense_delta() -> dict[str, torch.Tensor]:
+    """A full-weight delta of the tiny model (every parameter, as full fine-tuning sends)."""
+    model = build_tiny_model(vocab_size=512)
+    gen = torch.Generator().manual_seed(2)
+    return {k: torch.randn(v.shape, generator=gen) for k, v in model.state_dict().items()}
 
 
 def lora_like() -> dict[str, torch.Tensor]:
-    """A rank-16 LoRA update of a 24-layer, hidden-2048 model (q, k, v, o projections)."""
+    """FFA-LoRA B matrices (2048, 16) of a 24-layer, hidden-2048 model (q, k, v, o, 192 B's
+    and the same number of A-shaped (16, 2048) tensors, as a non-FFA LoRA client would send)."""
+    gen = torch.Generator().manual_seed(3)
     delta = {}
     for layer in range(24):
         for proj in ("q", "k", "v", "o"):
-            delta[f"l{layer}.{proj}.lora_A"] = torch.randn(16, 2048)
-            delta[f"l{layer}.{proj}.lora_B"] = torch.randn(2048, 16)
+            delta[f"l{layer}.{proj}.lora_A"] = torch.randn(16, 2048, generator=gen)
+            delta[f"l{layer}.{proj}.lora_B"] = torch.randn(2048, 16, generator=gen)
     return delta
 
 
-def throughput_rows(name: str, tensors: list[torch.Tensor]) -> list[str]:
-    group = 128
+def throughput_rows(name: str, delta: dict[str, torch.Tensor]) -> list[str]:
+    tensors = [t.reshape(-1) for t in delta.values()]
+    ns = [t.numel() for t in tensors]
     copies = [torch.empty_like(t) for t in tensors]
-    packed = [bitdelta.pack(t.view(-1), group) for t in tensors]
-    outs = [torch.empty(t.numel()) for t in tensors]
-    nbytes = sum(t.numel() * 4 for t in tensors)
+    packed, scales = bitdelta.pack_many(tensors, GROUP)
+    out = torch.empty(sum(ns))
+    layout = layout_of(delta)
+    payload = encode(delta, CodecSpec("bitdelta", group_size=GROUP))
+    nbytes = 4 * sum(ns)
 
     def copy() -> None:
         for dst, src in zip(copies, tensors, strict=True):
             dst.copy_(src)
 
-    def pack() -> None:
-        for t in tensors:
-            bitdelta.pack(t.view(-1), group)
-
-    def unpack() -> None:
-        for (bits, scales), out in zip(packed, outs, strict=True):
-            bitdelta.unpack(bits, scales, group, out)
-
-    t_copy = median_seconds(copy)
+    ops: dict[str, Callable[[], object]] = {
+        "pack": lambda: bitdelta.pack_many(tensors, GROUP),
+        "unpack": lambda: bitdelta.unpack_many(packed, scales, ns, GROUP, out),
+        "encode": lambda: encode(delta, CodecSpec("bitdelta", group_size=GROUP)),
+        "decode_into": lambda: decode_into(payload, out, layout, max_elements=numel(layout)),
+    }
     rows = []
-    for label, fn in (("copy_", copy), ("pack", pack), ("unpack", unpack)):
-        t = t_copy if label == "copy_" else median_seconds(fn)
+    for label, fn in ops.items():
+        t_copy, t = ratio_to_copy(fn, copy)
         rows.append(
-            f"{name:<22} {label:<8} {t * 1e3:9.2f} ms {nbytes / t / 1e9:8.2f} GB/s {t_copy / t:7.2f}"
+            f"| {name} | {len(tensors)} | {label} | {t * 1e3:.3f} | {t_copy * 1e3:.3f} "
+            f"| {nbytes / t / 1e9:.2f} | {t_copy / t:.2f} |"
         )
     return rows
 
 
+def size_rows(delta: dict[str, torch.Tensor]) -> list[str]:
+    values = sum(t.numel() for t in delta.values())
+    rows = []
+    for codec in CODECS:
+        size = len(encode(delta, CodecSpec(codec, group_size=GROUP)))
+        rows.append(f"| {codec} | {size} | {8 * size / values:.3f} | {2 * values / size:.2f}x |")
+    return rows
+
+
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--threads", type=int, default=1, help="torch intra-op threads (anchor too)"
+    )
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, median of {REPEATS}")
-    print(f"{'tensors':<22} {'op':<8} {'time':>12} {'fp32 GB/s':>13} {'vs copy':>7}")
-    big = torch.randn(4096, 4096)
-    for row in throughput_rows("4096x4096 fp32", [big]):
-        print(row)
-    lora = lora_like()
-    for row in throughput_rows(f"LoRA r16 ({len(lora)} tensors)", list(lora.values())):
-        print(row)
     print()
-    print(f"{'codec':<10} {'bytes':>12} {'bits/value':>11} {'vs bf16':>8}   (LoRA-like delta)")
-    values = sum(t.numel() for t in lora.values())
-    for codec in CODECS:
-        size = len(encode(lora, CodecSpec(codec, group_size=128)))
-        print(f"{codec:<10} {size:>12} {8 * size / values:>11.3f} {2 * values / size:>7.2f}x")
+    print("| tensors | count | op | ms | copy_ ms | fp32 GB/s | vs copy |")
+    print("|---|---|---|---|---|---|---|")
+    workloads = {
+        "4096x4096 fp32": {"w": torch.randn(4096, 4096)},
+        "tiny FFA-LoRA B update (r 8)": tiny_ffa_update(),
+        "tiny dense delta": tiny_dense_delta(),
+        "LoRA r16, 24 x hidden 2048": lora_like(),
+    }
+    for name, delta in workloads.items():
+        for row in throughput_rows(name, delta):
+            print(row)
+    print()
+    for name in ("tiny dense delta", "LoRA r16, 24 x hidden 2048"):
+        delta = workloads[name]
+        values = sum(t.numel() for t in delta.values())
+        print(f"Compressed size, group {GROUP}, {name} ({values} values):")
+        print()
+        print("| codec | bytes | bits/value | vs bf16 |")
+        print("|---|---|---|---|")
+        for row in size_rows(delta):
+            print(row)
+        print()
 
 
 if __name__ == "__main__":

@@ -3,7 +3,17 @@ import numpy as np
 import torch
 from hypothesis import given, settings
 
-from zoo_gym.compression import CodecSpec, EnvelopeError, bitdelta, decode, encode, inspect_envelope
+from zoo_gym.compression import (
+    CodecSpec,
+    EnvelopeError,
+    bitdelta,
+    decode,
+    decode_accumulate,
+    decode_into,
+    encode,
+    inspect_envelope,
+)
+from zoo_gym.core.delta import layout_of
 
 values = st.lists(st.floats(-100, 100, allow_nan=False, width=32), min_size=0, max_size=300).map(
     lambda xs: torch.tensor(xs, dtype=torch.float32)
@@ -82,6 +92,28 @@ def test_mutated_bytes_only_raise_envelope_error(
     else:
         assert sum(t.numel() for t in decoded.values()) <= 40
         assert all(bool(torch.isfinite(t).all()) for t in decoded.values())
+    for consume in (_decode_into, _accumulate):  # the coordinator's batched paths
+        try:
+            out = consume(bytes(data))
+        except EnvelopeError as exc:
+            assert "\n" not in str(exc)
+        else:
+            assert bool(torch.isfinite(out).all())
+
+
+LAYOUT = layout_of({"a": torch.zeros(3, 5), "b": torch.zeros(17)})
+
+
+def _decode_into(payload: bytes) -> torch.Tensor:
+    out = torch.zeros(32)
+    decode_into(payload, out, LAYOUT, max_elements=40)
+    return out
+
+
+def _accumulate(payload: bytes) -> torch.Tensor:
+    out = torch.zeros(32)
+    decode_accumulate([payload, payload], [0.5, 0.5], out, LAYOUT, max_elements=40)
+    return out
 
 
 @settings(max_examples=100, deadline=None)
@@ -100,3 +132,36 @@ def test_declared_sizes_checked_before_allocation(shape: list[int]) -> None:
     except EnvelopeError:
         return
     assert header.total_elements <= 1000
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    sizes=st.lists(st.sampled_from([0, 1, 7, 8, 64, 128, 136, 300, 1024]), max_size=8),
+    group=groups,
+    weight=st.sampled_from([None, 0.37]),
+)
+def test_many_tensors_pack_and_unpack_like_one_at_a_time(
+    sizes: list[int], group: int, weight: float | None
+) -> None:
+    gen = torch.Generator().manual_seed(len(sizes) * 1000 + group)
+    xs = [torch.randn(n, generator=gen) for n in sizes]
+
+    packed, scales = bitdelta.pack_many(xs, group)
+
+    alone = [bitdelta.pack(x, group) for x in xs]
+    assert all(torch.equal(p, a) for p, (a, _) in zip(packed, alone, strict=True))
+    assert torch.equal(scales, torch.cat([s for _, s in alone] + [torch.empty(0)]))
+    out = torch.full((sum(sizes),), 0.5)
+    bitdelta.unpack_many(packed, scales, sizes, group, out, weight=weight)
+    expected = torch.full((sum(sizes),), 0.5)
+    offset = 0
+    for x, (_, s) in zip(xs, alone, strict=True):
+        target = expected[offset : offset + x.numel()]
+        if weight is None:
+            target.copy_(torch.where(x >= 0, 1.0, -1.0) * s.repeat_interleave(group)[: x.numel()])
+        else:
+            target.add_(
+                torch.where(x >= 0, 1.0, -1.0) * (s * weight).repeat_interleave(group)[: x.numel()]
+            )
+        offset += x.numel()
+    assert torch.equal(out, expected)

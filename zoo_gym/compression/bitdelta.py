@@ -19,6 +19,7 @@ little-endian int64 ``v`` gather into the top byte of ``v * 0x8040201008040201``
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 import torch
@@ -87,32 +88,10 @@ def pack(x: Tensor, group: int) -> tuple[Tensor, Tensor]:
     """BitDelta-compress `x` (n,) float32: (packed signs (ceil(n/8),) uint8, scales (G,) float32).
 
     ``scale_k = mean |x|`` over group k, the L2-optimal scale for sign quantisation
-    (Liu et al., 2024). On CPU the tensor is processed in cache-sized chunks (signs with
-    ``numpy.packbits``, sums of ``|x|`` per group); elsewhere by `pack_signs` and `group_reduce`.
+    (Liu et al., 2024). One tensor of `pack_many`.
     """
-    if not _use_numpy(x, group):
-        return pack_signs(x), group_reduce(x, group, ord=1)
-    n = x.numel()
-    flat = x.reshape(-1).numpy()
-    packed = np.empty((n + 7) // 8, dtype=np.uint8)
-    scales = torch.empty(-(-n // group), dtype=torch.float32)
-    chunk = _chunk_len(group)
-    absbuf = torch.empty(min(chunk, n), dtype=torch.float32)
-    signbuf = np.empty(min(chunk, n), dtype=np.bool_)
-    for start in range(0, n, chunk):
-        stop = min(start + chunk, n)
-        part = flat[start:stop]
-        np.greater_equal(part, 0, out=signbuf[: stop - start])
-        packed[start // 8 : (stop + 7) // 8] = np.packbits(signbuf[: stop - start])
-        absx = torch.abs(torch.from_numpy(part), out=absbuf[: stop - start])
-        full, tail = divmod(stop - start, group)
-        g0 = start // group
-        if full:
-            torch.sum(absx[: full * group].view(full, group), 1, out=scales[g0 : g0 + full])
-            scales[g0 : g0 + full] /= group
-        if tail:
-            scales[g0 + full] = absx[full * group :].sum() / tail
-    return torch.from_numpy(packed), scales
+    packed, scales = pack_many([x], group)
+    return packed[0], scales
 
 
 def _signed(bits: Tensor, scales: Tensor, group: int, out: Tensor) -> Tensor:
@@ -129,41 +108,204 @@ def _signed(bits: Tensor, scales: Tensor, group: int, out: Tensor) -> Tensor:
     return out
 
 
-def _signed_chunked(packed: Tensor, scales: Tensor, group: int, out: Tensor, *, add: bool) -> None:
-    """CPU path of `_signed` (``add=False``) and of ``out += _signed(...)`` (``add=True``).
+def _segments(ns: Sequence[int], group: int) -> Iterator[list[tuple[int, int, int, int]]]:
+    """Split tensors of `ns` values into chunks of (tensor, start, length, padded) segments.
 
-    Each chunk looks up +-1 patterns of its bytes in a (256, 8) table and multiplies each group
-    by its scale in place (an exact product with +-1), while the chunk is still in cache.
+    A chunk holds at most `_chunk_len(group)` values. A tensor longer than that spans several
+    chunks; short tensors share one. Each segment starts at a multiple of lcm(group, 8) within
+    its tensor and is padded to one, so whole groups and whole bytes never straddle segments.
     """
-    n = out.numel()
-    chunk = _chunk_len(group)
-    step = torch.empty(min(chunk, (n + 7) // 8 * 8), dtype=torch.float32)
-    for start in range(0, n, chunk):
-        stop = min(start + chunk, n)
-        length = stop - start
-        nbytes = (length + 7) // 8
-        index = packed[start // 8 : start // 8 + nbytes].long()
-        direct = not add and length % 8 == 0
-        dest = out[start:stop] if direct else step[: nbytes * 8]
-        torch.index_select(_SIGN_TABLE, 0, index, out=dest.view(nbytes, 8))
-        full, tail = divmod(length, group)
-        g0 = start // group
-        if full:
-            dest[: full * group].view(full, group).mul_(scales[g0 : g0 + full, None])
-        if tail:
-            dest[full * group : length].mul_(scales[g0 + full])
-        if add:
-            out[start:stop].add_(dest[:length])
-        elif not direct:
-            out[start:stop].copy_(dest[:length])
+    unit = math.lcm(group, 8)
+    limit = _chunk_len(group)
+    chunk: list[tuple[int, int, int, int]] = []
+    used = 0
+    for i, n in enumerate(ns):
+        for start in range(0, n, limit):
+            length = min(limit, n - start)
+            padded = -(-length // unit) * unit
+            if chunk and used + padded > limit:
+                yield chunk
+                chunk, used = [], 0
+            chunk.append((i, start, length, padded))
+            used += padded
+    if chunk:
+        yield chunk
+
+
+def _group_offsets(ns: Sequence[int], group: int) -> list[int]:
+    """Index of each tensor's first scale in the concatenated scales."""
+    offsets = [0]
+    for n in ns:
+        offsets.append(offsets[-1] + -(-n // group))
+    return offsets
+
+
+def _pack_aligned(xs: Sequence[Tensor], ns: list[int], group: int) -> tuple[list[Tensor], Tensor]:
+    """`pack_many` of a short update whose tensors all hold whole groups and whole bytes:
+    concatenated, such tensors pack exactly as they do one by one, in a few calls."""
+    flat = torch.cat([x.detach().reshape(-1) for x in xs]).float()  # (sum n_i,)
+    signs = np.empty(flat.numel(), dtype=np.bool_)
+    np.greater_equal(flat.numpy(), 0, out=signs)
+    bits = torch.from_numpy(np.packbits(signs))
+    scales = torch.sum(flat.abs_().view(-1, group), 1).div_(group)
+    return list(torch.split(bits, [n // 8 for n in ns])), scales
+
+
+def pack_many(xs: Sequence[Tensor], group: int) -> tuple[list[Tensor], Tensor]:
+    """BitDelta-compress flat float32 tensors `xs` (n_i,) that share one group size.
+
+    Returns (packed signs per tensor (ceil(n_i / 8),) uint8, the scales of all tensors
+    concatenated (sum_i ceil(n_i / group),) float32), each equal to `pack` of that tensor.
+    ``scale_k = mean |x|`` over group k (Liu et al., 2024). On CPU the values stream through
+    cache-sized chunks: short tensors share a chunk, each zero-padded to a multiple of
+    lcm(group, 8) values (a padded zero adds nothing to a group's sum of |x| and its sign bit
+    is cleared), so one ``numpy.packbits`` and one grouped sum serve many tensors.
+    """
+    ns = [x.numel() for x in xs]
+    if not xs:
+        return [], torch.empty(0, dtype=torch.float32)
+    if not all(_use_numpy(x, group) for x in xs):
+        signs = [pack_signs(x) for x in xs]
+        return signs, torch.cat([group_reduce(x.reshape(-1), group, ord=1) for x in xs])
+    unit = math.lcm(group, 8)
+    if sum(ns) <= _chunk_len(group) and all(n % unit == 0 for n in ns):
+        return _pack_aligned(xs, ns, group)
+    flats = [x.detach().reshape(-1).contiguous() for x in xs]
+    goff = _group_offsets(ns, group)
+    packed = [np.empty((n + 7) // 8, dtype=np.uint8) for n in ns]
+    scales = torch.empty(goff[-1], dtype=torch.float32)
+    scales_np = scales.numpy()
+    limit = min(_chunk_len(group), sum(-(-n // unit) * unit for n in ns))
+    signbuf = np.empty(limit, dtype=np.bool_)
+    absbuf = torch.empty(limit, dtype=torch.float32)
+    absnp = absbuf.numpy()
+    zeros = torch.zeros(unit, dtype=torch.float32)
+    for chunk in _segments(ns, group):
+        if len(chunk) == 1:  # one long run: read it in place
+            i, start, length, padded = chunk[0]
+            part = flats[i].numpy()[start : start + length]
+            np.greater_equal(part, 0, out=signbuf[:length])
+            np.abs(part, out=absnp[:length])
+            absnp[length:padded] = 0.0
+            signbuf[length:padded] = False
+            off = padded
+        else:  # many short tensors: gather them (zero-padded) with one torch.cat
+            pieces = []
+            for i, start, length, padded in chunk:
+                pieces.append(flats[i][start : start + length])
+                if padded > length:
+                    pieces.append(zeros[: padded - length])
+            off = sum(padded for _, _, _, padded in chunk)
+            torch.cat(pieces, out=absbuf[:off])
+            np.greater_equal(absnp[:off], 0, out=signbuf[:off])
+            np.abs(absnp[:off], out=absnp[:off])
+            end = 0
+            for _, _, length, padded in chunk:
+                signbuf[end + length : end + padded] = False
+                end += padded
+        bits = np.packbits(signbuf[:off])
+        sums = torch.sum(absbuf[:off].view(-1, group), 1)
+        counts = torch.full_like(sums, float(group))
+        off = 0
+        for _, _, length, padded in chunk:
+            if length % group:
+                counts[(off + length) // group] = float(length % group)
+            off += padded
+        sums_np = sums.div_(counts).numpy()
+        off = 0
+        for i, start, length, padded in chunk:
+            nb, k = (length + 7) // 8, -(-length // group)
+            packed[i][start // 8 : start // 8 + nb] = bits[off // 8 : off // 8 + nb]
+            g = goff[i] + start // group
+            scales_np[g : g + k] = sums_np[off // group : off // group + k]
+            off += padded
+    return [torch.from_numpy(p) for p in packed], scales
+
+
+def unpack_many(
+    packed: Sequence[Tensor],
+    scales: Tensor,
+    ns: Sequence[int],
+    group: int,
+    out: Tensor,
+    *,
+    weight: float | None = None,
+) -> None:
+    """Decode tensors laid end to end into `out` (sum_i n_i,) float32.
+
+    `packed[i]` (ceil(n_i / 8),) uint8 and the concatenated `scales` (sum_i ceil(n_i / group),)
+    are as returned by `pack_many`. ``weight=None`` writes ``out[i] = +-scale``; a float adds
+    ``+-(weight * scale)`` (the product rounded once in float32, as the Triton kernel does).
+    On CPU each chunk looks up the +-1 patterns of its bytes in a (256, 8) table and scales
+    each group in place while the chunk is in cache.
+    """
+    step_scales = scales.float() if weight is None else scales.float() * weight
+    if not _use_numpy(out, group):
+        offset, goff = 0, _group_offsets(ns, group)
+        for i, n in enumerate(ns):
+            target = out[offset : offset + n]
+            bits = unpack_signs(packed[i], n)
+            signed = _signed(
+                bits, step_scales[goff[i] : goff[i + 1]], group, torch.empty_like(target)
+            )
+            if weight is None:
+                target.copy_(signed)
+            else:
+                target.add_(signed)
+            offset += n
+        return
+    unit = math.lcm(group, 8)
+    if sum(ns) <= _chunk_len(group) and all(n % unit == 0 for n in ns):
+        index = torch.cat(list(packed)).long() if packed else torch.empty(0, dtype=torch.long)
+        dest = out if weight is None else torch.empty_like(out)
+        torch.index_select(_SIGN_TABLE, 0, index, out=dest.view(-1, 8))
+        dest.view(-1, group).mul_(step_scales[:, None])
+        if weight is not None:
+            out.add_(dest)
+        return
+    goff = _group_offsets(ns, group)
+    starts = [0]
+    for n in ns:
+        starts.append(starts[-1] + n)
+    scales_np = step_scales.contiguous().numpy()
+    packed_np = [p.numpy() for p in packed]
+    limit = min(_chunk_len(group), sum(-(-n // unit) * unit for n in ns))
+    step = torch.empty(limit, dtype=torch.float32)
+    bytebuf = np.empty(limit // 8, dtype=np.uint8)
+    chunk_scales = torch.empty(limit // group, dtype=torch.float32)
+    chunk_scales_np = chunk_scales.numpy()
+    for chunk in _segments(ns, group):
+        off = 0
+        for i, start, length, padded in chunk:
+            nb, k = (length + 7) // 8, -(-length // group)
+            bytebuf[off // 8 : off // 8 + nb] = packed_np[i][start // 8 : start // 8 + nb]
+            g = goff[i] + start // group
+            chunk_scales_np[off // group : off // group + k] = scales_np[g : g + k]
+            off += padded
+        direct = all(length == padded for _, _, length, padded in chunk)
+        first = starts[chunk[0][0]] + chunk[0][1]
+        dest = out[first : first + off] if direct and weight is None else step[:off]
+        index = torch.from_numpy(bytebuf[: off // 8]).long()
+        torch.index_select(_SIGN_TABLE, 0, index, out=dest.view(-1, 8))
+        dest.view(-1, group).mul_(chunk_scales[: off // group, None])
+        if direct:
+            if weight is not None:
+                out[first : first + off].add_(dest)
+            continue
+        off = 0
+        for i, start, length, padded in chunk:
+            target = out[starts[i] + start : starts[i] + start + length]
+            source = step[off : off + length]
+            if weight is None:
+                target.copy_(source)
+            else:
+                target.add_(source)
+            off += padded
 
 
 def unpack(packed: Tensor, scales: Tensor, group: int, out: Tensor) -> None:
     """Decode into `out` (n,) float32: ``out[i] = scale[i // group] * (+1 if bit else -1)``."""
-    if _use_numpy(out, group):
-        _signed_chunked(packed, scales.float(), group, out, add=False)
-    else:
-        _signed(unpack_signs(packed, out.numel()), scales.float(), group, out)
+    unpack_many([packed], scales, [out.numel()], group, out)
 
 
 def accumulate(packed: Tensor, scales: Tensor, group: int, out: Tensor, weight: float) -> None:
@@ -172,12 +314,7 @@ def accumulate(packed: Tensor, scales: Tensor, group: int, out: Tensor, weight: 
     Each value adds ``+-(weight * scale)`` (the product rounded once in float32), the same
     arithmetic as the fused Triton kernel, so both give bit-identical sums.
     """
-    weighted = scales.float() * weight
-    if _use_numpy(out, group):
-        _signed_chunked(packed, weighted, group, out, add=True)
-        return
-    step = torch.empty_like(out)
-    out.add_(_signed(unpack_signs(packed, out.numel()), weighted, group, step))
+    unpack_many([packed], scales, [out.numel()], group, out, weight=weight)
 
 
 def apply_(weights: Tensor, packed: Tensor, scales: Tensor, group: int, alpha: float) -> None:

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from zoo_gym.compression import codecs, kernels
+from zoo_gym.compression import bitdelta, codecs, kernels
 from zoo_gym.compression.errors import EnvelopeError
 from zoo_gym.compression.spec import (
     CODEC_IDS,
@@ -132,16 +132,56 @@ def encode(delta: Delta, spec: CodecSpec) -> bytes:
             _DTYPE_NDIM.pack(DTYPE_IDS[ts.dtype], len(ts.shape)),
         ]
         chunks.append(struct.pack(f"<{len(ts.shape)}Q", *ts.shape))
-    for ts in layout:
-        x = delta[ts.name].detach().reshape(-1).to(torch.float32).contiguous()
-        if not bool(torch.isfinite(x).all()):
-            raise ValueError(f"{ts.name}: delta has NaN or Inf values")
-        scales, data = codecs.encode_tensor(
-            spec.codec, x, group_length(spec, ts.shape), spec.scale_dtype
-        )
-        chunks += [_tensor_bytes(scales) if spec.scaled else b"", _tensor_bytes(data)]
+    flats = [delta[ts.name].detach().reshape(-1).to(torch.float32).contiguous() for ts in layout]
+    if _packs_together(spec, flats):
+        chunks += _bitdelta_sections(layout, flats, spec)
+    else:
+        for ts, x in zip(layout, flats, strict=True):
+            _check_finite(ts.name, x)
+            scales, data = codecs.encode_tensor(
+                spec.codec, x, group_length(spec, ts.shape), spec.scale_dtype
+            )
+            chunks += [_tensor_bytes(scales) if spec.scaled else b"", _tensor_bytes(data)]
     body = b"".join(chunks)
     return body + hashlib.sha256(body).digest()
+
+
+def _check_finite(name: str, x: Tensor) -> None:
+    if not bool(torch.isfinite(x).all()):
+        raise ValueError(f"{name}: delta has NaN or Inf values")
+
+
+def _packs_together(spec: CodecSpec, flats: list[Tensor]) -> bool:
+    """Whether all tensors go through one `bitdelta.pack_many` pass (BitDelta, fixed groups, CPU)."""
+    return (
+        spec.codec == "bitdelta"
+        and spec.granularity == "group"
+        and all(x.device.type == "cpu" for x in flats)
+    )
+
+
+def _bitdelta_sections(layout: Layout, flats: list[Tensor], spec: CodecSpec) -> list[bytes]:
+    """Scales and sign bytes of every tensor, in table order, from one `pack_many` pass.
+
+    A NaN or Inf value makes its group's mean |x| non-finite, so the float32 scales reveal
+    bad input without a separate pass over the values.
+    """
+    packed, scales = bitdelta.pack_many(flats, spec.group_size)
+    if not bool(torch.isfinite(scales).all()):
+        for ts, x in zip(layout, flats, strict=True):
+            _check_finite(ts.name, x)
+    stored = scales.to(codecs.SCALE_TORCH_DTYPES[spec.scale_dtype])
+    if not bool(torch.isfinite(stored).all()):
+        raise ValueError(f"a scale overflows {spec.scale_dtype}; use scale_dtype='float32'")
+    raw = stored.view(torch.uint8).numpy()
+    width = _SCALE_BYTES[spec.scale_dtype]
+    sections: list[bytes] = []
+    start = 0
+    for x, bits in zip(flats, packed, strict=True):
+        stop = start + width * n_groups(x.numel(), spec.group_size)
+        sections += [raw[start:stop].tobytes(), bits.numpy().tobytes()]
+        start = stop
+    return sections
 
 
 def _parse_spec(payload: bytes) -> tuple[int, CodecSpec, int]:
@@ -277,6 +317,38 @@ def section_tensors(
     return scales, data
 
 
+def _unpacks_together(header: EnvelopeHeader, triton: bool) -> bool:
+    return header.codec == "bitdelta" and header.spec.granularity == "group" and not triton
+
+
+def bitdelta_parts(payload: bytes, header: EnvelopeHeader) -> tuple[list[Tensor], Tensor]:
+    """(packed signs per tensor, all scales concatenated as float32) of a BitDelta envelope.
+
+    Validates every scale (finite, not negative) in one pass and the zero padding of each
+    tensor's last byte; raises `EnvelopeError` naming the first bad tensor.
+    """
+    raw = _frombuffer(payload, 0, len(payload), torch.uint8)
+    scale_dtype = codecs.SCALE_TORCH_DTYPES[header.spec.scale_dtype]
+    pieces = [raw[s.scales_offset : s.scales_offset + s.scales_nbytes] for s in header.sections]
+    scales = (torch.cat(pieces) if pieces else raw[:0]).view(scale_dtype).float()
+    bad = ~torch.isfinite(scales) | (scales < 0)
+    if bool(bad.any()):
+        first = int(bad.nonzero()[0, 0])
+        for section in header.sections:
+            if first < section.n_groups:
+                raise EnvelopeError(f"{section.spec.name}: NaN, Inf or negative scale")
+            first -= section.n_groups
+    packed = []
+    for section in header.sections:
+        n, end = section.spec.numel, section.data_offset + section.data_nbytes
+        if n % 8 and payload[end - 1] & ((1 << (8 - n % 8)) - 1):
+            raise EnvelopeError(
+                f"{section.spec.name}: non-zero padding after the last value of a tensor"
+            )
+        packed.append(raw[section.data_offset : end])
+    return packed, scales
+
+
 def check_layout(header: EnvelopeHeader, layout: Layout) -> None:
     """Raise `EnvelopeError` unless the envelope holds exactly `layout`'s names and shapes."""
     got = [(ts.name, ts.shape) for ts in header.layout]
@@ -316,6 +388,11 @@ def decode_into(
     header = inspect_envelope(payload, max_elements=max_elements)
     check_layout(header, layout)
     triton = use_triton(out, backend)
+    if _unpacks_together(header, triton):
+        packed, scales = bitdelta_parts(payload, header)
+        ns = [section.spec.numel for section in header.sections]
+        bitdelta.unpack_many(packed, scales, ns, header.spec.group_size, out)
+        return
     offset = 0
     for section in header.sections:
         n = section.spec.numel

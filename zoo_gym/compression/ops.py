@@ -13,6 +13,7 @@ from torch import Tensor
 
 from zoo_gym.compression import bitdelta, codecs, kernels
 from zoo_gym.compression.envelope import (
+    bitdelta_parts,
     check_layout,
     inspect_envelope,
     section_tensors,
@@ -45,6 +46,12 @@ def decode_accumulate(
     for payload, weight in zip(payloads, weights, strict=True):
         header = inspect_envelope(payload, max_elements=max_elements)
         check_layout(header, layout)
+        if header.codec == "bitdelta" and header.spec.granularity == "group" and not triton:
+            packed, scales = bitdelta_parts(payload, header)
+            ns = [section.spec.numel for section in header.sections]
+            group = header.spec.group_size
+            bitdelta.unpack_many(packed, scales, ns, group, out, weight=float(weight))
+            continue
         parts = [section_tensors(payload, header, s) for s in header.sections]
         offset = 0
         for section, (scales, data) in zip(header.sections, parts, strict=True):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import doctest
+import math
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -29,17 +30,35 @@ def test_builtins_are_exactly_the_names_a_task_may_carry() -> None:
     assert tuple(BUILTIN) == BUILTIN_REWARDS
 
 
+def test_a_task_may_name_closeness() -> None:
+    # Prepare / Execute
+    functions = load_reward_functions(["closeness", "exact_answer"], [])
+
+    # Assert: a near miss earns partial credit, a hit both rewards
+    assert list(functions) == ["closeness", "exact_answer"]
+    assert reward_functions.total_reward(functions, "21", "19") == math.exp(-0.2)
+    assert reward_functions.total_reward(functions, "19", "19") == 2.0
+
+
 @pytest.mark.parametrize(
     ("completion", "answer", "expected"),
     [
-        ("19", "19", {"exact_answer": 1.0, "format": 1.0, "length": 0.0}),
-        ("  19\n", "19", {"exact_answer": 1.0, "format": 1.0, "length": 0.0}),
-        ("18", "19", {"exact_answer": 0.0, "format": 1.0, "length": 0.0}),
-        ("19.", "19", {"exact_answer": 0.0, "format": 0.0, "length": 0.0}),
-        ("", "19", {"exact_answer": 0.0, "format": 0.0, "length": 0.0}),
+        ("19", "19", {"exact_answer": 1.0, "format": 1.0, "length": 0.0, "closeness": 1.0}),
+        ("  19\n", "19", {"exact_answer": 1.0, "format": 1.0, "length": 0.0, "closeness": 1.0}),
+        (
+            "18",
+            "19",
+            {"exact_answer": 0.0, "format": 1.0, "length": 0.0, "closeness": math.exp(-0.1)},
+        ),
+        ("19.", "19", {"exact_answer": 0.0, "format": 0.0, "length": 0.0, "closeness": 0.0}),
+        ("", "19", {"exact_answer": 0.0, "format": 0.0, "length": 0.0, "closeness": 0.0}),
         # 10 characters, allowance 2 + 4 = 6: -4/32
-        ("19 = 12+7.", "19", {"exact_answer": 0.0, "format": 0.0, "length": -0.125}),
-        ("1" * 200, "19", {"exact_answer": 0.0, "format": 1.0, "length": -1.0}),
+        (
+            "19 = 12+7.",
+            "19",
+            {"exact_answer": 0.0, "format": 0.0, "length": -0.125, "closeness": 0.0},
+        ),
+        ("1" * 200, "19", {"exact_answer": 0.0, "format": 1.0, "length": -1.0, "closeness": 0.0}),
     ],
 )
 def test_builtin_values(completion: str, answer: str, expected: dict[str, float]) -> None:

@@ -37,7 +37,7 @@ def test_a_grpo_round_completes_with_the_reward_utility(tmp_path: Path) -> None:
     assert row["accepted"] == 2 and row["status"] in ("published", "rolled_back")
     before, after = row["reward_before"], row["mean_reward"]
     assert isinstance(before, float) and isinstance(after, float)
-    # the demo's rewards, exact_answer + format, sum to 0, 1 or 2 per completion
+    # the demo's rewards, closeness + exact_answer, are each within [0, 1] per completion
     assert 0.0 <= before <= 2.0 and 0.0 <= after <= 2.0
     db = sqlite3.connect(fed.coordinator_home / "ledger.db")
     decisions = db.execute("SELECT decision FROM submissions WHERE round_number = 1").fetchall()
@@ -47,16 +47,27 @@ def test_a_grpo_round_completes_with_the_reward_utility(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_grpo_raises_the_mean_validation_reward_over_rounds(tmp_path: Path) -> None:
-    # Prepare: the demo's GRPO federation, 3 contributors, 4 rounds
-    fed = Federation(tmp_path / "fed", clients=3, rounds=4, steps=20, method="grpo")
+def test_grpo_raises_the_task_reward_of_an_sft_warmed_base(tmp_path: Path) -> None:
+    # Prepare: the demo's federation: 3 contributors, 3 SFT rounds, then the operator's switch
+    # to GRPO (closeness + exact_answer) for 5 rounds
+    fed = Federation(
+        tmp_path / "fed", clients=3, rounds=8, steps=30, method="grpo", warmup_rounds=3
+    )
 
     # Execute
     rows = run(fed, timeout_s=1200)
+    ends_on = [str(r["published_version"] or r["base_version"]) for r in rows]
+    scores = fed.task_scores(ends_on)
 
-    # Assert: the published model earns more reward than the tiny base did
-    published = [r for r in rows if r["status"] == "published"]
-    assert published, rows
-    first, last = rows[0]["reward_before"], published[-1]["mean_reward"]
-    assert isinstance(first, float) and isinstance(last, float)
-    assert last > first + 0.2, [(r["reward_before"], r["mean_reward"], r["status"]) for r in rows]
+    # Assert: the switch applied from round 4 exactly (the coordinator scores by reward only then)
+    history = [(r["round"], r["reward_before"], r["mean_reward"], r["status"]) for r in rows]
+    assert [r["reward_before"] is not None for r in rows] == [False] * 3 + [True] * 5, history
+    # ... and the GRPO rounds end on a model earning more reward than the SFT-warmed base
+    last = rows[-1]
+    start = rows[3]["reward_before"]
+    end = last["mean_reward"] if last["status"] == "published" else last["reward_before"]
+    assert isinstance(start, float) and isinstance(end, float)
+    assert end > start + 0.02, history
+    # the same on the closeness alone, scored again from the published weights
+    warmed, final = scores[ends_on[2]], scores[ends_on[-1]]
+    assert final[0] > warmed[0], (warmed, final, history)

@@ -117,7 +117,7 @@ modules' weights; ``full`` trains every weight and sends the dense delta of all 
 
 DENSE_ADAPTERS = frozenset({"lora", "dora", "qlora", "full"})
 
-BUILTIN_REWARDS = ("exact_answer", "format", "length")
+BUILTIN_REWARDS = ("exact_answer", "format", "length", "closeness")
 """Reward functions a task may name; a contributor's own ones come from its local config."""
 
 

@@ -9,6 +9,7 @@ They live in `core` because both sides use them and neither may import the other
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Callable
 
@@ -18,6 +19,7 @@ RewardFunction = Callable[[str, str], float]
 
 LENGTH_SLACK = 4  # characters a completion may run past its answer before `length` penalises
 LENGTH_SCALE = 32  # characters of excess at which `length` reaches its floor of -1.0
+CLOSENESS_SCALE = 10.0  # distance from the answer at which `closeness` falls to 1/e
 _NUMBER = re.compile(r"-?\d+")
 
 
@@ -65,10 +67,35 @@ def length(completion: str, answer: str) -> float:
     return -min(1.0, excess / LENGTH_SCALE) if excess > 0 else 0.0
 
 
+def closeness(completion: str, answer: str) -> float:
+    """Partial credit for a numeric answer: exp(-|predicted - answer| / CLOSENESS_SCALE).
+
+    ``predicted`` is the completion's first line read as one integer; a first line that is
+    not one integer (or an answer that is not one) earns 0.0. Unlike `exact_answer`, a
+    near miss earns almost as much as a hit, so a model that is rarely exactly right still
+    sees which of its completions are better: a dense signal for GRPO's group advantages.
+
+    >>> closeness("19", "19")
+    1.0
+    >>> round(closeness(" 29\\nor so", "19"), 4)  # 10 off: exp(-1)
+    0.3679
+    >>> closeness("nineteen", "19")
+    0.0
+    >>> closeness("", "19")
+    0.0
+    """
+    lines = completion.strip().splitlines()
+    first = lines[0].strip() if lines else ""
+    if not (_NUMBER.fullmatch(first) and _NUMBER.fullmatch(answer.strip())):
+        return 0.0
+    return math.exp(-abs(int(first) - int(answer.strip())) / CLOSENESS_SCALE)
+
+
 BUILTIN: dict[str, RewardFunction] = {
     "exact_answer": exact_answer,
     "format": format,
     "length": length,
+    "closeness": closeness,
 }
 """The reward functions a task may name, by name."""
 
@@ -77,6 +104,6 @@ def total_reward(functions: dict[str, RewardFunction], completion: str, answer: 
     """Sum of `functions` on one completion.
 
     >>> total_reward(BUILTIN, "19", "19")
-    2.0
+    3.0
     """
     return float(sum(f(completion, answer) for f in functions.values()))

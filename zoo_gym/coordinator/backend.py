@@ -10,6 +10,8 @@ recorded with its reason, so the contributor can see why it earned nothing.
 from __future__ import annotations
 
 import logging
+import math
+import re
 import shutil
 import threading
 import time
@@ -40,6 +42,8 @@ from zoo_gym.core.protocol import (
 )
 
 log = logging.getLogger(__name__)
+_VERSION = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")  # a published version's directory name
+MAX_INT64 = 2**63 - 1  # a claimed size is recorded as at most this (the ledger's integer column)
 
 
 @dataclass
@@ -66,6 +70,7 @@ class CoordinatorBackend:
         clock_skew_s: float = 300.0,
         require_approval: bool = False,
         metrics: CoordinatorMetrics | None = None,
+        max_submissions_per_round: int = 3,
     ) -> None:
         self.engine = engine
         self.metrics = metrics
@@ -75,6 +80,7 @@ class CoordinatorBackend:
         self.max_upload_bytes = max_upload_bytes
         self.clock_skew_s = clock_skew_s
         self.require_approval = require_approval
+        self.max_submissions_per_round = max_submissions_per_round
         self.lock = threading.Lock()
         self.open_round: OpenRound | None = None
         payload_dir.mkdir(parents=True, exist_ok=True)
@@ -106,6 +112,11 @@ class CoordinatorBackend:
         return Registration(cid, node_id(public_key), status, self.current_version(), self.signer.public_key)
 
     def _contributor(self, cid: str) -> tuple[bytes, str, str]:
+        if len(cid) != 32 or any(c not in "0123456789abcdef" for c in cid):
+            raise RequestError(
+                "UNAUTHENTICATED",
+                "contributor id must be the 32 hex digits derived from your key; use the id `gym-client init` printed",
+            )
         with Session(self.engine) as session:
             row = ledger.get_contributor(session, contributor_id=cid)
             if row is None:
@@ -135,8 +146,10 @@ class CoordinatorBackend:
             return ""
 
     def manifest(self, version: str) -> tuple[bytes, bytes]:
+        if not _VERSION.fullmatch(version):
+            raise RequestError("NOT_FOUND", f"model version {version[:64]!r} is not published here")
         directory = self.registry.root / version
-        if "/" in version or not (directory / "manifest.json").exists():
+        if not (directory / "manifest.json").exists():
             raise RequestError("NOT_FOUND", f"model version {version!r} is not published here")
         return (directory / "manifest.json").read_bytes(), (directory / "manifest.sig").read_bytes()
 
@@ -150,7 +163,7 @@ class CoordinatorBackend:
         return published.directory / name
 
     # -- intake -------------------------------------------------------------
-    def _record(self, sub: Submission, *, accepted: bool, reason: str) -> Verdict:
+    def _record(self, sub: Submission, *, accepted: bool, reason: str, epsilon: float | None = None) -> Verdict:
         with Session(self.engine) as session:
             round_number = sub.round
             if ledger.get_round(session, number=round_number) is None:
@@ -158,12 +171,22 @@ class CoordinatorBackend:
                 round_number = latest.number if latest is not None else 0
             if round_number == 0:
                 return Verdict(False, reason)
+            limit = self.max_submissions_per_round
+            made = len(ledger.list_submissions(session, round_number=round_number, contributor_id=sub.contributor_id))
+            if made >= limit:
+                # the first one over the limit is recorded (so the contributor sees why); later ones are not,
+                # so a flood of submissions cannot grow the ledger
+                accepted = False
+                reason = (f"more than {limit} submissions from you for round {round_number}; "
+                          "the rest are refused, wait for the next round")
+                if made > limit:
+                    return Verdict(False, reason)
             try:
                 row = ledger.record_submission(
                     session, round_number=round_number, contributor_id=sub.contributor_id,
-                    nonce=sub.nonce.hex(), base_version=sub.base_version,
-                    payload_sha256=sub.payload_sha256, size_bytes=sub.payload_size,
-                    decision="accepted" if accepted else "rejected", reason=reason,
+                    nonce=sub.nonce.hex()[:128], base_version=sub.base_version[:64],
+                    payload_sha256=sub.payload_sha256[:64], size_bytes=min(sub.payload_size, MAX_INT64),
+                    decision="accepted" if accepted else "rejected", reason=reason, epsilon=epsilon,
                 )
             except ledger.ReplayedNonce:
                 return Verdict(False, "this submission's nonce was already used (a replay); each submission needs a fresh nonce")
@@ -224,7 +247,8 @@ class CoordinatorBackend:
             else:
                 stored = self.payload_dir / f"{sub.payload_sha256}.zgde"
                 shutil.copyfile(payload, stored)
-                verdict = self._record(sub, accepted=True, reason="accepted at intake")
+                verdict = self._record(sub, accepted=True, reason="accepted at intake",
+                                       epsilon=claimed_epsilon(content))
                 self._observe(verdict)
                 if verdict.accepted and self.open_round is not None:
                     self.open_round.accepted.add(sub.contributor_id)
@@ -255,3 +279,15 @@ class CoordinatorBackend:
                 sub.decision, reason, float(sub.quality or 0.0), float(sub.reward or 0.0),
                 rnd.status, rnd.new_version or "",
             )
+
+
+def claimed_epsilon(content: RecordDict) -> float | None:
+    """The round's sample-level epsilon a submission reports (its `epsilon` metric), if finite and >= 0.
+
+    The contributor computes it (`zoo_gym.client.privacy`); the coordinator records it, it cannot check it.
+    """
+    metrics = content.metric_records.get(TRAIN_METRICS)
+    value = metrics.get("epsilon") if metrics is not None else None
+    if isinstance(value, int | float) and math.isfinite(value) and value >= 0:
+        return float(value)
+    return None

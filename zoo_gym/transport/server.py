@@ -19,12 +19,13 @@ from pathlib import Path
 import grpc
 from flwr.app import Message
 from flwr.common.serde import message_from_proto, message_to_proto
-from flwr.proto.message_pb2 import Message as FlowerMessageProto  # type: ignore[attr-defined]
+from flwr.proto.message_pb2 import Message as FlowerMessageProto  # type: ignore[attr-defined,unused-ignore]
 
 from zoo_gym.core.protocol import RequestError, Submission
 from zoo_gym.proto.v1 import federation_pb2 as pb
 from zoo_gym.proto.v1 import federation_pb2_grpc as pb_grpc
 from zoo_gym.transport.backend import FederationBackend
+from zoo_gym.transport.limits import RateLimitInterceptor, RateLimits, TokenBuckets
 from zoo_gym.transport.mailbox import Mailbox
 
 log = logging.getLogger(__name__)
@@ -50,15 +51,19 @@ def parse_message(data: bytes) -> Message:
 
 
 class FederationServicer(pb_grpc.FederationServicer):
-    def __init__(self, backend: FederationBackend, mailbox: Mailbox, spool: Path) -> None:
+    def __init__(
+        self, backend: FederationBackend, mailbox: Mailbox, spool: Path, limits: RateLimits | None = None
+    ) -> None:
         self.backend = backend
         self.mailbox = mailbox
         self.spool = spool
+        self.limits = limits or RateLimits()
+        self.per_contributor = TokenBuckets(self.limits.contributor_rate_per_s, self.limits.contributor_burst)
         spool.mkdir(parents=True, exist_ok=True)
 
     def _auth(self, auth: pb.Auth, method: str, digest: str, context: grpc.ServicerContext) -> int:
         try:
-            return self.backend.authenticate(
+            node = self.backend.authenticate(
                 method=method,
                 contributor_id=auth.contributor_id,
                 timestamp_ms=auth.timestamp_ms,
@@ -68,6 +73,15 @@ class FederationServicer(pb_grpc.FederationServicer):
         except RequestError as exc:
             _abort(context, exc)
             raise AssertionError("unreachable") from exc
+        # counted only once the caller proved its key, so nobody can spend another's allowance
+        wait = self.per_contributor.take(auth.contributor_id)
+        if wait > 0:
+            context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"too many requests from contributor {auth.contributor_id[:12]} "
+                f"({self.limits.contributor_rate_per_s:g}/s allowed); retry in {wait:.1f} s",
+            )
+        return node
 
     def Register(self, request: pb.RegisterRequest, context: grpc.ServicerContext) -> pb.RegisterReply:
         if request.protocol_version != 1:
@@ -156,19 +170,31 @@ class FederationServicer(pb_grpc.FederationServicer):
             )
         task = self.mailbox.task(node_id, header.message_id)
         if task is None:
-            context.abort(
-                grpc.StatusCode.FAILED_PRECONDITION,
-                f"no open task {header.message_id[:12]} for you (round {header.round} is closed or was never yours); wait for the next round",
-            )
+            reason = f"no open task {header.message_id[:12]} for you (round {header.round} is closed, already answered or was never yours)"
+            self.backend.refuse(_submission(header), reason)
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"{reason}; wait for the next round")
             raise AssertionError("unreachable")
-        spooled = _Spool.receive(self.spool, request_iterator, header.payload_size, context)
+        try:
+            reply = parse_message(header.flower_reply)
+        except Exception:
+            context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "the header's flower_reply is not a serialised Flower Message; send the reply your ClientApp produced",
+            )
+            raise AssertionError("unreachable") from None
+        # A broken transmission is not a decision about the submission: nothing is recorded
+        # (its nonce stays unused), so the same signed submission can simply be sent again.
+        try:
+            spooled = _Spool.receive(self.spool, request_iterator, header.payload_size)
+        except RequestError as exc:
+            _abort(context, exc)
+            raise
         try:
             if spooled.sha256 != header.payload_sha256:
                 context.abort(
                     grpc.StatusCode.DATA_LOSS,
                     f"payload SHA-256 {spooled.sha256[:16]}... differs from the header's; the upload was corrupted, send it again",
                 )
-            reply = parse_message(header.flower_reply)
             submission = _submission(header)
             try:
                 verdict, content = self.backend.receive(submission, spooled.path, reply.content, node_id=node_id)
@@ -212,9 +238,8 @@ class _Spool:
     sha256: str
 
     @classmethod
-    def receive(
-        cls, spool: Path, chunks: Iterator[pb.UpdateChunk], declared: int, context: grpc.ServicerContext
-    ) -> _Spool:
+    def receive(cls, spool: Path, chunks: Iterator[pb.UpdateChunk], declared: int) -> _Spool:
+        """Write `chunks` to a file in `spool` while hashing; RequestError when the length is wrong."""
         digest = hashlib.sha256()
         received = 0
         fd, name = tempfile.mkstemp(dir=spool, suffix=".part")
@@ -225,16 +250,15 @@ class _Spool:
                     data = chunk.data
                     received += len(data)
                     if received > declared:
-                        context.abort(
-                            grpc.StatusCode.INVALID_ARGUMENT,
+                        raise RequestError(
+                            "INVALID_ARGUMENT",
                             f"upload is longer than its declared {declared} bytes; send the header that matches the payload",
                         )
                     digest.update(data)
                     fh.write(data)
             if received != declared:
-                context.abort(
-                    grpc.StatusCode.DATA_LOSS,
-                    f"upload ended after {received} of {declared} bytes (truncated); send it again",
+                raise RequestError(
+                    "DATA_LOSS", f"upload ended after {received} of {declared} bytes (truncated); send it again"
                 )
         except BaseException:
             path.unlink(missing_ok=True)
@@ -259,20 +283,24 @@ def start_server(
     spool: Path,
     tls: tuple[bytes, bytes] | None = None,
     max_workers: int = 32,
+    limits: RateLimits | None = None,
 ) -> ServerHandle:
     """Serve the federation on `address` ("host:port"; port 0 picks a free one).
 
     `tls` is (certificate chain PEM, private key PEM); without it the port is plaintext.
+    `limits` caps request rates per peer and per contributor (defaults: `RateLimits()`).
     """
+    limits = limits or RateLimits()
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grpc"),
+        interceptors=[RateLimitInterceptor(limits)],
         options=[
             ("grpc.max_receive_message_length", CHUNK_BYTES * 4 + MAX_HEADER_BYTES),
             ("grpc.max_send_message_length", CHUNK_BYTES * 4 + MAX_HEADER_BYTES),
             ("grpc.so_reuseport", 0),
         ],
     )
-    pb_grpc.add_FederationServicer_to_server(FederationServicer(backend, mailbox, spool), server)
+    pb_grpc.add_FederationServicer_to_server(FederationServicer(backend, mailbox, spool, limits), server)
     if tls is None:
         port = server.add_insecure_port(address)
     else:

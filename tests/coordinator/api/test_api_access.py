@@ -15,6 +15,7 @@ from fastapi.routing import APIRoute
 
 from zoo_gym.coordinator.api.app import OPEN_ROUTES, api_routes, create_app
 from zoo_gym.coordinator.api.deps import route_access
+from zoo_gym.coordinator.api.limits import ApiGuard
 
 if TYPE_CHECKING:
     from api_world import World
@@ -22,7 +23,7 @@ if TYPE_CHECKING:
     from zoo_gym.coordinator.service import Coordinator
 
 # the app's routes, built against a stand-in coordinator (routes never touch it at build time)
-APP = create_app(cast("Coordinator", SimpleNamespace(engine=None)))
+APP = create_app(cast("Coordinator", SimpleNamespace(engine=None)), guard=ApiGuard())
 ROUTES = [
     pytest.param(method, route, id=f"{method} {route.path}")
     for route in api_routes(APP)
@@ -94,6 +95,9 @@ def test_route_refuses_a_missing_token(shared_world: World, method: str, route: 
 def test_route_refuses_a_bad_token(
     shared_world: World, method: str, route: APIRoute, token: str
 ) -> None:
+    shared_world.app.state.zoo.guard = (
+        ApiGuard()
+    )  # each case fresh: a bad token counts to a lockout
     response = call(shared_world, method, route, shared_world.auth(token))
     assert response.status_code == 401, response.text
     assert response.headers["www-authenticate"] == "Bearer"

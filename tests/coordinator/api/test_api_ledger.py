@@ -104,5 +104,5 @@ def test_proofs_outside_the_log_are_refused(shared_world: World) -> None:
         params={"old_size": 1, "new_size": 10_000},
         headers=w.as_viewer,
     )
-    assert beyond.status_code == 422 and "not in a tree of size" in beyond.json()["detail"]
-    assert too_big.status_code == 422 and "outside" in too_big.json()["detail"]
+    assert beyond.status_code == 400 and "not in a tree of size" in beyond.json()["detail"]
+    assert too_big.status_code == 400 and "outside" in too_big.json()["detail"]

@@ -70,7 +70,7 @@ def test_bad_values_are_refused_with_one_clear_line(
     world: World, body: dict[str, Any], message: str
 ) -> None:
     response = patch(world, body)
-    assert response.status_code == 422
+    assert response.status_code == 400
     assert message in response.json()["detail"]
     assert world.control.pending_policy() is None
     with world.session() as s:

@@ -21,6 +21,7 @@ from fastapi.routing import APIRoute
 from zoo_gym import ledger
 from zoo_gym.coordinator.api.auth import ContributorAuth
 from zoo_gym.coordinator.api.deps import ACCESS_TEXT, ApiState, route_access
+from zoo_gym.coordinator.api.limits import ApiGuard
 from zoo_gym.coordinator.api.routes import auth, contributors, models, policy, rewards, rounds
 from zoo_gym.coordinator.api.routes import ledger as ledger_routes
 from zoo_gym.coordinator.api.routes import metrics as metrics_routes
@@ -70,12 +71,23 @@ def _document_access(app: FastAPI) -> None:
             route.description = f"{route.description}\n\n{note}".strip()
 
 
+def _guard(co: Coordinator) -> ApiGuard:
+    c = co.config
+    return ApiGuard(
+        auth_rate_per_s=c.api_auth_rate_per_s,
+        auth_burst=c.api_auth_burst,
+        max_failures=c.api_max_failures,
+        lockout_s=c.api_lockout_s,
+    )
+
+
 def create_app(
     co: Coordinator,
     *,
     control: RoundControl | None = None,
     metrics: CoordinatorMetrics | None = None,
     contributor_auth: ContributorAuth | None = None,
+    guard: ApiGuard | None = None,
 ) -> FastAPI:
     """The REST API of `co`. `control` and `metrics` are the ones the round loop uses (fresh
     ones when not given)."""
@@ -89,6 +101,7 @@ def create_app(
         control=control if control is not None else RoundControl(),
         metrics=metrics if metrics is not None else CoordinatorMetrics(),
         auth=contributor_auth if contributor_auth is not None else ContributorAuth(),
+        guard=guard if guard is not None else _guard(co),
     )
     state.metrics.watch_ledger(co.engine)
     state.metrics.watch_control(state.control)
@@ -116,7 +129,7 @@ def create_app(
         app.include_router(module.router)
     app.add_exception_handler(ledger.NotFound, _error(status.HTTP_404_NOT_FOUND))
     app.add_exception_handler(ledger.LedgerError, _error(status.HTTP_409_CONFLICT))
-    app.add_exception_handler(PolicyError, _error(422))
+    app.add_exception_handler(PolicyError, _error(400))  # 422 is FastAPI's validation body
     _document_access(app)
     return app
 

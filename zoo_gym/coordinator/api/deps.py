@@ -16,7 +16,7 @@ authenticated); `route_access` reads that back, for the OpenAPI description and 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from fastapi import Depends, HTTPException, Request, status
@@ -26,6 +26,7 @@ from sqlmodel import Session
 
 from zoo_gym import ledger
 from zoo_gym.coordinator.api.auth import TOKEN_SCHEME, ContributorAuth
+from zoo_gym.coordinator.api.limits import ApiGuard, client_address, refuse_if_locked
 from zoo_gym.coordinator.control import RoundControl
 from zoo_gym.coordinator.metrics import CoordinatorMetrics
 
@@ -43,6 +44,7 @@ class ApiState:
     control: RoundControl
     metrics: CoordinatorMetrics
     auth: ContributorAuth
+    guard: ApiGuard = field(default_factory=ApiGuard)
 
 
 @dataclass(frozen=True)
@@ -94,10 +96,14 @@ def forbidden(detail: str) -> HTTPException:
 
 
 def authenticate(
+    request: Request,
     state: StateDep,
     session: SessionDep,
     credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)],
 ) -> Principal:
+    """Who is calling; every bad credential counts towards its address's lockout (`limits`)."""
+    address = client_address(request)
+    refuse_if_locked(state.guard, address)
     if credentials is None:
         raise unauthorized(
             "this route needs a bearer token: an API key (gym-coordinator apikey create) "
@@ -107,10 +113,12 @@ def authenticate(
     if token.startswith(f"{TOKEN_SCHEME}_"):
         contributor = state.auth.verify_token(token)
         if contributor is None:
+            state.guard.failed(address)
             raise unauthorized("the contributor token is invalid or expired; sign in again")
         return Principal("contributor", contributor, contributor_id=contributor)
     key = ledger.authenticate_api_key(session, token=token)
     if key is None:
+        state.guard.failed(address)
         raise unauthorized("the API key is unknown or revoked")
     role: Role = "admin" if key.role == "admin" else "viewer"
     return Principal(role, key.name, key_prefix=key.prefix)

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter, HTTPException, status
+from fastapi import APIRouter, HTTPException, Request, status
 
 from zoo_gym import ledger
 from zoo_gym.coordinator.api.auth import TooManyChallenges
 from zoo_gym.coordinator.api.deps import SessionDep, StateDep, unauthorized
+from zoo_gym.coordinator.api.limits import client_address, take_sign_in
 from zoo_gym.coordinator.api.schemas import (
     ChallengeCreate,
     ChallengePublic,
@@ -19,8 +20,9 @@ router = APIRouter(prefix="/auth", tags=["auth"])
 
 
 @router.post("/challenge", operation_id="auth_challenge", response_model=ChallengePublic)
-def create_challenge(state: StateDep, body: ChallengeCreate) -> ChallengePublic:
+def create_challenge(request: Request, state: StateDep, body: ChallengeCreate) -> ChallengePublic:
     """A single-use nonce to sign; it expires after two minutes."""
+    take_sign_in(state.guard, client_address(request))
     try:
         issued = state.auth.challenge(body.contributor_id)
     except TooManyChallenges:
@@ -36,10 +38,15 @@ def create_challenge(state: StateDep, body: ChallengeCreate) -> ChallengePublic:
 
 
 @router.post("/token", operation_id="auth_token", response_model=TokenPublic)
-def create_token(state: StateDep, session: SessionDep, body: TokenCreate) -> TokenPublic:
+def create_token(
+    request: Request, state: StateDep, session: SessionDep, body: TokenCreate
+) -> TokenPublic:
     """Exchange a signed challenge for a bearer token scoped to that contributor."""
+    address = client_address(request)
+    take_sign_in(state.guard, address)
     issued = state.auth.redeem(body.contributor_id, body.nonce)
     if issued is None:
+        state.guard.failed(address)
         raise unauthorized("the challenge is unknown, used or expired; request a new one")
     contributor = ledger.get_contributor(session, contributor_id=body.contributor_id)
     try:
@@ -49,6 +56,7 @@ def create_token(state: StateDep, session: SessionDep, body: TokenCreate) -> Tok
     if contributor is None or not verify(
         bytes(contributor.public_key), signature, issued.statement
     ):
+        state.guard.failed(address)
         raise unauthorized("the signature does not match the contributor's registered key")
     token, expires = state.auth.issue_token(body.contributor_id)
     return TokenPublic(

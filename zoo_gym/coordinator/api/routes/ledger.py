@@ -31,6 +31,7 @@ from zoo_gym.ledger import AuditEvent, AuditEventPublic, Checkpoint, LogEntryPub
 router = APIRouter(tags=["ledger"])
 
 MAX_PAGE = 1000
+MAX_INDEX = 2**63 - 1  # the ledger's integer columns
 
 
 def _signed(state: ApiState, head: Checkpoint) -> CheckpointSigned:
@@ -41,7 +42,7 @@ def _signed(state: ApiState, head: Checkpoint) -> CheckpointSigned:
 def list_ledger_entries(
     session: SessionDep,
     viewer: ViewerDep,
-    start: Annotated[int, Query(ge=0)] = 0,
+    start: Annotated[int, Query(ge=0, le=MAX_INDEX)] = 0,
     limit: Annotated[int, Query(ge=1, le=MAX_PAGE)] = 100,
 ) -> LedgerPage:
     """Log entries `start`..`start + limit - 1` (canonical JSON records and their leaf hashes)."""
@@ -91,23 +92,23 @@ def _default_size(session: Session, tree_size: int | None) -> int:
 def get_inclusion_proof(
     session: SessionDep,
     reader: ReaderDep,
-    index: Annotated[int, Query(ge=0, description="log entry index")],
+    index: Annotated[int, Query(ge=0, le=MAX_INDEX, description="log entry index")],
     tree_size: Annotated[
-        int | None, Query(ge=1, description="default: the latest checkpoint's size")
+        int | None, Query(ge=1, le=MAX_INDEX, description="default: the latest checkpoint's size")
     ] = None,
 ) -> InclusionProofPublic:
     """Audit path of entry `index` in the tree of the first `tree_size` entries."""
     size = _default_size(session, tree_size)
     if index >= size:
-        raise HTTPException(
-            422,
+        raise HTTPException(  # 400: 422 is documented as FastAPI's validation error body
+            400,
             f"entry {index} is not in a tree of size {size}; pass a larger tree_size "
             "or create a checkpoint",
         )
     try:
         proof = ledger.get_inclusion_proof(session, index=index, tree_size=size)
     except ValueError as exc:
-        raise HTTPException(422, str(exc)) from None
+        raise HTTPException(400, str(exc)) from None
     return InclusionProofPublic(
         index=proof.index,
         tree_size=proof.tree_size,
@@ -125,9 +126,9 @@ def get_inclusion_proof(
 def get_consistency_proof(
     session: SessionDep,
     reader: ReaderDep,
-    old_size: Annotated[int, Query(ge=0)],
+    old_size: Annotated[int, Query(ge=0, le=MAX_INDEX)],
     new_size: Annotated[
-        int | None, Query(ge=0, description="default: the latest checkpoint's size")
+        int | None, Query(ge=0, le=MAX_INDEX, description="default: the latest checkpoint's size")
     ] = None,
 ) -> ConsistencyProofPublic:
     """Proof that the tree of `old_size` entries is a prefix of the tree of `new_size`."""
@@ -135,7 +136,7 @@ def get_consistency_proof(
     try:
         proof = ledger.get_consistency_proof(session, old_size=old_size, new_size=size)
     except ValueError as exc:
-        raise HTTPException(422, str(exc)) from None
+        raise HTTPException(400, str(exc)) from None
     return ConsistencyProofPublic(
         old_size=proof.old_size,
         new_size=proof.new_size,

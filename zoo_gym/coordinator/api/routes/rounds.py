@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 from collections import Counter
+from typing import Annotated
 
 from fastapi import APIRouter, HTTPException, status
+from fastapi import Path as PathParam
 from sqlmodel import Session
 
 from zoo_gym import ledger
@@ -41,6 +43,9 @@ def control_public(control: RoundControl) -> ControlPublic:
         current_round=state.current_round,
         policy_pending=state.policy is not None,
     )
+
+
+RoundNumber = Annotated[int, PathParam(ge=0, le=2**63 - 1, description="round number")]
 
 
 def _round(session: Session, number: int) -> Round:
@@ -119,7 +124,7 @@ def start_round(
 
 
 @router.get("/{number}", operation_id="get_round", response_model=RoundDetail)
-def get_round(session: SessionDep, viewer: ViewerDep, number: int) -> RoundDetail:
+def get_round(session: SessionDep, viewer: ViewerDep, number: RoundNumber) -> RoundDetail:
     """A round with its submissions (intake's and the aggregator's decisions) and rewards."""
     row = _round(session, number)
     return RoundDetail(
@@ -136,7 +141,7 @@ def get_round(session: SessionDep, viewer: ViewerDep, number: int) -> RoundDetai
 
 
 @router.get("/{number}/summary", operation_id="get_round_summary", response_model=RoundSummary)
-def get_round_summary(session: SessionDep, viewer: ViewerDep, number: int) -> RoundSummary:
+def get_round_summary(session: SessionDep, viewer: ViewerDep, number: RoundNumber) -> RoundSummary:
     """Counts of a round: received, accepted, rejected by reason, aggregated, rewarded."""
     row = _round(session, number)
     subs = ledger.list_submissions(session, round_number=number)
@@ -169,7 +174,7 @@ def get_round_summary(session: SessionDep, viewer: ViewerDep, number: int) -> Ro
     status_code=status.HTTP_202_ACCEPTED,
 )
 def abort_round(
-    state: StateDep, session: SessionDep, admin: AdminDep, number: int, body: AbortCreate
+    state: StateDep, session: SessionDep, admin: AdminDep, number: RoundNumber, body: AbortCreate
 ) -> ControlPublic:
     """Ask the round loop to abort round `number`: nothing is aggregated or published."""
     row = _round(session, number)

@@ -1,0 +1,112 @@
+"""The admin API against its own OpenAPI spec, with schemathesis (property-based, over ASGI).
+
+Every operation of `/openapi.json` is called with generated inputs three ways:
+- without credentials: every protected operation answers 401 (open ones answer, never 5xx);
+- with a viewer key and with an admin key: never 5xx, and every response that the spec describes
+  conforms to its schema.
+
+The default suite draws `ZOO_SCHEMA_EXAMPLES` cases per operation (default 5); the slow variant
+(`pytest -m slow tests/coordinator/api/test_schemathesis.py`) draws 50.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections import Counter
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import schemathesis
+from api_world import World, build_world
+from hypothesis import HealthCheck, given, settings
+from schemathesis.checks import not_a_server_error
+from schemathesis.specs.openapi.checks import response_schema_conformance
+
+from zoo_gym.coordinator.api.app import OPEN_ROUTES
+
+EXAMPLES = int(os.environ.get("ZOO_SCHEMA_EXAMPLES", "5"))
+CASES: Counter[str] = Counter()
+
+
+@pytest.fixture(scope="module")
+def api_world(
+    tiny_home_template: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[World]:
+    home = tmp_path_factory.mktemp("schema") / "coordinator"
+    shutil.copytree(tiny_home_template, home)
+    world = build_world(home)
+    yield world
+    world.co.engine.dispose()
+    print("\nschemathesis cases:", dict(CASES), "total", sum(CASES.values()))
+
+
+@pytest.fixture(scope="module")
+def api_schema(api_world: World) -> Any:
+    return schemathesis.openapi.from_asgi("/openapi.json", api_world.app)
+
+
+FAST = settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck))
+SLOW = settings(max_examples=50, deadline=None, suppress_health_check=list(HealthCheck))
+
+
+def is_open(case: Any) -> bool:
+    return (case.method.upper(), case.operation.path) in OPEN_ROUTES
+
+
+def without_credentials(case: Any) -> None:
+    CASES["anonymous"] += 1
+    case.headers = {k: v for k, v in (case.headers or {}).items() if k.lower() != "authorization"}
+    response = case.call()
+    assert response.status_code < 500, response.text
+    if not is_open(case):
+        assert response.status_code == 401, f"{case.method} {case.path}: {response.status_code}"
+
+
+def with_key(token: str, role: str) -> Callable[[Any], None]:
+    def check(case: Any) -> None:
+        CASES[role] += 1
+        case.call_and_validate(
+            headers={"Authorization": f"Bearer {token}"},
+            checks=[not_a_server_error, response_schema_conformance],
+        )
+
+    return check
+
+
+def every_operation(api_schema: Any, check: Callable[[Any], None], config: settings) -> int:
+    """Run `check` on generated cases of every operation; returns how many operations ran."""
+    operations = [result.ok() for result in api_schema.get_all_operations()]
+    for operation in operations:
+
+        @config
+        @given(case=operation.as_strategy())
+        def run(case: Any) -> None:
+            check(case)
+
+        try:
+            run()
+        except Exception as exc:
+            raise AssertionError(f"{operation.method.upper()} {operation.path}: {exc}") from exc
+    return len(operations)
+
+
+def test_without_credentials(api_schema: Any) -> None:
+    assert every_operation(api_schema, without_credentials, FAST) >= 30
+
+
+def test_with_viewer_key(api_schema: Any, api_world: World) -> None:
+    every_operation(api_schema, with_key(api_world.viewer, "viewer"), FAST)
+
+
+def test_with_admin_key(api_schema: Any, api_world: World) -> None:
+    every_operation(api_schema, with_key(api_world.admin, "admin"), FAST)
+
+
+@pytest.mark.slow
+def test_many_examples(api_schema: Any, api_world: World) -> None:
+    every_operation(api_schema, without_credentials, SLOW)
+    every_operation(api_schema, with_key(api_world.viewer, "viewer (slow)"), SLOW)
+    every_operation(api_schema, with_key(api_world.admin, "admin (slow)"), SLOW)

@@ -1,0 +1,263 @@
+"""Load: N contributors submit S-byte envelopes in one round to a real coordinator process.
+
+What is simulated: N contributors with their own Ed25519 identities, each a thread of this test
+process with its own gRPC channel (the real `FederationClient`): register, long-poll for the
+round's task, sign and stream an envelope of the round's B matrices (random N(0, 1e-3) values,
+codec `none` = float32, LoRA rank chosen so the envelope is S bytes: 1024 x rank x 4 bytes on the
+tiny model). No training runs; the coordinator is the real `gym-coordinator serve` process
+(intake, ledger, FedAvg, quality gate, REST) on 127.0.0.1. All contributors share 127.0.0.1, so
+the per-address gRPC limits are turned off for this run (per-key limits stay on).
+
+Measured: every submission's ledger row (decision and reason), the coordinator's memory (VmRSS
+sampled every 20 ms and VmHWM from /proc/PID/status) against the sum of the payloads, and the
+latency of REST `/health` polled every 50 ms while the round runs.
+
+CI runs N=20, S=1 MB. The full run (N=100, S=10 MB) is marked slow:
+
+    .venv/bin/pytest -m slow tests/e2e/test_load.py -s
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import sqlite3
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+
+from zoo_gym.client.runtime import signed_reply
+from zoo_gym.compression import CodecSpec, encode
+from zoo_gym.core.identity import Identity
+from zoo_gym.core.protocol import TASK_CONFIG, TaskConfig
+from zoo_gym.simulation.demo import free_port
+from zoo_gym.transport.client import FederationClient, SubmitResult
+
+pytestmark = pytest.mark.e2e
+
+LAYOUT_ROWS = 1024  # sum of the output sizes of the tiny model's 14 target modules (2 layers x 7)
+MIB = 1 << 20
+
+
+def status_kib(pid: int, key: str) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(key + ":"):
+            return int(line.split()[1])
+    raise KeyError(key)
+
+
+@dataclass
+class Probe:
+    """Samples the coordinator's RSS and REST /health latency in background threads."""
+
+    pid: int
+    rest: str
+    rss_kib: list[int] = field(default_factory=list)
+    health_ms: list[float] = field(default_factory=list)
+    health_failures: int = 0
+    stop: threading.Event = field(default_factory=threading.Event)
+
+    def run(self) -> list[threading.Thread]:
+        def rss() -> None:
+            while not self.stop.wait(0.02):
+                self.rss_kib.append(status_kib(self.pid, "VmRSS"))
+
+        def health() -> None:
+            with httpx.Client(timeout=10) as http:
+                while not self.stop.wait(0.05):
+                    started = time.perf_counter()
+                    try:
+                        ok = http.get(f"{self.rest}/health").status_code == 200
+                    except httpx.HTTPError:
+                        ok = False
+                    self.health_ms.append((time.perf_counter() - started) * 1000)
+                    self.health_failures += not ok
+
+        threads = [
+            threading.Thread(target=rss, daemon=True),
+            threading.Thread(target=health, daemon=True),
+        ]
+        for t in threads:
+            t.start()
+        return threads
+
+
+@pytest.fixture
+def coordinator_factory(tiny_home: Path) -> Iterator[object]:
+    procs: list[subprocess.Popen[bytes]] = []
+
+    def start(n: int, rank: int) -> tuple[subprocess.Popen[bytes], str, str]:
+        port, rest = free_port(), free_port()
+        config = tiny_home / "coordinator.toml"
+        text = re.sub(r"(?m)^(rest_)?listen = .*\n", "", config.read_text())
+        text = re.sub(r"(?ms)^\[training\].*", "", text)
+        text += (
+            f'listen = "127.0.0.1:{port}"\nrest_listen = "127.0.0.1:{rest}"\nrounds = 1\nmin_clients = {n}\n'
+            f"wait_for_clients_s = 120\nround_timeout_s = 600\nmax_upload_bytes = {rank * LAYOUT_ROWS * 4 + MIB}\n"
+            "grpc_rate_per_s = 0\nmax_concurrent_per_peer = 0\n\n"
+            f'[training]\ncodec = "none"\nlora_rank = {rank}\n\n[rewards]\nmethod = "none"\n'
+        )
+        config.write_text(text)
+        log = (tiny_home / "serve.log").open("wb")
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "zoo_gym.cli.coordinator", "serve", "-c", str(config), "--stay"],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        procs.append(proc)
+        base = f"http://127.0.0.1:{rest}"
+        for _ in range(240):
+            try:
+                if httpx.get(f"{base}/health", timeout=1).status_code == 200:
+                    return proc, f"127.0.0.1:{port}", base
+            except httpx.HTTPError:
+                time.sleep(0.25)
+        pytest.fail((tiny_home / "serve.log").read_text()[-3000:])
+
+    yield start
+    for proc in procs:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+
+
+def contribute(
+    address: str,
+    shapes: dict[str, tuple[int, int]],
+    results: dict[str, SubmitResult | str],
+    barrier: threading.Barrier,
+) -> None:
+    me = Identity.generate()
+    client = FederationClient(address, me, timeout_s=120)
+    try:
+        client.register(me.contributor_id[:8])
+        barrier.wait()
+        task = None
+        while task is None:
+            task = client.poll(1.0)
+        config = TaskConfig.from_record(task.message.content.config_records[TASK_CONFIG])
+        generator = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "big"))
+        delta = {k: torch.randn(shape, generator=generator) * 1e-3 for k, shape in shapes.items()}
+        payload = encode(delta, CodecSpec("none", 128))
+        del delta
+        results[me.contributor_id] = client.submit(
+            task, signed_reply(me, task.message, config, payload, {"num_examples": 1.0})
+        )
+    except Exception as exc:  # recorded and asserted on below
+        results[me.contributor_id] = f"{type(exc).__name__}: {exc}"
+    finally:
+        client.close()
+
+
+def round_shapes(home: Path, rank: int) -> dict[str, tuple[int, int]]:
+    """The B matrices a round trains on the tiny base: update key -> (out, rank)."""
+    from safetensors.torch import load_file
+
+    from zoo_gym.core.lora import LoraSpec, target_weights, update_key
+
+    state = load_file(home / "models" / "v0000" / "model.safetensors")
+    spec = LoraSpec(
+        rank=rank,
+        alpha=16.0,
+        target_modules=TaskConfig(round=1, base_version="", seed=0).target_modules,
+    )
+    shapes = {update_key(m): (out, rank) for m, (out, _) in target_weights(state, spec).items()}
+    assert sum(out for out, _ in shapes.values()) == LAYOUT_ROWS
+    return shapes
+
+
+def run_load(start: object, tiny_home: Path, *, n: int, size_bytes: int) -> dict[str, float]:
+    rank = size_bytes // (LAYOUT_ROWS * 4)
+    proc, address, rest = start(n, rank)  # type: ignore[operator]
+    time.sleep(1.0)
+    idle_kib = status_kib(proc.pid, "VmRSS")
+    probe = Probe(proc.pid, rest)
+    threads = probe.run()
+    results: dict[str, SubmitResult | str] = {}
+    barrier = threading.Barrier(n)
+    shapes = round_shapes(tiny_home, rank)
+    workers = [
+        threading.Thread(target=contribute, args=(address, shapes, results, barrier))
+        for _ in range(n)
+    ]
+    started = time.perf_counter()
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join(timeout=900)
+    rounds = tiny_home / "rounds.jsonl"
+    deadline = time.monotonic() + 600
+    while not rounds.exists() and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.2)
+    wall = time.perf_counter() - started
+    probe.stop.set()
+    for t in threads:
+        t.join()
+    peak_kib = status_kib(proc.pid, "VmHWM")
+
+    failures = {k: v for k, v in results.items() if isinstance(v, str)}
+    assert not failures, list(failures.values())[:3]
+    assert rounds.exists(), (tiny_home / "serve.log").read_text()[-3000:]
+    sent = [r for r in results.values() if isinstance(r, SubmitResult)]
+    db = sqlite3.connect(tiny_home / "ledger.db")
+    rows = db.execute(
+        "SELECT contributor_id, decision, reason, size_bytes FROM submissions WHERE round_number = 1"
+    ).fetchall()
+    db.close()
+    # every submission is in the ledger, with its decision and reason, exactly once
+    assert sorted(r[0] for r in rows) == sorted(results)
+    assert all(r[1] in ("accepted", "rejected") and r[2] for r in rows)
+    accepted = sum(r[1] == "accepted" for r in rows)
+    payload_sum = sum(r.payload_bytes for r in sent)
+    health = sorted(probe.health_ms)
+    p99 = health[min(len(health) - 1, int(0.99 * len(health)))]
+    figures = {
+        "contributors": n,
+        "payload_mib": sent[0].payload_bytes / MIB,
+        "accepted": accepted,
+        "payload_sum_mib": payload_sum / MIB,
+        "idle_rss_mib": idle_kib / 1024,
+        "peak_rss_mib": peak_kib / 1024,
+        "peak_over_idle_mib": (peak_kib - idle_kib) / 1024,
+        "health_p99_ms": p99,
+        "health_max_ms": health[-1],
+        "health_samples": len(health),
+        "health_failures": probe.health_failures,
+        "wall_s": wall,
+    }
+    print(
+        "\nload figures:",
+        {k: round(v, 1) if isinstance(v, float) else v for k, v in figures.items()},
+    )
+    return figures
+
+
+def test_load_20_contributors_1_mib(coordinator_factory: object, tiny_home: Path) -> None:
+    f = run_load(coordinator_factory, tiny_home, n=20, size_bytes=MIB)
+    assert f["accepted"] == 20
+    # intake spools to disk and aggregation decodes into one (n, d) float64 buffer: at most
+    # 2 x payload sum for float32 envelopes, plus fixed overhead (see the module docstring)
+    assert f["peak_over_idle_mib"] < 3 * f["payload_sum_mib"] + 256
+    assert f["health_failures"] == 0 and f["health_p99_ms"] < 1000
+
+
+@pytest.mark.slow
+def test_load_100_contributors_10_mib(coordinator_factory: object, tiny_home: Path) -> None:
+    f = run_load(coordinator_factory, tiny_home, n=100, size_bytes=10 * MIB)
+    assert f["accepted"] == 100
+    assert f["peak_over_idle_mib"] < 3 * f["payload_sum_mib"] + 256
+    assert f["health_failures"] == 0 and f["health_p99_ms"] < 2000

@@ -6,6 +6,7 @@ from decimal import Decimal
 from pathlib import Path
 
 import pytest
+import torch
 from flwr.app import Message, RecordDict
 from sqlmodel import Session
 
@@ -135,3 +136,37 @@ def test_operator_abort_and_staged_policy_reach_the_round_loop(tiny_home: Path) 
     assert 'zoo_gym_rounds_total{status="aborted"} 1.0' in exposed
     assert 'zoo_gym_rounds_total{status="published"} 1.0' in exposed
     assert "zoo_gym_submissions_accepted_total 6.0" in exposed
+
+
+def test_fused_fedavg_publishes_what_the_row_by_row_path_publishes(
+    tiny_home_template: Path, tmp_path: Path
+) -> None:
+    # Prepare: the same round twice; without scoring nothing needs one row per update, so FedAvg
+    # sums the envelopes in one fused pass (decode_accumulate)
+    import shutil
+
+    from safetensors.torch import load_file
+
+    shards = shard(make_examples(2 * 40, seed=5), 2)
+    common = {"rounds": 1, "min_clients": 2, "aggregator": "fedavg", "quality_gate_tolerance": 100.0}
+    published = {}
+    weights = {}
+    for method in ("none", "individual"):
+        home = tmp_path / method
+        shutil.copytree(tiny_home_template, home)
+        rewards = {"method": method}
+        fed = InProcessFederation.build(home, shards, overrides={**common, "rewards": rewards})
+        assert fed.coordinator.make_strategy(lambda: {}).keep_rows is (method != "none")
+
+        # Execute
+        [summary] = fed.run()
+
+        # Assert
+        assert summary.status == "published"
+        published[method] = load_file(home / "models" / "v0001" / "model.safetensors")
+        with Session(fed.coordinator.engine) as session:
+            weights[method] = sorted((s.weight or 0.0) for s in ledger.list_submissions(session))
+    for name, tensor in published["none"].items():
+        assert torch.allclose(tensor, published["individual"][name], atol=1e-6), name
+    assert weights["none"] == pytest.approx([0.5, 0.5])
+    assert weights["individual"] == pytest.approx([0.5, 0.5])

@@ -49,12 +49,24 @@ def init(
     listen: Annotated[str, typer.Option(help="gRPC address for contributors")] = "127.0.0.1:7443",
     rest_listen: Annotated[str, typer.Option(help="REST address for operators")] = "127.0.0.1:8080",
     seed: int = 0,
+    tls: Annotated[
+        bool, typer.Option(help="create a CA and a server certificate (gRPC and REST over TLS)")
+    ] = False,
+    host: Annotated[
+        list[str] | None,
+        typer.Option(help="with --tls: a DNS name or IP address contributors dial (repeatable)"),
+    ] = None,
 ) -> None:
     """Write a config, an Ed25519 signing key and the first model version (v0000)."""
     from zoo_gym.coordinator.setup import init_home
 
     if not tiny and (base_model is None or validation is None):
         raise typer.BadParameter("pass --tiny, or both --base-model and --validation")
+    hosts = host or []
+    if hosts and not tls:
+        _fail("--host names the hosts of the TLS certificate; add --tls")
+    if tls and not hosts:
+        _fail("--tls needs at least one --host: the DNS name or IP address contributors dial")
     config, signer, published = init_home(
         home,
         tiny=tiny,
@@ -63,9 +75,47 @@ def init(
         listen=listen,
         rest_listen=rest_listen,
         seed=seed,
+        tls_hosts=hosts,
     )
     console.print(f"coordinator home {home}: config {config}, base {published.version}")
     console.print(f"coordinator key (contributors pin it): {signer.public_key.hex()}")
+    if tls:
+        _print_tls_handout(home / "tls", hosts, listen=listen, rest_listen=rest_listen)
+
+
+def _print_tls_handout(directory: Path, hosts: list[str], *, listen: str, rest_listen: str) -> None:
+    """What contributors need to join this coordinator over TLS."""
+    from zoo_gym.coordinator.tls import fingerprint, load_certificate
+
+    ca = load_certificate(directory / "ca.pem")
+    server = load_certificate(directory / "server.pem")
+    port, rest_port = listen.rsplit(":", 1)[1], rest_listen.rsplit(":", 1)[1]
+    out = console.print
+    out(
+        f"TLS: server certificate {directory / 'server.pem'} for {', '.join(hosts)}, "
+        f"valid until {server.not_valid_after_utc:%Y-%m-%d}",
+        soft_wrap=True,
+    )
+    out(
+        f"TLS: CA key {directory / 'ca.key'}: keep it offline; it signs server certificates",
+        soft_wrap=True,
+    )
+    out("Hand contributors:", soft_wrap=True)
+    out(f"  CA certificate: {directory / 'ca.pem'}", soft_wrap=True)
+    out(f"  its SHA-256 fingerprint: {fingerprint(ca)}", soft_wrap=True)
+    out(
+        f"  address: {hosts[0]}:{port} (gRPC), https://{hosts[0]}:{rest_port} (REST)",
+        soft_wrap=True,
+    )
+    out(f"  join: gym-client join {hosts[0]}:{port} --ca-cert ca.pem", soft_wrap=True)
+    if listen.rsplit(":", 1)[0] in ("127.0.0.1", "localhost", "[::1]") and any(
+        h not in ("127.0.0.1", "localhost", "::1") for h in hosts
+    ):
+        out(
+            f"note: listen = {listen} accepts only local connections; set listen = "
+            f'"0.0.0.0:{port}" in coordinator.toml for contributors elsewhere',
+            soft_wrap=True,
+        )
 
 
 @app.command()
@@ -107,6 +157,38 @@ def serve(
     if overrides:
         cfg = CoordinatorConfig.model_validate({**cfg.model_dump(), **overrides})
     Coordinator(cfg).serve(stay=stay)
+
+
+@app.command()
+@friendly
+def variant(
+    version: Annotated[str, typer.Argument(help="published version, e.g. v0003")],
+    config: ConfigOpt = Path("coordinator") / CONFIG,
+    distill: Annotated[
+        bool, typer.Option(help="fit the scales to the version's logits on the validation prompts")
+    ] = False,
+    steps: Annotated[int, typer.Option(help="Adam steps of the scale distillation")] = 100,
+) -> None:
+    """Write the BitDelta variant of VERSION (its full-weight delta to the parent version)."""
+    from zoo_gym.coordinator.config import load_config
+    from zoo_gym.coordinator.registry import ModelRegistry
+    from zoo_gym.coordinator.variants import VariantError, calibration_ids, write_variant
+    from zoo_gym.core.identity import Identity
+
+    cfg = load_config(config)
+    registry = ModelRegistry(cfg.path("models"), Identity.load(cfg.path(cfg.signing_key)))
+    try:
+        parent_dir = registry.root / (registry.get(version).manifest.parent or version)
+        ids = calibration_ids(parent_dir, cfg.path(cfg.validation_data)) if distill else None
+        record = write_variant(registry, version, calibration=ids, steps=steps)
+    except KeyError:
+        _fail(f"no published version {version}; see `gym-coordinator admin models`")
+    except VariantError as exc:
+        _fail(str(exc))
+    console.print(
+        f"variant {record.version} from {record.parent}: {record.size} bytes, "
+        f"sha256 {record.sha256}{' (distilled)' if record.distilled else ''}"
+    )
 
 
 def _fail(message: str) -> NoReturn:

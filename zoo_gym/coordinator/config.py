@@ -34,7 +34,7 @@ class TrainingPolicy(BaseModel):
     adapter: Literal["ffa_lora", "lora", "dora", "qlora", "full"] = Field(
         "ffa_lora", description="ffa_lora sends B; lora, dora, qlora and full send dense weight deltas"
     )
-    lora_rank: int = Field(8, ge=1, le=1024)
+    lora_rank: int = Field(8, ge=1, le=4096)
     lora_alpha: float = Field(16.0, gt=0)
     target_modules: list[str] = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
     steps: int = Field(30, ge=1)
@@ -44,6 +44,9 @@ class TrainingPolicy(BaseModel):
     clip_norm: float = Field(0.0, ge=0, description="clip each update to this L2 norm; 0 = off")
     codec: str = "bitdelta"
     group_size: int = Field(128, ge=8, le=1 << 20)
+    granularity: Literal["group", "row", "matrix"] = Field(
+        "group", description="one scale per group_size values, per row, or per matrix (the BitDelta paper)"
+    )
     num_generations: int = Field(4, ge=2, le=64, description="GRPO/GSPO completions per prompt")
     max_new_tokens: int = Field(8, ge=1, le=4096)
     temperature: float = Field(1.0, gt=0, le=10)
@@ -128,6 +131,18 @@ class CoordinatorConfig(HomeConfig):
     max_upload_bytes: int = Field(64 << 20, ge=1024)
     require_approval: bool = False
     clock_skew_s: float = Field(300.0, gt=0)
+    max_submissions_per_round: int = Field(
+        3, ge=1, description="submissions a contributor may make per round; the first one over is recorded, later ones not"
+    )
+    grpc_rate_per_s: float = Field(50.0, ge=0, description="gRPC calls per second per peer address; 0 = unlimited")
+    grpc_burst: int = Field(200, ge=1, description="gRPC calls a peer may make at once before the rate applies")
+    contributor_rate_per_s: float = Field(10.0, ge=0, description="gRPC calls per second per contributor key; 0 = unlimited")
+    contributor_burst: int = Field(50, ge=1)
+    max_concurrent_per_peer: int = Field(64, ge=0, description="open gRPC calls per peer address; 0 = unlimited")
+    api_auth_rate_per_s: float = Field(2.0, ge=0, description="REST sign-in calls per second per client address; 0 = unlimited")
+    api_auth_burst: int = Field(20, ge=1)
+    api_max_failures: int = Field(10, ge=1, description="bad REST credentials per client address before it is locked out")
+    api_lockout_s: float = Field(300.0, gt=0, description="how long a locked-out client address is refused")
     seed: int = 0
     tls_cert: Path | None = None
     tls_key: Path | None = None

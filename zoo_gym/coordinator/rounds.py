@@ -27,8 +27,8 @@ from zoo_gym.coordinator.backend import OpenRound
 from zoo_gym.coordinator.rewards import pay_round
 from zoo_gym.coordinator.service import Coordinator
 from zoo_gym.core.delta import Layout, TensorSpec, unflatten
-from zoo_gym.core.lora import LoraSpec, merge_ffa, target_weights, update_key
-from zoo_gym.core.protocol import TaskConfig
+from zoo_gym.core.lora import LoraSpec, merge_update, update_shapes
+from zoo_gym.core.protocol import TASK_CONFIG, TaskConfig
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +47,8 @@ class RoundSummary:
     loss_before: float
     loss_after: float
     seconds: float
+    reward_before: float | None = None  # GRPO / GSPO: mean validation reward of the base
+    mean_reward: float | None = None  # GRPO / GSPO: mean validation reward of the candidate
 
 
 def round_seed(run_seed: int, round_number: int) -> int:
@@ -60,25 +62,51 @@ def lora_spec(co: Coordinator) -> LoraSpec:
     return LoraSpec(rank=t.lora_rank, alpha=t.lora_alpha, target_modules=tuple(t.target_modules))
 
 
-def update_layout(state: dict[str, object], spec: LoraSpec) -> Layout:
-    """Names and shapes of the B matrices a round's update consists of."""
-    shapes = target_weights(state, spec)  # type: ignore[arg-type]
-    return tuple(
-        TensorSpec(update_key(module), (out, spec.rank)) for module, (out, _in) in sorted(shapes.items())
-    )
+def update_layout(state: dict[str, object], spec: LoraSpec, adapter: str = "ffa_lora") -> Layout:
+    """Names and shapes of the tensors a round's update consists of: the B matrices for
+    ffa_lora, the target weights for lora / dora / qlora, every floating weight for full."""
+    shapes = update_shapes(state, adapter=adapter, spec=spec)  # type: ignore[arg-type]
+    return tuple(TensorSpec(name, shape) for name, shape in sorted(shapes.items()))
 
 
 def validation_utility(
     co: Coordinator, state: dict[str, torch.Tensor], layout: Layout, spec: LoraSpec, seed: int
 ) -> Callable[[torch.Tensor], float]:
-    """U(v) = minus the validation loss of the base with the flat `(d,)` B-update v merged in."""
+    """U(v) of the base with the flat `(d,)` update v merged in: minus the validation loss
+    (SFT), or the mean validation reward (GRPO / GSPO)."""
 
     def utility(vector: torch.Tensor) -> float:
         merged = {k: v.clone() for k, v in state.items()}
-        merge_ffa(merged, unflatten(vector.float(), layout), spec=spec, seed=seed)
-        return -co.evaluator.loss(merged)
+        update = unflatten(vector.float(), layout)
+        merge_update(merged, update, adapter=co.config.training.adapter, spec=spec, seed=seed)
+        reward = validation_reward(co, merged)
+        return -co.evaluator.loss(merged) if reward is None else reward
 
     return utility
+
+
+def validation_reward(co: Coordinator, state: dict[str, torch.Tensor]) -> float | None:
+    """Mean reward of greedy completions on the validation prompts for GRPO / GSPO; None for SFT."""
+    t = co.config.training
+    if t.method not in ("grpo", "gspo"):
+        return None
+    return co.evaluator.mean_reward(state, reward_functions=t.reward_functions, max_new_tokens=t.max_new_tokens)
+
+
+def round_epsilon(co: Coordinator, round_number: int, contributors: tuple[str, ...]) -> float | None:
+    """The largest per-round sample-level epsilon the round's aggregated contributors reported
+    (None when one of them reported none: that update carries no DP guarantee).
+
+    It bounds what this round added about any one record; a contributor's total over rounds
+    is in its reward report and its own `gym-client status`.
+    """
+    with Session(co.engine) as session:
+        subs = ledger.list_submissions(session, round_number=round_number)
+    spent = {s.contributor_id: s.epsilon for s in subs if s.decision == "accepted"}
+    values = [spent.get(c) for c in contributors]
+    if not values or any(v is None for v in values):
+        return None
+    return max(v for v in values if v is not None)
 
 
 def _same(layout: Layout) -> Layout:
@@ -90,9 +118,10 @@ def run_rounds(co: Coordinator, grid: Grid, *, on_round: Callable[[RoundSummary]
     spec = lora_spec(co)
     base = co.registry.latest()
     state = co.registry.load_state_dict(base.version)
-    layout = update_layout(state, spec)  # type: ignore[arg-type]
+    layout = update_layout(state, spec, config.training.adapter)  # type: ignore[arg-type]
     strategy = co.make_strategy(functools.partial(_same, layout))
     loss = co.evaluator.loss(state)
+    reward = validation_reward(co, state)
     with Session(co.engine) as session:
         last = ledger.latest_round(session)
         first = 1 if last is None else last.number + 1
@@ -111,8 +140,9 @@ def run_rounds(co: Coordinator, grid: Grid, *, on_round: Callable[[RoundSummary]
             co.apply_policy(change.config)
             config = co.config
             spec = lora_spec(co)
-            layout = update_layout(state, spec)  # type: ignore[arg-type]
+            layout = update_layout(state, spec, config.training.adapter)  # type: ignore[arg-type]
             strategy = co.make_strategy(functools.partial(_same, layout))
+            reward = validation_reward(co, state)  # the method (and so the utility) may have changed
             log.info("policy changed by %s: %s", change.by, ", ".join(sorted(change.changes)))
         started = time.perf_counter()
         seed = round_seed(config.seed, round_number)
@@ -130,6 +160,10 @@ def run_rounds(co: Coordinator, grid: Grid, *, on_round: Callable[[RoundSummary]
                               aggregator=config.aggregator, codec=t.codec)
         co.control.round_started(round_number)
         co.metrics.round_opened(round_number)
+        # configure_train waited for contributors to connect: the deadline runs from when tasks go out
+        deadline_ms = int((time.time() + config.round_timeout_s) * 1000)
+        for message in messages:
+            message.content.config_records[TASK_CONFIG]["deadline_ms"] = deadline_ms
         co.backend.open_round = OpenRound(round_number, base.version, layout, deadline_ms)
         replies = list(grid.send_and_receive(messages, timeout=config.round_timeout_s))
         co.backend.open_round.accepting = False
@@ -142,22 +176,32 @@ def run_rounds(co: Coordinator, grid: Grid, *, on_round: Callable[[RoundSummary]
         agg = None if abort else strategy.last
         received = agg.received if agg else 0
         accepted = agg.accepted if agg else 0
-        new_loss = loss
+        new_loss, new_reward = loss, reward
         published = ""
         if arrays is None or agg is None:
             status = "aborted"
         else:
             utility = validation_utility(co, state, layout, spec, seed)
-            pay_round(co.engine, config, round_number=round_number, agg=agg, utility=utility, baseline=-loss)
+            pay_round(co.engine, config, round_number=round_number, agg=agg, utility=utility,
+                      baseline=-loss if reward is None else reward)
             candidate = {k: v.clone() for k, v in state.items()}
-            merge_ffa(candidate, agg.update, spec=spec, seed=seed)
+            merge_update(candidate, agg.update, adapter=t.adapter, spec=spec, seed=seed)
             new_loss = co.evaluator.loss(candidate)
-            if new_loss <= loss * (1.0 + config.quality_gate_tolerance):
+            new_reward = validation_reward(co, candidate)
+            tolerance = config.quality_gate_tolerance
+            if reward is None or new_reward is None:
+                passes = new_loss <= loss * (1.0 + tolerance)
+            else:  # rewards may be 0 or negative: the tolerance is relative to max(|reward|, 1)
+                passes = new_reward >= reward - tolerance * max(abs(reward), 1.0)
+            if passes:
                 status = "published"
                 metrics = {"validation_loss": new_loss, "parent_validation_loss": loss}
+                if reward is not None and new_reward is not None:
+                    metrics.update(mean_reward=new_reward, parent_mean_reward=reward)
                 pub = co.registry.publish(
                     candidate, parent=base.version, round_number=round_number,
                     aggregator=config.aggregator, contributors=agg.contributors, metrics=metrics,
+                    epsilon=round_epsilon(co, round_number, agg.contributors),
                 )
                 published = pub.version
                 with Session(co.engine) as session:
@@ -173,7 +217,7 @@ def run_rounds(co: Coordinator, grid: Grid, *, on_round: Callable[[RoundSummary]
             round=round_number, base_version=task.base_version, status=status, published_version=published,
             participants=len(messages), received=received, accepted=accepted, rejected=received - accepted,
             aggregated=len(agg.contributors) if agg else 0, loss_before=loss, loss_after=new_loss,
-            seconds=time.perf_counter() - started,
+            seconds=time.perf_counter() - started, reward_before=reward, mean_reward=new_reward,
         )
         closing: dict[str, object] = dict(asdict(summary))
         if abort:
@@ -185,7 +229,7 @@ def run_rounds(co: Coordinator, grid: Grid, *, on_round: Callable[[RoundSummary]
         co.metrics.observe_round(round_number, summary.seconds, status=status)
         co.control.round_finished(round_number)
         if status == "published":
-            loss = new_loss
+            loss, reward = new_loss, new_reward
         co.backend.open_round = None
         with co.config.path("rounds.jsonl").open("a") as fh:
             fh.write(json.dumps(asdict(summary)) + "\n")

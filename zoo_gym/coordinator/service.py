@@ -47,7 +47,7 @@ class Coordinator:
             engine=self.engine, registry=self.registry, signer=self.signer,
             payload_dir=config.path("payloads"), max_upload_bytes=config.max_upload_bytes,
             clock_skew_s=config.clock_skew_s, require_approval=config.require_approval,
-            metrics=self.metrics,
+            metrics=self.metrics, max_submissions_per_round=config.max_submissions_per_round,
         )
         self.evaluator = Evaluator(
             self.registry.latest().directory, config.path(config.validation_data),
@@ -61,6 +61,7 @@ class Coordinator:
         self.backend.require_approval = config.require_approval
         self.backend.max_upload_bytes = config.max_upload_bytes
         self.backend.clock_skew_s = config.clock_skew_s
+        self.backend.max_submissions_per_round = config.max_submissions_per_round
 
     def make_strategy(self, layout: Callable[[], Layout]) -> ZooStrategy:
         c = self.config
@@ -69,7 +70,7 @@ class Coordinator:
             min_clients=c.min_clients,
             clients_per_round=c.clients_per_round, quorum=c.quorum,
             wait_for_clients_s=c.wait_for_clients_s, stop=self.stop, layout=layout,
-            selection_floor=c.rewards.selection_floor,
+            selection_floor=c.rewards.selection_floor, keep_rows=c.rewards.method != "none",
         )
 
     def run(self, grid: object, *, on_round: Callable[[RoundSummary], None] | None = None) -> None:
@@ -85,17 +86,28 @@ class Coordinator:
     def serve(self, *, stay: bool = False) -> None:
         """gRPC + REST + the round loop, until done or SIGINT/SIGTERM."""
         from zoo_gym.coordinator.api.app import RestServer
+        from zoo_gym.coordinator.tls import check_server_files
         from zoo_gym.transport.grid import GrpcGrid
+        from zoo_gym.transport.limits import RateLimits
         from zoo_gym.transport.mailbox import Mailbox
         from zoo_gym.transport.server import start_server
 
         c = self.config
         tls = None
-        if c.tls_cert is not None and c.tls_key is not None:
-            tls = (c.path(c.tls_cert).read_bytes(), c.path(c.tls_key).read_bytes())
-        mailbox = Mailbox()
-        grpc_server = start_server(self.backend, mailbox, address=c.listen, spool=c.path("spool"), tls=tls)
         rest = RestServer(self, c.rest_listen, control=self.control, metrics=self.metrics)
+        if c.tls_cert is not None and c.tls_key is not None:
+            cert, key = c.path(c.tls_cert), c.path(c.tls_key)
+            check_server_files(cert, key)
+            tls = (cert.read_bytes(), key.read_bytes())
+            # REST serves HTTPS with the same certificate (uvicorn builds its context at start)
+            rest.server.config.ssl_certfile = str(cert)
+            rest.server.config.ssl_keyfile = str(key)
+        mailbox = Mailbox()
+        limits = RateLimits(c.grpc_rate_per_s, c.grpc_burst, c.contributor_rate_per_s, c.contributor_burst,
+                            c.max_concurrent_per_peer)
+        grpc_server = start_server(self.backend, mailbox, address=c.listen, spool=c.path("spool"), tls=tls,
+                                   limits=limits)
+        log.info("REST API on %s://%s", "https" if tls else "http", c.rest_listen)
         rest.start()
 
         def _stop(signum: int, frame: FrameType | None) -> None:

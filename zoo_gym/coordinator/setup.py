@@ -1,7 +1,8 @@
-"""Create a coordinator home: config, signing key, first model version."""
+"""Create a coordinator home: config, signing key, first model version, optional TLS material."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 from zoo_gym.coordinator.registry import ModelRegistry, Published
@@ -21,13 +22,24 @@ def init_home(
     seed: int = 0,
     settings: str = 'rounds = 0\nmin_clients = 2\naggregator = "fedavg"\n',
     training: str = 'steps = 30\nlearning_rate = 0.005\ncodec = "bitdelta"\n',
+    tls_hosts: Sequence[str] = (),
 ) -> tuple[Path, Identity, Published]:
-    """Write `home/coordinator.toml`, `home/coordinator.key` and models/v0000; returns them."""
+    """Write `home/coordinator.toml`, `home/coordinator.key` and models/v0000; returns them.
+
+    With `tls_hosts`, also a CA and a server certificate for those names under `home/tls/`
+    (see `zoo_gym.coordinator.tls`), and `tls_cert` / `tls_key` in the config.
+    """
+    from zoo_gym.coordinator.tls import subject_alt_name, write_tls_material
+
+    for host in tls_hosts:
+        subject_alt_name(host)  # a bad name fails before anything is written
     home.mkdir(parents=True, exist_ok=True)
     if (home / CONFIG).exists():
         raise FileExistsError(f"{home / CONFIG} exists; pick another --home or delete it")
     if not tiny and (base_model is None or validation is None):
         raise ValueError("pass --tiny, or both --base-model and --validation")
+    if (home / "tls").exists() and tls_hosts:
+        raise FileExistsError(f"{home / 'tls'} exists; move the old TLS files away first")
     signer = Identity.generate()
     signer.save(home / "coordinator.key")
     if tiny:
@@ -43,8 +55,15 @@ def init_home(
     where = validation.resolve()
     if where.is_relative_to(home.resolve()):
         where = where.relative_to(home.resolve())
+    tls = ""
+    if tls_hosts:
+        files = write_tls_material(home / "tls", tls_hosts)
+        tls = (
+            f'tls_cert = "{files.server_cert.relative_to(home)}"\n'
+            f'tls_key = "{files.server_key.relative_to(home)}"\n'
+        )
     (home / CONFIG).write_text(
-        f'listen = "{listen}"\nrest_listen = "{rest_listen}"\n'
+        f'listen = "{listen}"\nrest_listen = "{rest_listen}"\n{tls}'
         f'validation_data = "{where}"\nseed = {seed}\n{settings}\n[training]\n{training}'
     )
     return home / CONFIG, signer, published

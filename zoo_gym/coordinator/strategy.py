@@ -25,7 +25,7 @@ from sqlmodel import Session
 
 from zoo_gym import ledger
 from zoo_gym.aggregation import WEIGHTED_RULES, Aggregate, Decision, aggregate, min_clients
-from zoo_gym.compression import EnvelopeError, decode_into
+from zoo_gym.compression import EnvelopeError, decode_accumulate, decode_into
 from zoo_gym.coordinator.backend import CoordinatorBackend
 from zoo_gym.core.delta import Layout, numel, unflatten
 from zoo_gym.core.identity import node_id
@@ -64,6 +64,7 @@ class ZooStrategy(FedAvg):
         stop: threading.Event,
         layout: Callable[[], Layout],
         selection_floor: float = 0.0,
+        keep_rows: bool = True,
     ) -> None:
         super().__init__(
             fraction_train=1.0, fraction_evaluate=0.0, min_train_nodes=min_clients,
@@ -80,6 +81,7 @@ class ZooStrategy(FedAvg):
         self.stop = stop
         self.layout = layout
         self.selection_floor = selection_floor
+        self.keep_rows = keep_rows  # scoring needs every decoded update; plain FedAvg alone does not
         self.last: RoundAggregate | None = None
 
     def wait_for_nodes(self, grid: Grid) -> list[int]:
@@ -123,6 +125,10 @@ class ZooStrategy(FedAvg):
         if len(accepted) < self.quorum:
             log.warning("round %d: %d accepted updates, quorum is %d", server_round, len(accepted), self.quorum)
             return None, None
+        if self.rule == "fedavg" and self.pre is None and not self.keep_rows:
+            fused = self._fused_fedavg(server_round, replies, accepted, layout)
+            if fused is not None:
+                return fused
         # (n, d) float32, filled row by row straight from the envelopes
         updates = torch.empty((len(accepted), numel(layout)), dtype=torch.float32)
         rows: list[Message] = []
@@ -168,6 +174,52 @@ class ZooStrategy(FedAvg):
         )
         metrics = MetricRecord({"accepted": len(accepted), "aggregated": len(rows)})
         return ArrayRecord(torch_state_dict=update), metrics
+
+    def _fused_fedavg(
+        self, server_round: int, replies: list[Message], accepted: list[Message], layout: Layout
+    ) -> tuple[ArrayRecord | None, MetricRecord | None] | None:
+        """FedAvg without one decoded row per update: every envelope is decoded and added in
+        place into one `(d,)` float32 sum (`decode_accumulate`, fused for BitDelta).
+
+        Returns None, having recorded nothing, when an envelope fails to decode or the sum is not
+        finite: the row-by-row path then finds and records the culprit.
+        """
+        payloads, examples = [], []
+        for reply in accepted:
+            record = reply.content.config_records[SUBMISSION]
+            payloads.append(self.backend.payload_path(str(record["payload_sha256"])).read_bytes())
+            metrics = reply.content.metric_records.get(TRAIN_METRICS, MetricRecord())
+            examples.append(max(_number(metrics.get("num_examples", 1.0)), 0.0))
+        needed = max(self.quorum, min_clients(self.rule, self.f))
+        total = sum(examples)
+        if len(accepted) < needed or total <= 0:
+            return None
+        weights = [e / total for e in examples]
+        summed = torch.zeros(numel(layout), dtype=torch.float32)
+        try:
+            decode_accumulate(payloads, weights, summed, layout, max_elements=numel(layout))
+        except EnvelopeError:
+            return None
+        if not torch.isfinite(summed).all():
+            return None
+        contributors = []
+        decisions = []
+        for reply, w in zip(accepted, weights, strict=True):
+            record = reply.content.config_records[SUBMISSION]
+            decision = Decision(selected=w > 0, weight=w, trimmed_share=0.0 if w > 0 else 1.0, score=None,
+                                reason=f"averaged with weight {round(100 * w)}%" if w > 0 else "weight zero, not averaged")
+            self._decide(record, selected=decision.selected, reason=decision.reason, decision=decision)
+            decisions.append(decision)
+            if w > 0:
+                contributors.append(str(record["contributor_id"]))
+        update = {k: v.clone() for k, v in unflatten(summed, layout).items()}
+        self.last = RoundAggregate(
+            update, tuple(contributors), len(replies), len(accepted),
+            row_contributors=tuple(str(r.content.config_records[SUBMISSION]["contributor_id"]) for r in accepted),
+            decisions=tuple(decisions),
+        )
+        log.info("round %d: %d updates averaged in one fused pass", server_round, len(accepted))
+        return ArrayRecord(torch_state_dict=update), MetricRecord({"accepted": len(accepted), "aggregated": len(accepted)})
 
     def _decide(self, record: ConfigRecord, *, selected: bool, reason: str, decision: Decision | None = None) -> None:
         with Session(self.backend.engine) as session:

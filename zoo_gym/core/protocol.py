@@ -151,6 +151,7 @@ class TaskConfig:
     clip_norm: float = 0.0
     codec: str = "bitdelta"
     group_size: int = 128
+    granularity: str = "group"  # one scale per group_size values, per row or per matrix
     deadline_ms: int = 0
     # GRPO / GSPO: prompts per step are batch_size, completions per prompt num_generations
     num_generations: int = 4

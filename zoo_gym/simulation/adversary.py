@@ -56,7 +56,7 @@ class Adversary:
         crafted = ATTACKS[self.attack](
             rows, num_byzantine=len(requests), f=self.f, generator=generator, **self.params
         )  # (b, d)
-        spec = CodecSpec(codec=task.codec, group_size=task.group_size)
+        spec = CodecSpec(codec=task.codec, group_size=task.group_size, granularity=task.granularity)
         examples = statistics.fmean(_num_examples(r) for r in usable)
         out = []
         for request, row in zip(requests, crafted, strict=True):

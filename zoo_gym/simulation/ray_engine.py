@@ -69,7 +69,9 @@ def make_simulated_client_app(
     app = ClientApp()
 
     def index(context: Context) -> int:
-        return clients[int(context.node_config["partition-id"])]  # type: ignore[arg-type]
+        partition = context.node_config["partition-id"]
+        assert isinstance(partition, int), f"partition-id must be an int, got {partition!r}"
+        return clients[partition]
 
     def source(version: str, directory: Path) -> None:
         if not directory.exists():

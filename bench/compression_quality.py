@@ -29,7 +29,14 @@ CONFIGS = (
 
 
 def run(
-    codec: str, feedback: bool, *, rounds: int, clients: int, steps: int, lr: float
+    codec: str,
+    feedback: bool,
+    *,
+    rounds: int,
+    clients: int,
+    steps: int,
+    lr: float,
+    granularity: str = "group",
 ) -> tuple[float, float, float]:
     """(initial loss, final loss, seconds) of one federation."""
     torch.manual_seed(0)
@@ -39,7 +46,8 @@ def run(
             home,
             tiny=True,
             settings=f'rounds = {rounds}\nmin_clients = {clients}\naggregator = "fedavg"\n',
-            training=f'steps = {steps}\nlearning_rate = {lr}\ncodec = "{codec}"\ngroup_size = 128\n',
+            training=f'steps = {steps}\nlearning_rate = {lr}\ncodec = "{codec}"\ngroup_size = 128\n'
+            f'granularity = "{granularity}"\n',
         )
         shards = [make_examples(60, seed=100 + i) for i in range(clients)]
         federation = InProcessFederation.build(home, shards, seed=0)
@@ -61,18 +69,30 @@ def main() -> None:
     parser.add_argument("--clients", type=int, default=2)
     parser.add_argument("--steps", type=int, default=20, help="local steps per round")
     parser.add_argument("--lr", type=float, default=0.005)
+    parser.add_argument(
+        "--granularity", default="group", choices=("group", "row", "matrix"), help="scale per ..."
+    )
     args = parser.parse_args()
     torch.set_num_threads(1)
     rows = []
     for label, codec, feedback in CONFIGS:
         initial, final, seconds = run(
-            codec, feedback, rounds=args.rounds, clients=args.clients, steps=args.steps, lr=args.lr
+            codec,
+            feedback,
+            rounds=args.rounds,
+            clients=args.clients,
+            steps=args.steps,
+            lr=args.lr,
+            granularity=args.granularity,
         )
         rows.append((label, initial, final, seconds))
         print(f"{label}: {initial:.4f} -> {final:.4f} in {seconds:.0f} s", flush=True)
     reference = rows[0][2]
     print()
-    print(f"{args.rounds} rounds, {args.clients} clients, {args.steps} steps, lr {args.lr}, FedAvg")
+    print(
+        f"{args.rounds} rounds, {args.clients} clients, {args.steps} steps, lr {args.lr}, "
+        f"FedAvg, scales per {args.granularity}"
+    )
     print()
     print("| codec | initial loss | final loss | vs none |")
     print("|---|---|---|---|")

@@ -15,6 +15,7 @@ from opacus.accountants import PRVAccountant, RDPAccountant
 from sqlmodel import Session
 
 from zoo_gym import ledger
+from zoo_gym.client.errors import RoundRefusal
 from zoo_gym.client.privacy import PrivacyAccount, PrivacyBudget, PrivacyRefusal, plan_round
 from zoo_gym.client.runtime import ClientRuntime, RoundEvent
 from zoo_gym.client.state import LocalState
@@ -316,3 +317,15 @@ def test_dp_round_reports_epsilon_to_the_ledger_and_the_manifest(tiny_home: Path
         fed.coordinator.registry.root / summary.published_version, fed.coordinator.signer.public_key
     )
     assert published.epsilon == pytest.approx(max(v for v in recorded.values() if v is not None))
+
+
+def test_a_client_limited_to_one_objective_stops_at_a_round_asking_for_another(
+    tmp_path: Path, base_dir: Path
+) -> None:
+    rt = runtime(tmp_path, base_dir)
+    rt.method = "sft"
+
+    with pytest.raises(RoundRefusal, match=r"asks for grpo training and this client runs only sft"):
+        rt.train(message(task(1, method="grpo")))
+
+    assert rt.trainer is None and not (tmp_path / "models").exists()

@@ -141,7 +141,7 @@ def test_tls_coordinator_from_the_guide(tmp_path: Path) -> None:
         with pytest.raises(httpx.TransportError):
             httpx.get(f"http://127.0.0.1:{rest_port}/health", timeout=5)
 
-        # Step 3: an admin key, used over HTTPS by `gym-coordinator admin` (SSL_CERT_FILE = the CA)
+        # Step 3: an admin key, used over HTTPS by `gym-coordinator admin --ca-cert`
         issued = _cli(
             "coordinator",
             "apikey",
@@ -164,11 +164,12 @@ def test_tls_coordinator_from_the_guide(tmp_path: Path) -> None:
             api,
             "--token",
             token,
+            "--ca-cert",
+            str(ca),
             "contributors",
             "list",
             "--format",
             "json",
-            env={"SSL_CERT_FILE": str(ca)},
         )
         assert listed.returncode == 0, listed.stderr
         assert json.loads(listed.stdout) == []

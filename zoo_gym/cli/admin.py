@@ -11,6 +11,7 @@ import functools
 import hashlib
 import json
 import re
+import ssl
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from enum import StrEnum
@@ -79,6 +80,16 @@ class Api:
     url: str
     token: str | None
     timeout: float
+    ca_cert: Path | None = None
+
+    def _client(self) -> httpx.Client:
+        verify: ssl.SSLContext | bool = True
+        if self.ca_cert is not None:
+            try:
+                verify = ssl.create_default_context(cafile=str(self.ca_cert))
+            except (OSError, ssl.SSLError) as exc:
+                raise AdminError(f"cannot read the CA certificate {self.ca_cert}: {exc}") from None
+        return httpx.Client(base_url=self.url, timeout=self.timeout, verify=verify)
 
     def _headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.token}"} if self.token else {}
@@ -99,7 +110,7 @@ class Api:
         """One request; the decoded JSON answer."""
         params = {k: v for k, v in (params or {}).items() if v is not None}
         try:
-            with httpx.Client(base_url=self.url, timeout=self.timeout) as client:
+            with self._client() as client:
                 response = client.request(
                     method, path, params=params, json=body, headers=self._headers()
                 )
@@ -122,7 +133,7 @@ class Api:
         partial = target.with_name(target.name + ".part")
         try:
             with (
-                httpx.Client(base_url=self.url, timeout=self.timeout) as client,
+                self._client() as client,
                 client.stream("GET", path, headers=self._headers()) as response,
             ):
                 if response.status_code >= 400:
@@ -185,9 +196,16 @@ def main(
         ),
     ] = None,
     timeout: Annotated[float, typer.Option(help="seconds to wait for an answer")] = 30.0,
+    ca_cert: Annotated[
+        Path | None,
+        typer.Option(
+            envvar="ZOO_GYM_CA_CERT",
+            help="CA certificate of a TLS coordinator (gym-coordinator init --tls)",
+        ),
+    ] = None,
 ) -> None:
     """Operate a running coordinator through its REST API."""
-    ctx.obj = Api(url.rstrip("/"), token, timeout)
+    ctx.obj = Api(url.rstrip("/"), token, timeout, ca_cert)
 
 
 def _api(ctx: typer.Context) -> Api:

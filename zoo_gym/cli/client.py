@@ -65,7 +65,10 @@ def join(
             help="config file (default: HOME/client.toml); every option below overrides its key"
         ),
     ] = None,
-    method: Annotated[str, typer.Option(help="training method")] = "sft",
+    method: Annotated[
+        str | None,
+        typer.Option(help="objective you accept: sft, grpo, gspo or any (the coordinator's task decides)"),
+    ] = None,
     ca_cert: Annotated[
         Path | None, typer.Option(help="CA certificate for a TLS coordinator")
     ] = None,
@@ -105,17 +108,15 @@ def join(
 
     from zoo_gym.cli.progress import JoinDisplay
     from zoo_gym.client.config import ClientConfig, ClientConfigError, load_client_config
-    from zoo_gym.client.privacy import PrivacyRefusal
-    from zoo_gym.client.session import JoinError
+    from zoo_gym.client.errors import RoundRefusal
     from zoo_gym.client.session import join as run_join
 
-    if method != "sft":
-        raise JoinError(f"method {method!r} is not available; use --method sft")
     cfg = load_client_config(config or home / CONFIG)
     overrides = {
         "coordinator": coordinator,
         "data": data and data.resolve(),
-        "ca_cert": ca_cert,
+        "ca_cert": ca_cert and ca_cert.resolve(),
+        "method": method,
         "max_rounds": max_rounds,
         "device": device,
         "byzantine": byzantine,
@@ -135,7 +136,7 @@ def join(
     with JoinDisplay(console) as display:
         try:
             made = run_join(cfg, on_event=display.event, say=display.say)
-        except PrivacyRefusal as refusal:
+        except RoundRefusal as refusal:
             display.say(f"stopped: {refusal}")
             return
     console.print(f"left after {made} submission(s)")

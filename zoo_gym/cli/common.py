@@ -15,6 +15,10 @@ from rich.console import Console
 P = ParamSpec("P")
 R = TypeVar("R")
 
+# bitsandbytes (imported by peft when installed) warns at import on CPUs with AVX512-BF16 that
+# an optional kernel package is missing; its own fallback works, so only its errors are shown
+logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
+
 console = Console(stderr=False, highlight=False)
 err_console = Console(stderr=True, highlight=False)
 

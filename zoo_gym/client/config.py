@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING, Literal
 
 from pydantic import Field, field_validator
 
 from zoo_gym.core.settings import HomeConfig, load_toml
+
+if TYPE_CHECKING:
+    from zoo_gym.client.privacy import PrivacyBudget
 
 
 class ClientConfigError(ValueError):
@@ -29,6 +33,36 @@ class ClientConfig(HomeConfig):
     byzantine: str = Field(
         "", description="attack the federation on purpose (demos and drills); empty = honest"
     )
+    clock_offset_s: float = Field(
+        0.0, description="added to this machine's clock when signing requests (correct a clock you cannot fix)"
+    )
+    privacy_budget_epsilon: float | None = Field(
+        None,
+        gt=0,
+        description="refuse rounds that would take your records' total epsilon past this; unset = no limit",
+    )
+    privacy_budget_delta: float | None = Field(
+        None,
+        gt=0,
+        lt=1,
+        description="delta at which the budget is checked; unset = each task's dp_delta",
+    )
+    method: Literal["any", "sft", "grpo", "gspo"] = Field(
+        "any", description="the training objective you accept; a round asking for another stops `join`"
+    )
+    reward_functions: list[str] = Field(
+        default_factory=list,
+        description='your own GRPO reward functions as "module:function" import paths',
+    )
+    error_feedback: bool = Field(
+        True, description="carry what compression dropped into the next round's update"
+    )
+    gradient_checkpointing: bool = Field(
+        False, description="recompute activations in the backward pass: less memory, slower"
+    )
+    max_full_params: int = Field(
+        1_000_000_000, gt=0, description="largest model (parameters) a `full` round may train"
+    )
 
     @field_validator("api_url")
     @classmethod
@@ -47,6 +81,14 @@ class ClientConfig(HomeConfig):
                 f"byzantine must be one of {', '.join(BYZANTINE_ATTACKS)}, not {value!r}"
             )
         return value
+
+    def privacy_budget(self) -> PrivacyBudget | None:
+        """The budget `join` enforces (None: no limit)."""
+        from zoo_gym.client.privacy import PrivacyBudget
+
+        if self.privacy_budget_epsilon is None:
+            return None
+        return PrivacyBudget(self.privacy_budget_epsilon, self.privacy_budget_delta)
 
 
 def load_client_config(path: Path) -> ClientConfig:

@@ -41,6 +41,7 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any, cast
 
+from zoo_gym.client.errors import RoundRefusal
 from zoo_gym.core.protocol import TaskConfig
 
 if TYPE_CHECKING:
@@ -50,7 +51,7 @@ Mechanism = tuple[float, float, int]  # (sigma, q, steps); see zoo_gym.privacy.a
 DP_SGD_OBJECTIVES = ("sft",)
 
 
-class PrivacyRefusal(ValueError):
+class PrivacyRefusal(RoundRefusal):
     """The client will not train this round: over budget, or a privacy setting it cannot honour."""
 
 

@@ -3,6 +3,8 @@
 `ClientRuntime.train` is the body of the Flower ClientApp's train function:
 from a round task to a signed, compressed submission. Order (DESIGN.md,
 "Privacy"): train -> clip the update -> compress with error feedback -> sign.
+The privacy plan (sigma, epsilon, budget; `zoo_gym.client.privacy`) is made
+before training, and update noise goes on between clipping and compression.
 """
 
 from __future__ import annotations
@@ -10,19 +12,21 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
 from flwr.app import ConfigRecord, Message, MetricRecord, RecordDict
 from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoTokenizer
 
 from zoo_gym.client.byzantine import Misbehaviour
+from zoo_gym.client.errors import RoundRefusal
 from zoo_gym.client.feedback import FfaErrorFeedback
+from zoo_gym.client.privacy import PrivacyBudget, PrivacyPlan, PrivacyRefusal, plan_round
 from zoo_gym.client.state import LocalState
-from zoo_gym.client.trainers.sft import FfaLoraTrainer, StepInfo
+from zoo_gym.client.trainers.adapters import make_trainer
+from zoo_gym.client.trainers.sft import DpConfig, RoundResult, StepInfo, Trainer
 from zoo_gym.compression import CodecSpec
 from zoo_gym.core.chat import Conversation
 from zoo_gym.core.identity import Identity
@@ -36,6 +40,7 @@ from zoo_gym.core.protocol import (
     TaskConfig,
 )
 from zoo_gym.privacy.clip import clip_delta
+from zoo_gym.privacy.noise import add_gaussian_noise, secure_generator
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +50,7 @@ ModelSource = Callable[[str, Path], None]
 
 @dataclass(frozen=True)
 class RoundEvent:
-    """Progress a front end may show: kind is "base", "step" or "compressed"."""
+    """Progress a front end may show: kind is "base", "privacy", "step" or "compressed"."""
 
     kind: str
     round: int
@@ -63,8 +68,19 @@ class ClientRuntime:
         device: str = "cpu",
         on_event: Callable[[RoundEvent], None] | None = None,
         misbehaviour: Misbehaviour | None = None,
+        reward_functions: Sequence[str] = (),
+        error_feedback: bool = True,
+        gradient_checkpointing: bool = False,
+        max_full_params: int = 1_000_000_000,
+        privacy_budget: PrivacyBudget | None = None,
+        method: str = "any",
     ) -> None:
         self.identity = identity
+        self.privacy_budget = privacy_budget  # None: no limit
+        self.method = method  # the objective this client accepts: sft, grpo, gspo or any
+        self.reward_functions = tuple(reward_functions)  # the contributor's "module:function" paths
+        self.gradient_checkpointing = gradient_checkpointing
+        self.max_full_params = max_full_params
         self.misbehaviour = misbehaviour
         self.conversations = misbehaviour.poison(conversations) if misbehaviour else conversations
         self.home = home
@@ -73,20 +89,30 @@ class ClientRuntime:
         self.on_event = on_event or (lambda event: None)
         home.mkdir(parents=True, exist_ok=True)
         self.state = LocalState.load(home / "state.json")
-        self.feedback = FfaErrorFeedback.load(home / "feedback.safetensors")
-        self.trainer: FfaLoraTrainer | None = None
+        self.feedback = FfaErrorFeedback.load(home / "feedback.safetensors", enabled=error_feedback)
+        self.trainer: Trainer | None = None
+        self.adapter = ""
         self.base_version = ""
 
-    def ensure_base(self, version: str, spec: LoraSpec) -> None:
-        """Have `version` loaded (downloaded and verified once, then kept in memory)."""
-        if self.trainer is not None and self.base_version == version and self.trainer.spec == spec:
+    def ensure_base(self, version: str, spec: LoraSpec, adapter: str = "ffa_lora") -> None:
+        """Have `version` loaded (downloaded and verified once, then kept in memory).
+
+        The model is built once and kept between rounds; it is rebuilt only when the
+        coordinator switches the adapter or the LoRA spec.
+        """
+        same_kind = self.trainer is not None and self.trainer.spec == spec and self.adapter == adapter
+        if same_kind and self.base_version == version:
             return
         directory = self.home / "models" / version
         self.model_source(version, directory)
-        if self.trainer is None or self.trainer.spec != spec:
-            model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
+        if self.trainer is None or not same_kind:
+            self.trainer = None  # drop the old model before loading the new one
             tokenizer = AutoTokenizer.from_pretrained(directory)
-            self.trainer = FfaLoraTrainer(model, tokenizer, spec=spec, device=self.device)
+            self.trainer = make_trainer(
+                directory, tokenizer, adapter=adapter, spec=spec, device=self.device,
+                gradient_checkpointing=self.gradient_checkpointing, max_full_params=self.max_full_params,
+            )
+            self.adapter = adapter
         else:
             self.trainer.load_base(load_file(directory / "model.safetensors"))
         self.base_version = version
@@ -94,26 +120,38 @@ class ClientRuntime:
 
     def train(self, message: Message) -> Message:
         task = TaskConfig.from_record(message.content.config_records[TASK_CONFIG])
+        if self.method not in ("any", task.method):
+            raise RoundRefusal(
+                f"round {task.round} asks for {task.method} training and this client runs only {self.method}; "
+                f"join again with --method {task.method} or --method any"
+            )
         spec = LoraSpec(rank=task.lora_rank, alpha=task.lora_alpha, target_modules=task.target_modules)
-        self.ensure_base(task.base_version, spec)
+        plan = plan_round(task, num_records=len(self.conversations), account=self.state.privacy,
+                          budget=self.privacy_budget)  # refuses before anything is trained
+        self.ensure_base(task.base_version, spec, task.adapter)
         assert self.trainer is not None
+        dp = self._dp_config(plan, self.trainer)
 
         def step(info: StepInfo) -> None:
-            self.on_event(RoundEvent("step", task.round, {
+            detail: dict[str, float | str] = {
                 "step": info.step, "steps": info.steps, "loss": info.loss, "tokens_per_s": info.tokens_per_s,
-            }))
+            }
+            if info.reward is not None:
+                detail["reward"] = info.reward
+            self.on_event(RoundEvent("step", task.round, detail))
 
-        result = self.trainer.train_round(
-            self.conversations, seed=task.seed, steps=task.steps, lr=task.learning_rate,
-            batch_size=task.batch_size, max_length=task.max_length, on_step=step,
-        )
+        result = self.run_objective(self.trainer, task, step, dp=dp)
         update = result.update
         norm = 0.0
         if task.clip_norm > 0:
             update, norm = clip_delta(update, task.clip_norm)
+        if plan.update_noise_std > 0:  # user-level Gaussian mechanism, before compression
+            update = add_gaussian_noise(update, std=plan.update_noise_std, generator=secure_generator())
+        self.state.privacy.commit(plan)  # spent once trained, whatever becomes of the upload
+        self.state.save()
         if self.misbehaviour is not None:  # after clipping: an attacker ignores the protocol
             update = self.misbehaviour.corrupt(update, task.round)
-        codec = CodecSpec(codec=task.codec, group_size=task.group_size)
+        codec = CodecSpec(codec=task.codec, group_size=task.group_size, granularity=task.granularity)
         in_features = {module: shape[1] for module, shape in self.trainer.shapes.items()}
         payload, _ = self.feedback.compress(update, codec, lora=spec, seed=task.seed, in_features=in_features)
         self.feedback.save(self.home / "feedback.safetensors")
@@ -123,7 +161,48 @@ class ClientRuntime:
             "num_examples": float(result.num_examples), "train_loss": result.mean_loss,
             "tokens": float(result.tokens), "train_seconds": result.seconds,
             "update_norm": norm, "raw_bytes": float(raw_bytes), "payload_bytes": float(len(payload)),
+            **plan.metrics(),
         })
+
+    def _dp_config(self, plan: PrivacyPlan, trainer: Trainer) -> DpConfig | None:
+        """DP-SGD settings for the trainer (None: no DP-SGD); tells the front end what was planned."""
+        self.on_event(RoundEvent("privacy", plan.round, {
+            k: v for k, v in plan.metrics().items()
+            if k in ("dp_noise_multiplier", "dp_sample_rate", "update_noise_multiplier", "epsilon", "epsilon_total",
+                     "user_epsilon", "user_epsilon_total", "dp_delta")
+        }))
+        if not plan.dp_sgd:
+            return None
+        try:
+            trainer.check_dp()
+        except ValueError as exc:
+            raise PrivacyRefusal(f"round {plan.round}: {exc}") from None
+        return DpConfig(max_grad_norm=plan.dp_max_grad_norm, noise_multiplier=plan.dp_noise_multiplier)
+
+
+    def run_objective(
+        self, trainer: Trainer, task: TaskConfig, on_step: Callable[[StepInfo], None],
+        dp: DpConfig | None = None,
+    ) -> RoundResult:
+        """Train one round with the task's objective: SFT, or GRPO / GSPO on a reward."""
+        if task.method == "sft":
+            return trainer.train_round(
+                self.conversations, seed=task.seed, steps=task.steps, lr=task.learning_rate,
+                batch_size=task.batch_size, max_length=task.max_length, on_step=on_step, dp=dp,
+            )
+        if task.method not in ("grpo", "gspo"):
+            raise ValueError(f"unknown training method {task.method!r}; update zoo-gym")
+        from zoo_gym.client.trainers.grpo import prompts_from_conversations, train_grpo
+        from zoo_gym.client.trainers.reward_functions import load_reward_functions
+
+        rewards = load_reward_functions(task.reward_functions, self.reward_functions)
+        return train_grpo(
+            trainer, prompts_from_conversations(self.conversations), objective=task.method,
+            seed=task.seed, steps=task.steps, lr=task.learning_rate, batch_size=task.batch_size,
+            num_generations=task.num_generations, max_new_tokens=task.max_new_tokens,
+            temperature=task.temperature, clip_epsilon=task.clip_epsilon, kl_beta=task.kl_beta,
+            rewards=rewards, max_length=task.max_length, on_step=on_step,
+        )
 
 
 def signed_reply(

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -47,7 +48,9 @@ def join(
     conversations = load_records(config.path(config.data))
     identity = Identity.load(config.path(config.key))
     roots = config.path(config.ca_cert).read_bytes() if config.ca_cert else None
-    client = FederationClient(config.coordinator, identity, root_certificates=roots)
+    offset = config.clock_offset_s
+    client = FederationClient(config.coordinator, identity, root_certificates=roots,
+                              clock=(lambda: time.time() + offset) if offset else time.time)
     try:
         reg = client.register(config.name)
         home = config.home
@@ -57,13 +60,19 @@ def join(
         def source(version: str, directory: Path) -> None:
             try:
                 read_verified(directory, reg.coordinator_key)
-            except (OSError, ValueError):
+            except FileNotFoundError:
+                client.fetch_model(version, directory, reg.coordinator_key)
+            except (OSError, ValueError) as exc:
+                say(f"model {version} on disk failed its check ({exc}); downloading it again")
                 client.fetch_model(version, directory, reg.coordinator_key)
 
         runtime = ClientRuntime(
             identity=identity, conversations=conversations, home=runtime_home,
             model_source=source, device=config.device, on_event=on_event,
             misbehaviour=Misbehaviour(config.byzantine) if config.byzantine else None,
+            reward_functions=config.reward_functions, error_feedback=config.error_feedback,
+            gradient_checkpointing=config.gradient_checkpointing, max_full_params=config.max_full_params,
+            privacy_budget=config.privacy_budget(), method=config.method,
         )
         pinned = runtime.state.coordinator_key
         if pinned and pinned != reg.coordinator_key.hex():
@@ -95,12 +104,17 @@ def join(
             reply = app(task.message, context)
             result = client.submit(task, reply)
             metrics = reply.content.metric_records["metrics"]
+            done = result.accepted or already_accepted(result.reason)
             runtime.state.record(Contribution(
                 round=task.round, message_id=task.message.metadata.message_id,
-                base_version=task.base_version, decision="accepted" if result.accepted else "rejected",
+                base_version=task.base_version, decision="accepted" if done else "rejected",
                 reason=result.reason, payload_bytes=result.payload_bytes,
                 raw_bytes=int(_scalar(metrics["raw_bytes"])), train_loss=_scalar(metrics["train_loss"]),
             ))
+            if done and not result.accepted:  # accepted before a crash kept us from recording it
+                say(f"round {task.round}: the coordinator already holds this machine's update; done")
+                made += 1
+                continue
             say(f"round {task.round}: uploaded {result.payload_bytes} bytes "
                 f"(bf16 would be {int(_scalar(metrics['raw_bytes']))}); "
                 f"{'accepted' if result.accepted else 'REJECTED'}: {result.reason}")
@@ -132,11 +146,24 @@ def _report_outcomes(
             c.decision, c.reason = out.decision, out.reason
             runtime.state.record(c)
             say(f"round {c.round} closed ({out.round_status}{', now ' + out.published_version if out.published_version else ''}): "
-                f"your update {out.decision}: {out.reason}")
+                f"your update {out.decision}, reward {out.reward:g} (quality {out.quality:+.4g}): {out.reason}")
         if all(c.final for c in runtime.state.contributions.values()) or time.monotonic() > deadline:
             return
         if stop is not None and stop.wait(0.5):
             return
+
+
+ALREADY_ACCEPTED = "you already have an accepted submission for round"
+
+
+def already_accepted(reason: str) -> bool:
+    """Whether a refusal says this contributor's update for the round is already in.
+
+    A client killed after the coordinator accepted its update but before it recorded that
+    locally trains the round again on restart; the coordinator refuses the second upload
+    with this reason, and the round counts as done, not failed.
+    """
+    return reason.startswith(ALREADY_ACCEPTED)
 
 
 def _scalar(value: object) -> float:

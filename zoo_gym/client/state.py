@@ -12,6 +12,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from zoo_gym.client.privacy import PrivacyAccount
+
 STATE_FORMAT = 1
 
 
@@ -37,6 +39,7 @@ class LocalState:
     coordinator_key: str = ""
     contributor_id: str = ""
     contributions: dict[str, Contribution] = field(default_factory=dict)
+    privacy: PrivacyAccount = field(default_factory=PrivacyAccount)  # every DP mechanism so far
 
     @classmethod
     def load(cls, path: Path) -> LocalState:
@@ -45,13 +48,15 @@ class LocalState:
         data: dict[str, Any] = json.loads(path.read_text())
         contributions = {k: Contribution(**v) for k, v in data.get("contributions", {}).items()}
         return cls(path, data.get("coordinator", ""), data.get("coordinator_key", ""),
-                   data.get("contributor_id", ""), contributions)
+                   data.get("contributor_id", ""), contributions,
+                   privacy=PrivacyAccount.from_json(data.get("privacy", {})))
 
     def save(self) -> None:
         body = {
             "format": STATE_FORMAT, "coordinator": self.coordinator,
             "coordinator_key": self.coordinator_key, "contributor_id": self.contributor_id,
             "contributions": {k: asdict(v) for k, v in self.contributions.items()},
+            "privacy": self.privacy.to_json(),
         }
         tmp = self.path.with_suffix(".tmp")
         tmp.write_text(json.dumps(body, indent=1))

@@ -329,3 +329,24 @@ def test_a_client_limited_to_one_objective_stops_at_a_round_asking_for_another(
         rt.train(message(task(1, method="grpo")))
 
     assert rt.trainer is None and not (tmp_path / "models").exists()
+
+
+def test_the_residual_is_kept_only_once_the_coordinator_holds_the_update(
+    tmp_path: Path, base_dir: Path
+) -> None:
+    # `join` uploads after train(): a crash before the upload must not carry the residual twice
+    rt = runtime(tmp_path, base_dir)
+    rt.persist_feedback = False
+    saved = tmp_path / "feedback.safetensors"
+
+    rt.train(message(task(1, steps=2)))
+    assert rt.feedback.residual and not saved.exists()
+    rt.revert_feedback()  # refused: nothing was transmitted, nothing carries over
+    assert rt.feedback.residual == {}
+
+    rt.train(message(task(2, steps=2)))
+    kept = {k: v.clone() for k, v in rt.feedback.residual.items()}
+    rt.commit_feedback()  # accepted
+    rt.revert_feedback()
+    assert saved.exists() and rt.feedback.residual.keys() == kept.keys()
+    assert all(torch.equal(rt.feedback.residual[k], kept[k]) for k in kept)

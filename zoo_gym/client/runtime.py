@@ -90,6 +90,10 @@ class ClientRuntime:
         home.mkdir(parents=True, exist_ok=True)
         self.state = LocalState.load(home / "state.json")
         self.feedback = FfaErrorFeedback.load(home / "feedback.safetensors", enabled=error_feedback)
+        # True: the residual is saved as soon as a round is compressed. A front end that uploads
+        # sets False and calls commit_feedback once the coordinator holds the update (or
+        # revert_feedback when it refused it), so a crash in between never carries a residual twice.
+        self.persist_feedback = True
         self.trainer: Trainer | None = None
         self.adapter = ""
         self.base_version = ""
@@ -154,7 +158,8 @@ class ClientRuntime:
         codec = CodecSpec(codec=task.codec, group_size=task.group_size, granularity=task.granularity)
         in_features = {module: shape[1] for module, shape in self.trainer.shapes.items()}
         payload, _ = self.feedback.compress(update, codec, lora=spec, seed=task.seed, in_features=in_features)
-        self.feedback.save(self.home / "feedback.safetensors")
+        if self.persist_feedback:
+            self.commit_feedback()
         raw_bytes = sum(t.numel() * 2 for t in update.values())  # as bf16
         self.on_event(RoundEvent("compressed", task.round, {"raw_bytes": raw_bytes, "payload_bytes": len(payload)}))
         return signed_reply(self.identity, message, task, payload, {
@@ -163,6 +168,14 @@ class ClientRuntime:
             "update_norm": norm, "raw_bytes": float(raw_bytes), "payload_bytes": float(len(payload)),
             **plan.metrics(),
         })
+
+    def commit_feedback(self) -> None:
+        """Save the error-feedback residual of the last compressed round."""
+        self.feedback.save(self.home / "feedback.safetensors")
+
+    def revert_feedback(self) -> None:
+        """Drop the last round's residual change: back to the one saved last."""
+        self.feedback = FfaErrorFeedback.load(self.home / "feedback.safetensors", enabled=self.feedback.enabled)
 
     def _dp_config(self, plan: PrivacyPlan, trainer: Trainer) -> DpConfig | None:
         """DP-SGD settings for the trainer (None: no DP-SGD); tells the front end what was planned."""

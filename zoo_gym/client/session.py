@@ -74,6 +74,7 @@ def join(
             gradient_checkpointing=config.gradient_checkpointing, max_full_params=config.max_full_params,
             privacy_budget=config.privacy_budget(), method=config.method,
         )
+        runtime.persist_feedback = False  # saved once the coordinator holds the update
         pinned = runtime.state.coordinator_key
         if pinned and pinned != reg.coordinator_key.hex():
             raise JoinError(
@@ -105,6 +106,10 @@ def join(
             result = client.submit(task, reply)
             metrics = reply.content.metric_records["metrics"]
             done = result.accepted or already_accepted(result.reason)
+            if done:  # the coordinator holds the update: what compression dropped carries over
+                runtime.commit_feedback()
+            else:
+                runtime.revert_feedback()
             runtime.state.record(Contribution(
                 round=task.round, message_id=task.message.metadata.message_id,
                 base_version=task.base_version, decision="accepted" if done else "rejected",

@@ -6,6 +6,7 @@ import functools
 import logging
 import os
 import sys
+import warnings
 from collections.abc import Callable
 from typing import ParamSpec, TypeVar
 
@@ -18,6 +19,8 @@ R = TypeVar("R")
 # bitsandbytes (imported by peft when installed) warns at import on CPUs with AVX512-BF16 that
 # an optional kernel package is missing; its own fallback works, so only its errors are shown
 logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
+# peft probes `model.is_gradient_checkpointing`, which transformers 5 deprecates; nothing to act on
+warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
 
 console = Console(stderr=False, highlight=False)
 err_console = Console(stderr=True, highlight=False)

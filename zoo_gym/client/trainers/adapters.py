@@ -70,24 +70,7 @@ class DoraTrainer(PeftTrainer):
     """DoRA: A, B and the magnitude train; the update is merged weight minus base weight."""
 
     adapter = "dora"
-
-    def __init__(
-        self,
-        model: PreTrainedModel,
-        tokenizer: PreTrainedTokenizerBase,
-        *,
-        spec: LoraSpec,
-        device: str = "cpu",
-        gradient_checkpointing: bool = False,
-    ) -> None:
-        super().__init__(
-            model,
-            tokenizer,
-            spec=spec,
-            device=device,
-            gradient_checkpointing=gradient_checkpointing,
-            use_dora=True,
-        )
+    use_dora = True
 
     def _magnitude(self, name: str) -> torch.nn.Parameter:
         weight = self.layers[name].lora_magnitude_vector[ADAPTER].weight  # (out,)

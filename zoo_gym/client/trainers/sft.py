@@ -229,6 +229,7 @@ class PeftTrainer(Trainer):
     """A base model wrapped once with a peft LoRA adapter on the spec's target modules."""
 
     model: PeftModel
+    use_dora = False  # DoRA's magnitude vectors beside the LoRA factors
 
     def __init__(
         self,
@@ -238,7 +239,6 @@ class PeftTrainer(Trainer):
         spec: LoraSpec,
         device: str = "cpu",
         gradient_checkpointing: bool = False,
-        use_dora: bool = False,
     ) -> None:
         super().__init__(
             tokenizer, spec=spec, device=device, gradient_checkpointing=gradient_checkpointing
@@ -252,7 +252,7 @@ class PeftTrainer(Trainer):
             target_modules=list(spec.target_modules),
             lora_dropout=0.0,
             bias="none",
-            use_dora=use_dora,
+            use_dora=self.use_dora,
         )
         if not getattr(model, "is_loaded_in_4bit", False):
             model.to(self.device)  # type: ignore[arg-type]
@@ -306,23 +306,6 @@ class FfaLoraTrainer(PeftTrainer):
     """FFA-LoRA: A frozen from the round's seed, only B trains; the update is the B matrices."""
 
     adapter = "ffa_lora"
-
-    def __init__(
-        self,
-        model: PreTrainedModel,
-        tokenizer: PreTrainedTokenizerBase,
-        *,
-        spec: LoraSpec,
-        device: str = "cpu",
-        gradient_checkpointing: bool = False,
-    ) -> None:
-        super().__init__(
-            model,
-            tokenizer,
-            spec=spec,
-            device=device,
-            gradient_checkpointing=gradient_checkpointing,
-        )
 
     def adapter_b(self) -> Delta:
         """The current B matrices, keyed like an update."""

@@ -37,6 +37,7 @@ def run(
     steps: int,
     lr: float,
     granularity: str = "group",
+    adapter: str = "ffa_lora",
 ) -> tuple[float, float, float]:
     """(initial loss, final loss, seconds) of one federation."""
     torch.manual_seed(0)
@@ -47,7 +48,7 @@ def run(
             tiny=True,
             settings=f'rounds = {rounds}\nmin_clients = {clients}\naggregator = "fedavg"\n',
             training=f'steps = {steps}\nlearning_rate = {lr}\ncodec = "{codec}"\ngroup_size = 128\n'
-            f'granularity = "{granularity}"\n',
+            f'granularity = "{granularity}"\nadapter = "{adapter}"\n',
         )
         shards = [make_examples(60, seed=100 + i) for i in range(clients)]
         federation = InProcessFederation.build(home, shards, seed=0)
@@ -70,6 +71,12 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20, help="local steps per round")
     parser.add_argument("--lr", type=float, default=0.005)
     parser.add_argument(
+        "--adapter",
+        default="ffa_lora",
+        choices=("ffa_lora", "lora", "dora", "full"),
+        help="what trains",
+    )
+    parser.add_argument(
         "--granularity", default="group", choices=("group", "row", "matrix"), help="scale per ..."
     )
     args = parser.parse_args()
@@ -84,6 +91,7 @@ def main() -> None:
             steps=args.steps,
             lr=args.lr,
             granularity=args.granularity,
+            adapter=args.adapter,
         )
         rows.append((label, initial, final, seconds))
         print(f"{label}: {initial:.4f} -> {final:.4f} in {seconds:.0f} s", flush=True)
@@ -91,7 +99,7 @@ def main() -> None:
     print()
     print(
         f"{args.rounds} rounds, {args.clients} clients, {args.steps} steps, lr {args.lr}, "
-        f"FedAvg, scales per {args.granularity}"
+        f"FedAvg, scales per {args.granularity}, {args.adapter}"
     )
     print()
     print("| codec | initial loss | final loss | vs none |")

@@ -18,5 +18,7 @@ def test_import_contracts_hold() -> None:
 
 
 def test_generated_protobuf_code_is_fresh() -> None:
-    result = subprocess.run([sys.executable, "proto/generate.py", "--check"], cwd=ROOT, capture_output=True, text=True)
+    result = subprocess.run(
+        [sys.executable, "proto/generate.py", "--check"], cwd=ROOT, capture_output=True, text=True
+    )
     assert result.returncode == 0, result.stdout + result.stderr

@@ -9,7 +9,8 @@ from zoo_gym.client.byzantine import Misbehaviour
 from zoo_gym.client.config import ClientConfig
 
 CONVERSATIONS = [
-    [{"role": "user", "content": f"{i}+{i}"}, {"role": "assistant", "content": str(2 * i)}] for i in range(6)
+    [{"role": "user", "content": f"{i}+{i}"}, {"role": "assistant", "content": str(2 * i)}]
+    for i in range(6)
 ]
 
 
@@ -32,7 +33,9 @@ def test_update_attacks_apply_to_the_own_update() -> None:
     scaled = Misbehaviour("scaling").corrupt(update, round_number=1)
     boosted = Misbehaviour("scaling", {"boost": 3.0}).corrupt(update, round_number=1)
 
-    assert torch.equal(flipped["a"], torch.tensor([-1.0, 2.0])) and torch.equal(flipped["b"], torch.tensor([[-0.5]]))
+    assert torch.equal(flipped["a"], torch.tensor([-1.0, 2.0])) and torch.equal(
+        flipped["b"], torch.tensor([[-0.5]])
+    )
     assert torch.equal(scaled["a"], torch.tensor([-10.0, 20.0]))  # default boost 10
     assert torch.equal(boosted["b"], torch.tensor([[-1.5]]))
 

@@ -17,23 +17,50 @@ def _write(home: Path, text: str) -> Path:
 
 
 def test_rule_parameters_and_pre_aggregation_are_loaded(tmp_path: Path) -> None:
-    path = _write(tmp_path, 'aggregator = "multikrum"\nbyzantine_f = 1\nmin_clients = 5\n'
-                            'pre_aggregation = "nnm"\n[aggregator_params]\nm = 2\n')
+    path = _write(
+        tmp_path,
+        'aggregator = "multikrum"\nbyzantine_f = 1\nmin_clients = 5\n'
+        'pre_aggregation = "nnm"\n[aggregator_params]\nm = 2\n',
+    )
     config = load_config(path)
-    assert (config.aggregator, config.aggregator_params, config.pre) == ("multikrum", {"m": 2}, "nnm")
+    assert (config.aggregator, config.aggregator_params, config.pre) == (
+        "multikrum",
+        {"m": 2},
+        "nnm",
+    )
 
 
-@pytest.mark.parametrize(("text", "message"), [
-    ('aggregator = "krum"\nbyzantine_f = 2\nmin_clients = 5\n',
-     "krum with byzantine_f = 2 needs at least 7 updates per round; set min_clients >= 7 or lower byzantine_f"),
-    ('aggregator = "bulyan"\nbyzantine_f = 1\nmin_clients = 6\n', "bulyan with byzantine_f = 1 needs at least 7"),
-    ('pre_aggregation = "mix"\n', "pre_aggregation must be none or nnm, not 'mix'"),
-    ('aggregator = "centered_clipping"\nmin_clients = 3\n[aggregator_params]\ntau = -1.0\n', "tau must be > 0"),
-    ('aggregator = "median"\n[aggregator_params]\ntau = 1.0\n', "median does not take parameter(s) 'tau'"),
-    ('[rewards]\nmethod = "vibes"\n', "rewards: method must be none or one of individual, leave_one_out"),
-    ('[rewards]\npool = "10.0000005"\n', "pool 10.0000005 is not a whole number of units of 0.000001"),
-    ('[rewards]\npool = -1\n', "rewards.pool: Input should be greater than or equal to 0"),
-])
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        (
+            'aggregator = "krum"\nbyzantine_f = 2\nmin_clients = 5\n',
+            "krum with byzantine_f = 2 needs at least 7 updates per round; set min_clients >= 7 or lower byzantine_f",
+        ),
+        (
+            'aggregator = "bulyan"\nbyzantine_f = 1\nmin_clients = 6\n',
+            "bulyan with byzantine_f = 1 needs at least 7",
+        ),
+        ('pre_aggregation = "mix"\n', "pre_aggregation must be none or nnm, not 'mix'"),
+        (
+            'aggregator = "centered_clipping"\nmin_clients = 3\n[aggregator_params]\ntau = -1.0\n',
+            "tau must be > 0",
+        ),
+        (
+            'aggregator = "median"\n[aggregator_params]\ntau = 1.0\n',
+            "median does not take parameter(s) 'tau'",
+        ),
+        (
+            '[rewards]\nmethod = "vibes"\n',
+            "rewards: method must be none or one of individual, leave_one_out",
+        ),
+        (
+            '[rewards]\npool = "10.0000005"\n',
+            "pool 10.0000005 is not a whole number of units of 0.000001",
+        ),
+        ("[rewards]\npool = -1\n", "rewards.pool: Input should be greater than or equal to 0"),
+    ],
+)
 def test_bad_aggregation_policy_is_one_line(tmp_path: Path, text: str, message: str) -> None:
     with pytest.raises(ConfigError) as exc:
         load_config(_write(tmp_path, text))

@@ -44,10 +44,21 @@ def test_loopback_federation_improves_and_records(tiny_home: Path, aggregator: s
 def test_multikrum_round_leaves_out_the_attacker_and_records_why(tiny_home: Path) -> None:
     # Prepare: 5 clients, client 0 sends 5 x the negated honest mean; Multi-Krum tolerates f = 1
     shards = shard(make_examples(5 * 24, seed=2), 5)
-    overrides = {"rounds": 1, "min_clients": 5, "aggregator": "multikrum", "byzantine_f": 1,
-                 "training": {"steps": 3}}
-    fed = InProcessFederation.build(tiny_home, shards, overrides=overrides, byzantine=[0], attack="sign_flip",
-                                    attack_params={"scale": 5.0})
+    overrides = {
+        "rounds": 1,
+        "min_clients": 5,
+        "aggregator": "multikrum",
+        "byzantine_f": 1,
+        "training": {"steps": 3},
+    }
+    fed = InProcessFederation.build(
+        tiny_home,
+        shards,
+        overrides=overrides,
+        byzantine=[0],
+        attack="sign_flip",
+        attack_params={"scale": 5.0},
+    )
 
     # Execute
     (summary,) = fed.run()
@@ -67,21 +78,33 @@ def test_multikrum_round_leaves_out_the_attacker_and_records_why(tiny_home: Path
         reputations = {c.contributor_id: c.reputation for c in ledger.list_contributors(session)}
     assert set(rewards) == set(subs)
     assert rewards[attacker].amount == 0
-    assert rewards[attacker].reason.startswith("not used by multikrum: not among the 4 lowest Krum scores")
+    assert rewards[attacker].reason.startswith(
+        "not used by multikrum: not among the 4 lowest Krum scores"
+    )
     assert sum(r.amount for r in rewards.values()) == Decimal(100)  # exact: the whole pool
     paid = [r for cid, r in rewards.items() if cid != attacker and r.amount > 0]
     assert paid and all(r.quality is not None and r.quality > 0 for r in paid)
     # shares follow quality: amount_i / amount_j == quality_i / quality_j (to the micro-unit)
     a, b = paid[0], paid[-1]
-    assert float(a.amount) * float(b.quality) == pytest.approx(float(b.amount) * float(a.quality), rel=1e-4)
-    assert reputations[attacker] == 0.0 and all(reputations[cid] > 0 for cid in rewards if rewards[cid].amount > 0)
+    assert float(a.amount) * float(b.quality) == pytest.approx(
+        float(b.amount) * float(a.quality), rel=1e-4
+    )
+    assert reputations[attacker] == 0.0 and all(
+        reputations[cid] > 0 for cid in rewards if rewards[cid].amount > 0
+    )
 
 
 def test_round_with_fewer_updates_than_the_rule_needs_is_aborted(tiny_home: Path) -> None:
     # Prepare: krum with f = 1 needs 5 updates; two of the five replies are dropped on the way
     shards = shard(make_examples(5 * 24, seed=2), 5)
-    overrides = {"rounds": 1, "min_clients": 5, "quorum": 1, "aggregator": "krum", "byzantine_f": 1,
-                 "training": {"steps": 2}}
+    overrides = {
+        "rounds": 1,
+        "min_clients": 5,
+        "quorum": 1,
+        "aggregator": "krum",
+        "byzantine_f": 1,
+        "training": {"steps": 2},
+    }
     dropped: list[int] = []
 
     def drop_two(node: int, reply: Message) -> Message:
@@ -100,7 +123,9 @@ def test_round_with_fewer_updates_than_the_rule_needs_is_aborted(tiny_home: Path
     with Session(fed.coordinator.engine) as session:
         used = [s for s in ledger.list_submissions(session) if s.decision == "accepted"]
     assert len(used) == 3
-    assert all(s.aggregation_reason == "round aborted: 3 usable updates, krum needs 5" for s in used)
+    assert all(
+        s.aggregation_reason == "round aborted: 3 usable updates, krum needs 5" for s in used
+    )
 
 
 def test_operator_abort_and_staged_policy_reach_the_round_loop(tiny_home: Path) -> None:
@@ -108,8 +133,9 @@ def test_operator_abort_and_staged_policy_reach_the_round_loop(tiny_home: Path) 
     from zoo_gym.coordinator.control import PolicyChange
 
     shards = shard(make_examples(3 * 24, seed=3), 3)
-    fed = InProcessFederation.build(tiny_home, shards, overrides={"rounds": 2, "min_clients": 3,
-                                                                  "training": {"steps": 2}})
+    fed = InProcessFederation.build(
+        tiny_home, shards, overrides={"rounds": 2, "min_clients": 3, "training": {"steps": 2}}
+    )
     co = fed.coordinator
     co.control.request_abort(1, by="admin:ops", reason="suspicious data")
     staged = co.config.model_copy(update={"aggregator": "median", "byzantine_f": 1})
@@ -118,7 +144,9 @@ def test_operator_abort_and_staged_policy_reach_the_round_loop(tiny_home: Path) 
     def after(summary: RoundSummary) -> None:
         statuses.append(summary.status)
         if len(statuses) == 1:
-            co.control.stage_policy(PolicyChange(staged, {"aggregator": ("fedavg", "median")}, by="admin:ops"))
+            co.control.stage_policy(
+                PolicyChange(staged, {"aggregator": ("fedavg", "median")}, by="admin:ops")
+            )
 
     # Execute
     fed.run(on_round=after)
@@ -130,7 +158,9 @@ def test_operator_abort_and_staged_policy_reach_the_round_loop(tiny_home: Path) 
         assert first is not None and second is not None
         assert (first.metrics or {})["aborted_by"] == "admin:ops"
         assert (first.metrics or {})["reason"] == "suspicious data"
-        assert "median" in (ledger.list_submissions(session, round_number=2)[0].aggregation_reason or "")
+        assert "median" in (
+            ledger.list_submissions(session, round_number=2)[0].aggregation_reason or ""
+        )
     assert co.config.aggregator == "median"
     exposed = co.metrics.exposition().decode()
     assert 'zoo_gym_rounds_total{status="aborted"} 1.0' in exposed
@@ -148,7 +178,12 @@ def test_fused_fedavg_publishes_what_the_row_by_row_path_publishes(
     from safetensors.torch import load_file
 
     shards = shard(make_examples(2 * 40, seed=5), 2)
-    common = {"rounds": 1, "min_clients": 2, "aggregator": "fedavg", "quality_gate_tolerance": 100.0}
+    common = {
+        "rounds": 1,
+        "min_clients": 2,
+        "aggregator": "fedavg",
+        "quality_gate_tolerance": 100.0,
+    }
     published = {}
     weights = {}
     for method in ("none", "individual"):

@@ -17,13 +17,20 @@ from zoo_gym.core.protocol import register_statement
 
 def _coordinator(home: Path, floor: float) -> tuple[Coordinator, list[int]]:
     config = load_config(home / "coordinator.toml")
-    co = Coordinator(CoordinatorConfig.model_validate(
-        {**config.model_dump(), "clients_per_round": 1, "rewards": {"selection_floor": floor}}))
+    co = Coordinator(
+        CoordinatorConfig.model_validate(
+            {**config.model_dump(), "clients_per_round": 1, "rewards": {"selection_floor": floor}}
+        )
+    )
     nodes = []
     for name, reputation in (("good", 0.8), ("fair", 0.2), ("new", 0.0)):
         identity, ts = Identity.generate(), int(time.time() * 1000)
-        reg = co.backend.register(public_key=identity.public_key, name=name, timestamp_ms=ts,
-                                  signature=identity.sign(register_statement(identity.public_key, name, ts)))
+        reg = co.backend.register(
+            public_key=identity.public_key,
+            name=name,
+            timestamp_ms=ts,
+            signature=identity.sign(register_statement(identity.public_key, name, ts)),
+        )
         with Session(co.engine) as session:  # as earlier rounds would have left it
             row = ledger.get_contributor(session, contributor_id=identity.contributor_id)
             assert row is not None

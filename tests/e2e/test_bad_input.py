@@ -49,13 +49,23 @@ def one_error_line(result: subprocess.CompletedProcess[str]) -> str:
 def coordinator(tiny_home: Path) -> Iterator[tuple[str, str, Path]]:
     port, rest = free_port(), free_port()
     config = tiny_home / "coordinator.toml"
-    text = re.sub(r'(?m)^(rest_)?listen = .*\n', "", config.read_text())
-    config.write_text(text.replace("[training]", (
-        f'listen = "127.0.0.1:{port}"\nrest_listen = "127.0.0.1:{rest}"\nrounds = 4\nmin_clients = 1\n'
-        'round_timeout_s = 120\nmax_upload_bytes = 65536\n\n[training]')))
+    text = re.sub(r"(?m)^(rest_)?listen = .*\n", "", config.read_text())
+    config.write_text(
+        text.replace(
+            "[training]",
+            (
+                f'listen = "127.0.0.1:{port}"\nrest_listen = "127.0.0.1:{rest}"\nrounds = 4\nmin_clients = 1\n'
+                "round_timeout_s = 120\nmax_upload_bytes = 65536\n\n[training]"
+            ),
+        )
+    )
     log = (tiny_home / "serve.log").open("wb")
-    proc = subprocess.Popen([*CLI, "zoo_gym.cli.coordinator", "serve", "-c", str(config)],
-                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    proc = subprocess.Popen(
+        [*CLI, "zoo_gym.cli.coordinator", "serve", "-c", str(config)],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     base = f"http://127.0.0.1:{rest}"
     try:
         for _ in range(120):
@@ -93,7 +103,10 @@ def zero_update(task: TaskConfig, home: Path) -> bytes:
 
     state = load_file(home / "models" / "v0000" / "model.safetensors")
     spec = LoraSpec(rank=task.lora_rank, alpha=task.lora_alpha, target_modules=task.target_modules)
-    delta = {update_key(m): torch.zeros(out, spec.rank) for m, (out, _) in target_weights(state, spec).items()}
+    delta = {
+        update_key(m): torch.zeros(out, spec.rank)
+        for m, (out, _) in target_weights(state, spec).items()
+    }
     return encode(delta, CodecSpec(task.codec, task.group_size))
 
 
@@ -101,35 +114,62 @@ def test_dead_coordinator_address(tmp_path: Path) -> None:
     assert run_cli("zoo_gym.cli.client", "init", "--home", str(tmp_path / "c")).returncode == 0
     data = tmp_path / "data.jsonl"
     data.write_text('{"instruction": "a", "output": "b"}\n')
-    result = run_cli("zoo_gym.cli.client", "join", f"127.0.0.1:{free_port()}", "--home", str(tmp_path / "c"),
-                     "--data", str(data))
+    result = run_cli(
+        "zoo_gym.cli.client",
+        "join",
+        f"127.0.0.1:{free_port()}",
+        "--home",
+        str(tmp_path / "c"),
+        "--data",
+        str(data),
+    )
     assert "cannot reach the coordinator" in one_error_line(result)
 
 
-@pytest.mark.parametrize(("content", "expected"), [
-    ("", "the file has no examples"),
-    ("{not json\n", "invalid JSON"),
-    ('{"question": 1}\n', "each line must be"),
-])
+@pytest.mark.parametrize(
+    ("content", "expected"),
+    [
+        ("", "the file has no examples"),
+        ("{not json\n", "invalid JSON"),
+        ('{"question": 1}\n', "each line must be"),
+    ],
+)
 def test_bad_data_file(tmp_path: Path, content: str, expected: str) -> None:
     assert run_cli("zoo_gym.cli.client", "init", "--home", str(tmp_path / "c")).returncode == 0
     data = tmp_path / "data.jsonl"
     data.write_text(content)
-    result = run_cli("zoo_gym.cli.client", "join", "127.0.0.1:1", "--home", str(tmp_path / "c"), "--data", str(data))
+    result = run_cli(
+        "zoo_gym.cli.client",
+        "join",
+        "127.0.0.1:1",
+        "--home",
+        str(tmp_path / "c"),
+        "--data",
+        str(data),
+    )
     line = one_error_line(result)
     assert expected in line and str(data) in line
 
 
 def test_missing_data_file(tmp_path: Path) -> None:
     assert run_cli("zoo_gym.cli.client", "init", "--home", str(tmp_path / "c")).returncode == 0
-    result = run_cli("zoo_gym.cli.client", "join", "127.0.0.1:1", "--home", str(tmp_path / "c"),
-                     "--data", str(tmp_path / "nope.jsonl"))
+    result = run_cli(
+        "zoo_gym.cli.client",
+        "join",
+        "127.0.0.1:1",
+        "--home",
+        str(tmp_path / "c"),
+        "--data",
+        str(tmp_path / "nope.jsonl"),
+    )
     assert "no such data file" in one_error_line(result)
 
 
 def test_wrong_config_value(tiny_home: Path) -> None:
     config = tiny_home / "coordinator.toml"
-    config.write_text(config.read_text().replace("[training]", 'aggregator = "krumm"\n\n[training]'))
+    config.write_text(
+        config.read_text().replace("[training]", 'aggregator = "krumm"\n\n[training]')
+    )
     line = one_error_line(run_cli("zoo_gym.cli.coordinator", "serve", "-c", str(config)))
     assert "aggregator" in line and "krumm" in line and "fedavg" in line
 
@@ -155,8 +195,11 @@ def _forged_auth(contributor_id: str, method: str, digest: str):  # type: ignore
 
     ts = int(time.time() * 1000)
     other = Identity.generate()
-    return pb.Auth(contributor_id=contributor_id, timestamp_ms=ts,
-                   signature=other.sign(request_statement(method, contributor_id, ts, digest)))
+    return pb.Auth(
+        contributor_id=contributor_id,
+        timestamp_ms=ts,
+        signature=other.sign(request_statement(method, contributor_id, ts, digest)),
+    )
 
 
 def test_clock_off(coordinator: tuple[str, str, Path]) -> None:
@@ -175,7 +218,9 @@ def _task(client: FederationClient) -> ReceivedTask:
     pytest.fail("no task was sent")
 
 
-def test_bad_submissions_are_refused_and_accepted_one_is_kept(coordinator: tuple[str, str, Path]) -> None:
+def test_bad_submissions_are_refused_and_accepted_one_is_kept(
+    coordinator: tuple[str, str, Path],
+) -> None:
     """Refusals before the payload is read keep the task open; a recorded rejection answers it."""
     import sqlite3
 
@@ -205,14 +250,18 @@ def test_bad_submissions_are_refused_and_accepted_one_is_kept(coordinator: tuple
     client.stub.SubmitUpdate = original  # type: ignore[method-assign]
     assert serving(address, rest)
 
-    stale_round = signed_reply(me, task.message, dataclasses.replace(config, round=config.round + 5), payload, {})
+    stale_round = signed_reply(
+        me, task.message, dataclasses.replace(config, round=config.round + 5), payload, {}
+    )
     result = client.submit(task, stale_round)
     assert not result.accepted and "stale round" in result.reason
 
     task = _task(client)  # the rejection answered round 1; round 2 brings a new task
     config = TaskConfig.from_record(task.message.content.config_records[TASK_CONFIG])
     assert config.round == 2
-    stale_base = signed_reply(me, task.message, dataclasses.replace(config, base_version="v0009"), payload, {})
+    stale_base = signed_reply(
+        me, task.message, dataclasses.replace(config, base_version="v0009"), payload, {}
+    )
     result = client.submit(task, stale_base)
     assert not result.accepted and "stale base" in result.reason
 
@@ -233,8 +282,10 @@ def test_bad_submissions_are_refused_and_accepted_one_is_kept(coordinator: tuple
         client.submit(task, again)
 
     db = sqlite3.connect(home / "ledger.db")
-    rows = db.execute("SELECT round_number, decision, reason FROM submissions WHERE contributor_id = ? ORDER BY id",
-                      (me.contributor_id,)).fetchall()
+    rows = db.execute(
+        "SELECT round_number, decision, reason FROM submissions WHERE contributor_id = ? ORDER BY id",
+        (me.contributor_id,),
+    ).fetchall()
     decisions = [d for _, d, _ in rows]
     assert decisions == ["rejected"] * 4 + ["accepted", "rejected"]  # the resend is recorded too
     assert "exceeds" in rows[0][2] and "no open task" in rows[-1][2]

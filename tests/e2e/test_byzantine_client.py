@@ -17,8 +17,17 @@ pytestmark = pytest.mark.e2e
 
 def test_multikrum_leaves_out_a_scaling_attacker(tmp_path: Path) -> None:
     # Prepare: 4 honest clients and one started with `gym-client join --byzantine scaling`
-    fed = Federation(tmp_path / "fed", clients=4, rounds=2, steps=10, examples_per_client=40,
-                     aggregator="multikrum", byzantine="scaling", byzantine_clients=1, stay=True)
+    fed = Federation(
+        tmp_path / "fed",
+        clients=4,
+        rounds=2,
+        steps=10,
+        examples_per_client=40,
+        aggregator="multikrum",
+        byzantine="scaling",
+        byzantine_clients=1,
+        stay=True,
+    )
 
     # Execute
     with fed:
@@ -26,11 +35,15 @@ def test_multikrum_leaves_out_a_scaling_attacker(tmp_path: Path) -> None:
         fed.start()
         fed.wait(timeout_s=420)
         fed.wait_clients(60)
-        reports = [fed.reward_report(i, "--verify", "--format", "json") for i in range(fed.total_clients)]
+        reports = [
+            fed.reward_report(i, "--verify", "--format", "json") for i in range(fed.total_clients)
+        ]
 
     # Assert: every round published and improved on the honest updates alone
     rows = fed.summaries()
-    assert [(r["status"], r["accepted"], r["aggregated"]) for r in rows] == [("published", 5, 4)] * 2
+    assert [(r["status"], r["accepted"], r["aggregated"]) for r in rows] == [
+        ("published", 5, 4)
+    ] * 2
     assert rows[-1]["loss_after"] < rows[0]["loss_before"]
     db = sqlite3.connect(fed.coordinator_home / "ledger.db")
     decisions = db.execute(
@@ -38,8 +51,10 @@ def test_multikrum_leaves_out_a_scaling_attacker(tmp_path: Path) -> None:
         "JOIN contributors c ON c.contributor_id = s.contributor_id ORDER BY s.round_number"
     ).fetchall()
     attacker = [(selected, reason) for name, selected, reason in decisions if name == "byzantine-0"]
-    assert len(attacker) == 2 and all(not selected and "not among the 4 lowest Krum scores" in reason
-                                      for selected, reason in attacker)
+    assert len(attacker) == 2 and all(
+        not selected and "not among the 4 lowest Krum scores" in reason
+        for selected, reason in attacker
+    )
     assert all(selected for name, selected, _ in decisions if name != "byzantine-0")
 
     # each contributor's report verifies against the signed checkpoint; the attacker earned nothing

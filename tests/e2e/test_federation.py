@@ -34,7 +34,9 @@ def test_three_clients_two_rounds(tmp_path: Path) -> None:
 
     # one ledger row per submission, with its decision
     db = sqlite3.connect(fed.coordinator_home / "ledger.db")
-    subs = db.execute("SELECT round_number, contributor_id, decision, base_version FROM submissions").fetchall()
+    subs = db.execute(
+        "SELECT round_number, contributor_id, decision, base_version FROM submissions"
+    ).fetchall()
     assert len(subs) == 6
     assert {d for _, _, d, _ in subs} == {"accepted"}
     assert sorted({r for r, *_ in subs}) == [1, 2]
@@ -44,6 +46,8 @@ def test_three_clients_two_rounds(tmp_path: Path) -> None:
     assert {b for r, _, _, b in subs if r == 2} == {"v0001"}
     for i in range(3):
         state = json.loads((fed.client_home(i) / "state" / "state.json").read_text())
-        assert [c["base_version"] for c in sorted(state["contributions"].values(), key=lambda c: c["round"])] == [
-            "v0000", "v0001"]
+        assert [
+            c["base_version"]
+            for c in sorted(state["contributions"].values(), key=lambda c: c["round"])
+        ] == ["v0000", "v0001"]
         assert (fed.client_home(i) / "state" / "models" / "v0001" / "model.safetensors").exists()

@@ -15,9 +15,20 @@ from zoo_gym.simulation.adversary import Adversary
 from zoo_gym.transport.records import split_payload, submission_of
 
 TASK = TaskConfig(
-    round=3, base_version="v0002", seed=7, lora_rank=2, lora_alpha=4.0,
-    target_modules=("q_proj",), steps=1, learning_rate=0.01, batch_size=1, max_length=16, clip_norm=0.0,
-    codec="none", group_size=128, deadline_ms=0,
+    round=3,
+    base_version="v0002",
+    seed=7,
+    lora_rank=2,
+    lora_alpha=4.0,
+    target_modules=("q_proj",),
+    steps=1,
+    learning_rate=0.01,
+    batch_size=1,
+    max_length=16,
+    clip_norm=0.0,
+    codec="none",
+    group_size=128,
+    deadline_ms=0,
 )
 
 
@@ -37,7 +48,15 @@ def _honest(values: list[list[float]]) -> list[Message]:
     replies = []
     for i, row in enumerate(values):
         payload = encode({"b": torch.tensor(row).reshape(2, 2)}, CodecSpec(codec="none"))
-        replies.append(signed_reply(Identity.generate(), _request(100 + i), TASK, payload, {"num_examples": 10.0 * (i + 1)}))
+        replies.append(
+            signed_reply(
+                Identity.generate(),
+                _request(100 + i),
+                TASK,
+                payload,
+                {"num_examples": 10.0 * (i + 1)},
+            )
+        )
     return replies
 
 
@@ -63,7 +82,9 @@ def test_sign_flip_reply_is_minus_the_honest_mean_and_signed_by_the_attacker() -
 def test_alie_uses_mean_and_std_of_honest_updates() -> None:
     # Prepare
     honest = _honest([[0.0, 2.0, 0.0, 2.0], [2.0, 0.0, 2.0, 0.0], [1.0, 1.0, 1.0, 1.0]])
-    adversary = Adversary("alie", {1: Identity.generate(), 2: Identity.generate()}, f=2, params={"z": 1.0})
+    adversary = Adversary(
+        "alie", {1: Identity.generate(), 2: Identity.generate()}, f=2, params={"z": 1.0}
+    )
 
     # Execute
     replies = adversary.replies(honest, [_request(1), _request(2)])

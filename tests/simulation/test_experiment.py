@@ -20,9 +20,17 @@ from zoo_gym.simulation.report import write_report
 
 def test_scaling_attack_breaks_fedavg_but_not_median(tmp_path: Path) -> None:
     # Prepare: 5 clients, one of them Byzantine, boosting the negated honest mean 20 times
-    config = SweepConfig(aggregators=["fedavg", "median"], attacks=["scaling"], byzantine_shares=[0.2],
-                         clients=5, rounds=2, steps=6, examples_per_client=24, warmup_rounds=1,
-                         attack_params={"scaling": {"boost": 20.0}})
+    config = SweepConfig(
+        aggregators=["fedavg", "median"],
+        attacks=["scaling"],
+        byzantine_shares=[0.2],
+        clients=5,
+        rounds=2,
+        steps=6,
+        examples_per_client=24,
+        warmup_rounds=1,
+        attack_params={"scaling": {"boost": 20.0}},
+    )
 
     # Execute
     results = run_sweep(config, tmp_path / "work")
@@ -32,7 +40,11 @@ def test_scaling_attack_breaks_fedavg_but_not_median(tmp_path: Path) -> None:
     # median still improves (the full-size matrix in the README measures how much)
     by = {(r.aggregator, r.attack): r for r in results}
     assert [(r.aggregator, r.attack, r.byzantine_clients) for r in results] == [
-        ("fedavg", "none", 0), ("fedavg", "scaling", 1), ("median", "none", 0), ("median", "scaling", 1)]
+        ("fedavg", "none", 0),
+        ("fedavg", "scaling", 1),
+        ("median", "none", 0),
+        ("median", "scaling", 1),
+    ]
     assert by["fedavg", "none"].quality > 0.1 and by["median", "none"].quality > 0.1
     assert by["fedavg", "scaling"].quality < 0 < by["median", "scaling"].quality
     assert by["fedavg", "scaling"].byzantine_selected == 1.0
@@ -43,7 +55,9 @@ def test_scaling_attack_breaks_fedavg_but_not_median(tmp_path: Path) -> None:
     with paths[0].open() as fh:
         rows = list(csv.DictReader(fh))
     assert len(rows) == 4 and float(rows[0]["relative_quality"]) == pytest.approx(1.0)
-    assert float(rows[1]["relative_quality"]) == pytest.approx(by["fedavg", "scaling"].quality / by["fedavg", "none"].quality)
+    assert float(rows[1]["relative_quality"]) == pytest.approx(
+        by["fedavg", "scaling"].quality / by["fedavg", "none"].quality
+    )
     assert math.isclose(float(rows[3]["quality"]), by["median", "scaling"].quality, rel_tol=1e-9)
     table = paths[1].read_text()
     assert "| median | scaling |" in table and "| fedavg | none | loss" in table
@@ -59,7 +73,9 @@ def test_byzantine_clients_are_seeded_and_nested_across_shares() -> None:
 
 
 def test_bad_sweeps_get_one_line(tmp_path: Path) -> None:
-    with pytest.raises(SweepError, match="bulyan needs 15 clients to tolerate f = 3; raise clients to 15"):
+    with pytest.raises(
+        SweepError, match="bulyan needs 15 clients to tolerate f = 3; raise clients to 15"
+    ):
         load_sweep(None, {"aggregators": ["bulyan"]})
     with pytest.raises(SweepError, match="unknown attack 'krum'"):
         load_sweep(None, {"attacks": ["krum"]})

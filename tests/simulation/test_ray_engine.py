@@ -12,11 +12,22 @@ pytest.importorskip("ray", reason="Flower's simulation engine needs the `sim` ex
 
 
 @pytest.mark.timeout(400)
-def test_ray_engine_runs_the_round_loop_with_a_data_attacker_and_a_crafted_one(tmp_path: Path) -> None:
+def test_ray_engine_runs_the_round_loop_with_a_data_attacker_and_a_crafted_one(
+    tmp_path: Path,
+) -> None:
     # Prepare: 5 clients; under label_flip attacker 1 is a Ray node, under sign_flip it is crafted
-    config = SweepConfig(aggregators=["median"], attacks=["label_flip", "sign_flip"], byzantine_shares=[0.2],
-                         clients=5, rounds=1, steps=3, examples_per_client=20, engine="ray", jobs=2,
-                         warmup_rounds=0)
+    config = SweepConfig(
+        aggregators=["median"],
+        attacks=["label_flip", "sign_flip"],
+        byzantine_shares=[0.2],
+        clients=5,
+        rounds=1,
+        steps=3,
+        examples_per_client=20,
+        engine="ray",
+        jobs=2,
+        warmup_rounds=0,
+    )
     template = make_template(tmp_path, config)
 
     # Execute

@@ -67,7 +67,9 @@ def join(
     ] = None,
     method: Annotated[
         str | None,
-        typer.Option(help="objective you accept: sft, grpo, gspo or any (the coordinator's task decides)"),
+        typer.Option(
+            help="objective you accept: sft, grpo, gspo or any (the coordinator's task decides)"
+        ),
     ] = None,
     ca_cert: Annotated[
         Path | None, typer.Option(help="CA certificate for a TLS coordinator")

@@ -20,7 +20,9 @@ R = TypeVar("R")
 # an optional kernel package is missing; its own fallback works, so only its errors are shown
 logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
 # peft probes `model.is_gradient_checkpointing`, which transformers 5 deprecates; nothing to act on
-warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+warnings.filterwarnings(
+    "ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning
+)
 
 console = Console(stderr=False, highlight=False)
 err_console = Console(stderr=True, highlight=False)
@@ -39,8 +41,20 @@ def user_errors() -> tuple[type[BaseException], ...]:
     from zoo_gym.simulation.experiment import SweepError
     from zoo_gym.transport.client import TransportError
 
-    return (ClientConfigError, DataError, JoinError, RewardsError, EnvelopeError, ConfigError, IdentityError,
-            ManifestError, SweepError, TransportError, FileNotFoundError, PermissionError)
+    return (
+        ClientConfigError,
+        DataError,
+        JoinError,
+        RewardsError,
+        EnvelopeError,
+        ConfigError,
+        IdentityError,
+        ManifestError,
+        SweepError,
+        TransportError,
+        FileNotFoundError,
+        PermissionError,
+    )
 
 
 def friendly(fn: Callable[P, R]) -> Callable[P, R]:

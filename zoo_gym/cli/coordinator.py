@@ -134,7 +134,9 @@ def serve(
     aggregator: Annotated[str | None, typer.Option(help="override: aggregation rule")] = None,
     listen: Annotated[str | None, typer.Option(help="override: gRPC address")] = None,
     rest_listen: Annotated[str | None, typer.Option(help="override: REST address")] = None,
-    stay: Annotated[bool, typer.Option(help="keep serving after the last round until stopped")] = False,
+    stay: Annotated[
+        bool, typer.Option(help="keep serving after the last round until stopped")
+    ] = False,
     verbose: Annotated[bool, typer.Option("--verbose", "-v")] = True,
 ) -> None:
     """Serve contributors (gRPC) and operators (REST) and run rounds."""

@@ -39,14 +39,18 @@ class Misbehaviour:
 
     def __post_init__(self) -> None:
         if self.attack not in BYZANTINE_ATTACKS:
-            raise ValueError(f"unknown attack {self.attack!r}; choose one of {', '.join(BYZANTINE_ATTACKS)}")
+            raise ValueError(
+                f"unknown attack {self.attack!r}; choose one of {', '.join(BYZANTINE_ATTACKS)}"
+            )
 
     def poison(self, conversations: list[Conversation]) -> list[Conversation]:
         """The conversations this attacker trains on: poisoned for a data attack, else unchanged."""
         if self.attack not in DATA_ATTACKS:
             return conversations
         answers = [{"instruction": "", "input": "", "output": _answer(c)} for c in conversations]
-        poisoned = poison_records(answers, kind=self.attack, generator=torch.Generator().manual_seed(self.seed))
+        poisoned = poison_records(
+            answers, kind=self.attack, generator=torch.Generator().manual_seed(self.seed)
+        )
         return [_with_answer(c, r["output"]) for c, r in zip(conversations, poisoned, strict=True)]
 
     def corrupt(self, update: Delta, round_number: int) -> Delta:

@@ -34,7 +34,8 @@ class ClientConfig(HomeConfig):
         "", description="attack the federation on purpose (demos and drills); empty = honest"
     )
     clock_offset_s: float = Field(
-        0.0, description="added to this machine's clock when signing requests (correct a clock you cannot fix)"
+        0.0,
+        description="added to this machine's clock when signing requests (correct a clock you cannot fix)",
     )
     privacy_budget_epsilon: float | None = Field(
         None,
@@ -48,7 +49,8 @@ class ClientConfig(HomeConfig):
         description="delta at which the budget is checked; unset = each task's dp_delta",
     )
     method: Literal["any", "sft", "grpo", "gspo"] = Field(
-        "any", description="the training objective you accept; a round asking for another stops `join`"
+        "any",
+        description="the training objective you accept; a round asking for another stops `join`",
     )
     reward_functions: list[str] = Field(
         default_factory=list,

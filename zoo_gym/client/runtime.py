@@ -104,7 +104,9 @@ class ClientRuntime:
         The model is built once and kept between rounds; it is rebuilt only when the
         coordinator switches the adapter or the LoRA spec.
         """
-        same_kind = self.trainer is not None and self.trainer.spec == spec and self.adapter == adapter
+        same_kind = (
+            self.trainer is not None and self.trainer.spec == spec and self.adapter == adapter
+        )
         if same_kind and self.base_version == version:
             return
         directory = self.home / "models" / version
@@ -113,8 +115,13 @@ class ClientRuntime:
             self.trainer = None  # drop the old model before loading the new one
             tokenizer = AutoTokenizer.from_pretrained(directory)
             self.trainer = make_trainer(
-                directory, tokenizer, adapter=adapter, spec=spec, device=self.device,
-                gradient_checkpointing=self.gradient_checkpointing, max_full_params=self.max_full_params,
+                directory,
+                tokenizer,
+                adapter=adapter,
+                spec=spec,
+                device=self.device,
+                gradient_checkpointing=self.gradient_checkpointing,
+                max_full_params=self.max_full_params,
             )
             self.adapter = adapter
         else:
@@ -129,16 +136,25 @@ class ClientRuntime:
                 f"round {task.round} asks for {task.method} training and this client runs only {self.method}; "
                 f"join again with --method {task.method} or --method any"
             )
-        spec = LoraSpec(rank=task.lora_rank, alpha=task.lora_alpha, target_modules=task.target_modules)
-        plan = plan_round(task, num_records=len(self.conversations), account=self.state.privacy,
-                          budget=self.privacy_budget)  # refuses before anything is trained
+        spec = LoraSpec(
+            rank=task.lora_rank, alpha=task.lora_alpha, target_modules=task.target_modules
+        )
+        plan = plan_round(
+            task,
+            num_records=len(self.conversations),
+            account=self.state.privacy,
+            budget=self.privacy_budget,
+        )  # refuses before anything is trained
         self.ensure_base(task.base_version, spec, task.adapter)
         assert self.trainer is not None
         dp = self._dp_config(plan, self.trainer)
 
         def step(info: StepInfo) -> None:
             detail: dict[str, float | str] = {
-                "step": info.step, "steps": info.steps, "loss": info.loss, "tokens_per_s": info.tokens_per_s,
+                "step": info.step,
+                "steps": info.steps,
+                "loss": info.loss,
+                "tokens_per_s": info.tokens_per_s,
             }
             if info.reward is not None:
                 detail["reward"] = info.reward
@@ -150,24 +166,44 @@ class ClientRuntime:
         if task.clip_norm > 0:
             update, norm = clip_delta(update, task.clip_norm)
         if plan.update_noise_std > 0:  # user-level Gaussian mechanism, before compression
-            update = add_gaussian_noise(update, std=plan.update_noise_std, generator=secure_generator())
+            update = add_gaussian_noise(
+                update, std=plan.update_noise_std, generator=secure_generator()
+            )
         self.state.privacy.commit(plan)  # spent once trained, whatever becomes of the upload
         self.state.save()
         if self.misbehaviour is not None:  # after clipping: an attacker ignores the protocol
             update = self.misbehaviour.corrupt(update, task.round)
-        codec = CodecSpec(codec=task.codec, group_size=task.group_size, granularity=task.granularity)
+        codec = CodecSpec(
+            codec=task.codec, group_size=task.group_size, granularity=task.granularity
+        )
         in_features = {module: shape[1] for module, shape in self.trainer.shapes.items()}
-        payload, _ = self.feedback.compress(update, codec, lora=spec, seed=task.seed, in_features=in_features)
+        payload, _ = self.feedback.compress(
+            update, codec, lora=spec, seed=task.seed, in_features=in_features
+        )
         if self.persist_feedback:
             self.commit_feedback()
         raw_bytes = sum(t.numel() * 2 for t in update.values())  # as bf16
-        self.on_event(RoundEvent("compressed", task.round, {"raw_bytes": raw_bytes, "payload_bytes": len(payload)}))
-        return signed_reply(self.identity, message, task, payload, {
-            "num_examples": float(result.num_examples), "train_loss": result.mean_loss,
-            "tokens": float(result.tokens), "train_seconds": result.seconds,
-            "update_norm": norm, "raw_bytes": float(raw_bytes), "payload_bytes": float(len(payload)),
-            **plan.metrics(),
-        })
+        self.on_event(
+            RoundEvent(
+                "compressed", task.round, {"raw_bytes": raw_bytes, "payload_bytes": len(payload)}
+            )
+        )
+        return signed_reply(
+            self.identity,
+            message,
+            task,
+            payload,
+            {
+                "num_examples": float(result.num_examples),
+                "train_loss": result.mean_loss,
+                "tokens": float(result.tokens),
+                "train_seconds": result.seconds,
+                "update_norm": norm,
+                "raw_bytes": float(raw_bytes),
+                "payload_bytes": float(len(payload)),
+                **plan.metrics(),
+            },
+        )
 
     def commit_feedback(self) -> None:
         """Save the error-feedback residual of the last compressed round."""
@@ -175,33 +211,61 @@ class ClientRuntime:
 
     def revert_feedback(self) -> None:
         """Drop the last round's residual change: back to the one saved last."""
-        self.feedback = FfaErrorFeedback.load(self.home / "feedback.safetensors", enabled=self.feedback.enabled)
+        self.feedback = FfaErrorFeedback.load(
+            self.home / "feedback.safetensors", enabled=self.feedback.enabled
+        )
 
     def _dp_config(self, plan: PrivacyPlan, trainer: Trainer) -> DpConfig | None:
         """DP-SGD settings for the trainer (None: no DP-SGD); tells the front end what was planned."""
-        self.on_event(RoundEvent("privacy", plan.round, {
-            k: v for k, v in plan.metrics().items()
-            if k in ("dp_noise_multiplier", "dp_sample_rate", "update_noise_multiplier", "epsilon", "epsilon_total",
-                     "user_epsilon", "user_epsilon_total", "dp_delta")
-        }))
+        self.on_event(
+            RoundEvent(
+                "privacy",
+                plan.round,
+                {
+                    k: v
+                    for k, v in plan.metrics().items()
+                    if k
+                    in (
+                        "dp_noise_multiplier",
+                        "dp_sample_rate",
+                        "update_noise_multiplier",
+                        "epsilon",
+                        "epsilon_total",
+                        "user_epsilon",
+                        "user_epsilon_total",
+                        "dp_delta",
+                    )
+                },
+            )
+        )
         if not plan.dp_sgd:
             return None
         try:
             trainer.check_dp()
         except ValueError as exc:
             raise PrivacyRefusal(f"round {plan.round}: {exc}") from None
-        return DpConfig(max_grad_norm=plan.dp_max_grad_norm, noise_multiplier=plan.dp_noise_multiplier)
-
+        return DpConfig(
+            max_grad_norm=plan.dp_max_grad_norm, noise_multiplier=plan.dp_noise_multiplier
+        )
 
     def run_objective(
-        self, trainer: Trainer, task: TaskConfig, on_step: Callable[[StepInfo], None],
+        self,
+        trainer: Trainer,
+        task: TaskConfig,
+        on_step: Callable[[StepInfo], None],
         dp: DpConfig | None = None,
     ) -> RoundResult:
         """Train one round with the task's objective: SFT, or GRPO / GSPO on a reward."""
         if task.method == "sft":
             return trainer.train_round(
-                self.conversations, seed=task.seed, steps=task.steps, lr=task.learning_rate,
-                batch_size=task.batch_size, max_length=task.max_length, on_step=on_step, dp=dp,
+                self.conversations,
+                seed=task.seed,
+                steps=task.steps,
+                lr=task.learning_rate,
+                batch_size=task.batch_size,
+                max_length=task.max_length,
+                on_step=on_step,
+                dp=dp,
             )
         if task.method not in ("grpo", "gspo"):
             raise ValueError(f"unknown training method {task.method!r}; update zoo-gym")
@@ -210,31 +274,53 @@ class ClientRuntime:
 
         rewards = load_reward_functions(task.reward_functions, self.reward_functions)
         return train_grpo(
-            trainer, prompts_from_conversations(self.conversations), objective=task.method,
-            seed=task.seed, steps=task.steps, lr=task.learning_rate, batch_size=task.batch_size,
-            num_generations=task.num_generations, max_new_tokens=task.max_new_tokens,
-            temperature=task.temperature, clip_epsilon=task.clip_epsilon, kl_beta=task.kl_beta,
-            rewards=rewards, max_length=task.max_length, on_step=on_step,
+            trainer,
+            prompts_from_conversations(self.conversations),
+            objective=task.method,
+            seed=task.seed,
+            steps=task.steps,
+            lr=task.learning_rate,
+            batch_size=task.batch_size,
+            num_generations=task.num_generations,
+            max_new_tokens=task.max_new_tokens,
+            temperature=task.temperature,
+            clip_epsilon=task.clip_epsilon,
+            kl_beta=task.kl_beta,
+            rewards=rewards,
+            max_length=task.max_length,
+            on_step=on_step,
         )
 
 
 def signed_reply(
-    identity: Identity, message: Message, task: TaskConfig, payload: bytes,
+    identity: Identity,
+    message: Message,
+    task: TaskConfig,
+    payload: bytes,
     metrics: dict[str, int | float | list[int] | list[float]],
 ) -> Message:
     """Sign `payload` as `identity`'s update for `task` and wrap it as the reply to `message`."""
     submission = Submission(
-        contributor_id=identity.contributor_id, round=task.round,
-        base_version=task.base_version, message_id=message.metadata.message_id,
-        nonce=os.urandom(16), payload_sha256=hashlib.sha256(payload).hexdigest(),
+        contributor_id=identity.contributor_id,
+        round=task.round,
+        base_version=task.base_version,
+        message_id=message.metadata.message_id,
+        nonce=os.urandom(16),
+        payload_sha256=hashlib.sha256(payload).hexdigest(),
         payload_size=len(payload),
     )
-    record = ConfigRecord({
-        "contributor_id": submission.contributor_id, "round": submission.round,
-        "base_version": submission.base_version, "message_id": submission.message_id,
-        "nonce": submission.nonce, "payload_sha256": submission.payload_sha256,
-        "payload_size": submission.payload_size,
-        "signature": identity.sign(submission.statement()), PAYLOAD: payload,
-    })
+    record = ConfigRecord(
+        {
+            "contributor_id": submission.contributor_id,
+            "round": submission.round,
+            "base_version": submission.base_version,
+            "message_id": submission.message_id,
+            "nonce": submission.nonce,
+            "payload_sha256": submission.payload_sha256,
+            "payload_size": submission.payload_size,
+            "signature": identity.sign(submission.statement()),
+            PAYLOAD: payload,
+        }
+    )
     content = RecordDict({SUBMISSION: record, TRAIN_METRICS: MetricRecord(metrics)})
     return Message(content, reply_to=message)

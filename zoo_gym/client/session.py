@@ -49,8 +49,12 @@ def join(
     identity = Identity.load(config.path(config.key))
     roots = config.path(config.ca_cert).read_bytes() if config.ca_cert else None
     offset = config.clock_offset_s
-    client = FederationClient(config.coordinator, identity, root_certificates=roots,
-                              clock=(lambda: time.time() + offset) if offset else time.time)
+    client = FederationClient(
+        config.coordinator,
+        identity,
+        root_certificates=roots,
+        clock=(lambda: time.time() + offset) if offset else time.time,
+    )
     try:
         reg = client.register(config.name)
         home = config.home
@@ -67,12 +71,19 @@ def join(
                 client.fetch_model(version, directory, reg.coordinator_key)
 
         runtime = ClientRuntime(
-            identity=identity, conversations=conversations, home=runtime_home,
-            model_source=source, device=config.device, on_event=on_event,
+            identity=identity,
+            conversations=conversations,
+            home=runtime_home,
+            model_source=source,
+            device=config.device,
+            on_event=on_event,
             misbehaviour=Misbehaviour(config.byzantine) if config.byzantine else None,
-            reward_functions=config.reward_functions, error_feedback=config.error_feedback,
-            gradient_checkpointing=config.gradient_checkpointing, max_full_params=config.max_full_params,
-            privacy_budget=config.privacy_budget(), method=config.method,
+            reward_functions=config.reward_functions,
+            error_feedback=config.error_feedback,
+            gradient_checkpointing=config.gradient_checkpointing,
+            max_full_params=config.max_full_params,
+            privacy_budget=config.privacy_budget(),
+            method=config.method,
         )
         runtime.persist_feedback = False  # saved once the coordinator holds the update
         pinned = runtime.state.coordinator_key
@@ -85,12 +96,16 @@ def join(
         runtime.state.coordinator_key = reg.coordinator_key.hex()
         runtime.state.contributor_id = reg.contributor_id
         runtime.state.save()
-        say(f"joined {config.coordinator} as {reg.contributor_id[:16]} ({reg.status}); "
-            f"{len(conversations)} local examples; current base {reg.current_version}")
+        say(
+            f"joined {config.coordinator} as {reg.contributor_id[:16]} ({reg.status}); "
+            f"{len(conversations)} local examples; current base {reg.current_version}"
+        )
         if reg.status == "banned":
             raise JoinError("this key is banned by the operator")
         app = make_client_app(runtime)
-        context = Context(run_id=1, node_id=reg.node_id, node_config={}, state=RecordDict(), run_config={})
+        context = Context(
+            run_id=1, node_id=reg.node_id, node_config={}, state=RecordDict(), run_config={}
+        )
         made = 0
         while not stop.is_set() and (config.max_rounds == 0 or made < config.max_rounds):
             _report_outcomes(client, runtime, say)
@@ -98,7 +113,9 @@ def join(
             if task is None:
                 continue
             if runtime.state.submitted(task.round):
-                say(f"round {task.round}: already submitted from this machine; not submitting twice")
+                say(
+                    f"round {task.round}: already submitted from this machine; not submitting twice"
+                )
                 stop.wait(config.poll_wait_s)
                 continue
             say(f"round {task.round}: training on {task.base_version}")
@@ -110,29 +127,45 @@ def join(
                 runtime.commit_feedback()
             else:
                 runtime.revert_feedback()
-            runtime.state.record(Contribution(
-                round=task.round, message_id=task.message.metadata.message_id,
-                base_version=task.base_version, decision="accepted" if done else "rejected",
-                reason=result.reason, payload_bytes=result.payload_bytes,
-                raw_bytes=int(_scalar(metrics["raw_bytes"])), train_loss=_scalar(metrics["train_loss"]),
-            ))
+            runtime.state.record(
+                Contribution(
+                    round=task.round,
+                    message_id=task.message.metadata.message_id,
+                    base_version=task.base_version,
+                    decision="accepted" if done else "rejected",
+                    reason=result.reason,
+                    payload_bytes=result.payload_bytes,
+                    raw_bytes=int(_scalar(metrics["raw_bytes"])),
+                    train_loss=_scalar(metrics["train_loss"]),
+                )
+            )
             if done and not result.accepted:  # accepted before a crash kept us from recording it
-                say(f"round {task.round}: the coordinator already holds this machine's update; done")
+                say(
+                    f"round {task.round}: the coordinator already holds this machine's update; done"
+                )
                 made += 1
                 continue
-            say(f"round {task.round}: uploaded {result.payload_bytes} bytes "
+            say(
+                f"round {task.round}: uploaded {result.payload_bytes} bytes "
                 f"(bf16 would be {int(_scalar(metrics['raw_bytes']))}); "
-                f"{'accepted' if result.accepted else 'REJECTED'}: {result.reason}")
+                f"{'accepted' if result.accepted else 'REJECTED'}: {result.reason}"
+            )
             made += 1
-        _report_outcomes(client, runtime, say, wait_s=config.poll_wait_s if made else 0.0, stop=stop)
+        _report_outcomes(
+            client, runtime, say, wait_s=config.poll_wait_s if made else 0.0, stop=stop
+        )
         return made
     finally:
         client.close()
 
 
 def _report_outcomes(
-    client: FederationClient, runtime: ClientRuntime, say: Callable[[str], None],
-    *, wait_s: float = 0.0, stop: threading.Event | None = None,
+    client: FederationClient,
+    runtime: ClientRuntime,
+    say: Callable[[str], None],
+    *,
+    wait_s: float = 0.0,
+    stop: threading.Event | None = None,
 ) -> None:
     """Tell the contributor what became of earlier submissions once their rounds closed."""
     import time
@@ -150,9 +183,14 @@ def _report_outcomes(
             c.final, c.quality, c.reward = True, out.quality, out.reward
             c.decision, c.reason = out.decision, out.reason
             runtime.state.record(c)
-            say(f"round {c.round} closed ({out.round_status}{', now ' + out.published_version if out.published_version else ''}): "
-                f"your update {out.decision}, reward {out.reward:g} (quality {out.quality:+.4g}): {out.reason}")
-        if all(c.final for c in runtime.state.contributions.values()) or time.monotonic() > deadline:
+            say(
+                f"round {c.round} closed ({out.round_status}{', now ' + out.published_version if out.published_version else ''}): "
+                f"your update {out.decision}, reward {out.reward:g} (quality {out.quality:+.4g}): {out.reason}"
+            )
+        if (
+            all(c.final for c in runtime.state.contributions.values())
+            or time.monotonic() > deadline
+        ):
             return
         if stop is not None and stop.wait(0.5):
             return

@@ -47,14 +47,21 @@ class LocalState:
             return cls(path)
         data: dict[str, Any] = json.loads(path.read_text())
         contributions = {k: Contribution(**v) for k, v in data.get("contributions", {}).items()}
-        return cls(path, data.get("coordinator", ""), data.get("coordinator_key", ""),
-                   data.get("contributor_id", ""), contributions,
-                   privacy=PrivacyAccount.from_json(data.get("privacy", {})))
+        return cls(
+            path,
+            data.get("coordinator", ""),
+            data.get("coordinator_key", ""),
+            data.get("contributor_id", ""),
+            contributions,
+            privacy=PrivacyAccount.from_json(data.get("privacy", {})),
+        )
 
     def save(self) -> None:
         body = {
-            "format": STATE_FORMAT, "coordinator": self.coordinator,
-            "coordinator_key": self.coordinator_key, "contributor_id": self.contributor_id,
+            "format": STATE_FORMAT,
+            "coordinator": self.coordinator,
+            "coordinator_key": self.coordinator_key,
+            "contributor_id": self.contributor_id,
             "contributions": {k: asdict(v) for k, v in self.contributions.items()},
             "privacy": self.privacy.to_json(),
         }

@@ -96,20 +96,30 @@ class CoordinatorBackend:
                 "synchronise it (e.g. enable NTP) and retry",
             )
 
-    def register(self, *, public_key: bytes, name: str, timestamp_ms: int, signature: bytes) -> Registration:
+    def register(
+        self, *, public_key: bytes, name: str, timestamp_ms: int, signature: bytes
+    ) -> Registration:
         if len(public_key) != 32:
             raise RequestError("INVALID_ARGUMENT", "public key must be a raw 32-byte Ed25519 key")
         self._check_clock(timestamp_ms)
         if not verify(public_key, signature, register_statement(public_key, name, timestamp_ms)):
-            raise RequestError("UNAUTHENTICATED", "registration signature does not match the key; check your key file")
+            raise RequestError(
+                "UNAUTHENTICATED",
+                "registration signature does not match the key; check your key file",
+            )
         cid = contributor_id(public_key)
         with Session(self.engine) as session:
             row = ledger.register_contributor(
-                session, contributor_id=cid, public_key=public_key, name=name[:64],
+                session,
+                contributor_id=cid,
+                public_key=public_key,
+                name=name[:64],
                 status="pending" if self.require_approval else "active",
             )
             status = row.status
-        return Registration(cid, node_id(public_key), status, self.current_version(), self.signer.public_key)
+        return Registration(
+            cid, node_id(public_key), status, self.current_version(), self.signer.public_key
+        )
 
     def _contributor(self, cid: str) -> tuple[bytes, str, str]:
         if len(cid) != 32 or any(c not in "0123456789abcdef" for c in cid):
@@ -124,18 +134,34 @@ class CoordinatorBackend:
                     "UNAUTHENTICATED",
                     f"contributor {cid[:12]} is not registered here; run `gym-client join` to register your key",
                 )
-            key = row.public_key if isinstance(row.public_key, bytes) else bytes.fromhex(row.public_key)
+            key = (
+                row.public_key
+                if isinstance(row.public_key, bytes)
+                else bytes.fromhex(row.public_key)
+            )
             return key, row.status, row.status_reason or ""
 
-    def authenticate(self, *, method: str, contributor_id: str, timestamp_ms: int, digest: str, signature: bytes) -> int:
+    def authenticate(
+        self, *, method: str, contributor_id: str, timestamp_ms: int, digest: str, signature: bytes
+    ) -> int:
         key, status, reason = self._contributor(contributor_id)
-        if not verify(key, signature, request_statement(method, contributor_id, timestamp_ms, digest)):
-            raise RequestError("UNAUTHENTICATED", "request signature does not match your registered key; use the key you registered with")
+        if not verify(
+            key, signature, request_statement(method, contributor_id, timestamp_ms, digest)
+        ):
+            raise RequestError(
+                "UNAUTHENTICATED",
+                "request signature does not match your registered key; use the key you registered with",
+            )
         self._check_clock(timestamp_ms)
         if status == "banned":
-            raise RequestError("PERMISSION_DENIED", f"this key is banned ({reason or 'no reason given'}); contact the operator")
+            raise RequestError(
+                "PERMISSION_DENIED",
+                f"this key is banned ({reason or 'no reason given'}); contact the operator",
+            )
         if status == "pending" and method != "outcome":
-            raise RequestError("PERMISSION_DENIED", "your registration awaits operator approval; try again later")
+            raise RequestError(
+                "PERMISSION_DENIED", "your registration awaits operator approval; try again later"
+            )
         return node_id(key)
 
     # -- models -------------------------------------------------------------
@@ -157,13 +183,17 @@ class CoordinatorBackend:
         try:
             published = self.registry.get(version)
         except KeyError:
-            raise RequestError("NOT_FOUND", f"model version {version!r} is not published here") from None
+            raise RequestError(
+                "NOT_FOUND", f"model version {version!r} is not published here"
+            ) from None
         if name not in published.manifest.files:
             raise RequestError("NOT_FOUND", f"{name!r} is not a file of {version}")
         return published.directory / name
 
     # -- intake -------------------------------------------------------------
-    def _record(self, sub: Submission, *, accepted: bool, reason: str, epsilon: float | None = None) -> Verdict:
+    def _record(
+        self, sub: Submission, *, accepted: bool, reason: str, epsilon: float | None = None
+    ) -> Verdict:
         with Session(self.engine) as session:
             round_number = sub.round
             if ledger.get_round(session, number=round_number) is None:
@@ -172,24 +202,39 @@ class CoordinatorBackend:
             if round_number == 0:
                 return Verdict(False, reason)
             limit = self.max_submissions_per_round
-            made = len(ledger.list_submissions(session, round_number=round_number, contributor_id=sub.contributor_id))
+            made = len(
+                ledger.list_submissions(
+                    session, round_number=round_number, contributor_id=sub.contributor_id
+                )
+            )
             if made >= limit:
                 # the first one over the limit is recorded (so the contributor sees why); later ones are not,
                 # so a flood of submissions cannot grow the ledger
                 accepted = False
-                reason = (f"more than {limit} submissions from you for round {round_number}; "
-                          "the rest are refused, wait for the next round")
+                reason = (
+                    f"more than {limit} submissions from you for round {round_number}; "
+                    "the rest are refused, wait for the next round"
+                )
                 if made > limit:
                     return Verdict(False, reason)
             try:
                 row = ledger.record_submission(
-                    session, round_number=round_number, contributor_id=sub.contributor_id,
-                    nonce=sub.nonce.hex()[:128], base_version=sub.base_version[:64],
-                    payload_sha256=sub.payload_sha256[:64], size_bytes=min(sub.payload_size, MAX_INT64),
-                    decision="accepted" if accepted else "rejected", reason=reason, epsilon=epsilon,
+                    session,
+                    round_number=round_number,
+                    contributor_id=sub.contributor_id,
+                    nonce=sub.nonce.hex()[:128],
+                    base_version=sub.base_version[:64],
+                    payload_sha256=sub.payload_sha256[:64],
+                    size_bytes=min(sub.payload_size, MAX_INT64),
+                    decision="accepted" if accepted else "rejected",
+                    reason=reason,
+                    epsilon=epsilon,
                 )
             except ledger.ReplayedNonce:
-                return Verdict(False, "this submission's nonce was already used (a replay); each submission needs a fresh nonce")
+                return Verdict(
+                    False,
+                    "this submission's nonce was already used (a replay); each submission needs a fresh nonce",
+                )
             except ledger.DuplicateSubmission:
                 reason = f"you already have an accepted submission for round {sub.round}; only one counts"
                 return Verdict(False, reason)
@@ -225,7 +270,9 @@ class CoordinatorBackend:
         if current.deadline_ms and time.time() * 1000 > current.deadline_ms:
             return f"round {current.number} closed for submissions at its deadline"
         if sub.payload_size > self.max_upload_bytes:
-            return f"update of {sub.payload_size} bytes exceeds the {self.max_upload_bytes}-byte limit"
+            return (
+                f"update of {sub.payload_size} bytes exceeds the {self.max_upload_bytes}-byte limit"
+            )
         data = payload.read_bytes()
         if len(data) != sub.payload_size or sha256_bytes(data) != sub.payload_sha256:
             return "payload size or SHA-256 differs from the signed statement"
@@ -233,13 +280,17 @@ class CoordinatorBackend:
             header = inspect_envelope(data, max_elements=sum(s.numel for s in current.layout))
         except EnvelopeError as exc:
             return f"update envelope is invalid: {exc}"
-        if tuple((s.name, s.shape) for s in header.layout) != tuple((s.name, s.shape) for s in current.layout):
+        if tuple((s.name, s.shape) for s in header.layout) != tuple(
+            (s.name, s.shape) for s in current.layout
+        ):
             return "update tensors (names or shapes) differ from what this round trains; use the task's LoRA settings"
         if sub.contributor_id in current.accepted:
             return f"you already have an accepted submission for round {sub.round}; only one counts"
         return ""
 
-    def receive(self, sub: Submission, payload: Path, content: RecordDict, *, node_id: int) -> tuple[Verdict, RecordDict]:
+    def receive(
+        self, sub: Submission, payload: Path, content: RecordDict, *, node_id: int
+    ) -> tuple[Verdict, RecordDict]:
         with self.lock:
             reason = self.check(sub, payload, node=node_id)
             if reason:
@@ -247,19 +298,25 @@ class CoordinatorBackend:
             else:
                 stored = self.payload_dir / f"{sub.payload_sha256}.zgde"
                 shutil.copyfile(payload, stored)
-                verdict = self._record(sub, accepted=True, reason="accepted at intake",
-                                       epsilon=claimed_epsilon(content))
+                verdict = self._record(
+                    sub,
+                    accepted=True,
+                    reason="accepted at intake",
+                    epsilon=claimed_epsilon(content),
+                )
                 self._observe(verdict)
                 if verdict.accepted and self.open_round is not None:
                     self.open_round.accepted.add(sub.contributor_id)
-        record = ConfigRecord({
-            "contributor_id": sub.contributor_id,
-            "accepted": verdict.accepted,
-            "reason": verdict.reason,
-            "submission_id": verdict.submission_id,
-            "payload_sha256": sub.payload_sha256,
-            "payload_size": sub.payload_size,
-        })
+        record = ConfigRecord(
+            {
+                "contributor_id": sub.contributor_id,
+                "accepted": verdict.accepted,
+                "reason": verdict.reason,
+                "submission_id": verdict.submission_id,
+                "payload_sha256": sub.payload_sha256,
+                "payload_size": sub.payload_size,
+            }
+        )
         metrics = content.metric_records.get(TRAIN_METRICS, MetricRecord())
         return verdict, RecordDict({SUBMISSION: record, TRAIN_METRICS: metrics})
 
@@ -269,15 +326,24 @@ class CoordinatorBackend:
     def outcome(self, contributor_id: str, round_number: int) -> Outcome:
         with Session(self.engine) as session:
             rnd = ledger.get_round(session, number=round_number)
-            subs = ledger.list_submissions(session, round_number=round_number, contributor_id=contributor_id)
+            subs = ledger.list_submissions(
+                session, round_number=round_number, contributor_id=contributor_id
+            )
             if rnd is None or not subs:
-                return Outcome("none", "no submission from you for this round",
-                               round_status=rnd.status if rnd else "")
+                return Outcome(
+                    "none",
+                    "no submission from you for this round",
+                    round_status=rnd.status if rnd else "",
+                )
             sub = sorted(subs, key=lambda s: (s.decision == "accepted", s.id or 0))[-1]
             reason = sub.aggregation_reason or sub.reason
             return Outcome(
-                sub.decision, reason, float(sub.quality or 0.0), float(sub.reward or 0.0),
-                rnd.status, rnd.new_version or "",
+                sub.decision,
+                reason,
+                float(sub.quality or 0.0),
+                float(sub.reward or 0.0),
+                rnd.status,
+                rnd.new_version or "",
             )
 
 

@@ -30,13 +30,24 @@ class TrainingPolicy(BaseModel):
     """What every contributor runs each round; each field travels in the round's `TaskConfig`."""
 
     model_config = ConfigDict(extra="forbid")
-    method: Literal["sft", "grpo", "gspo"] = Field("sft", description="objective: sft, grpo or gspo")
+    method: Literal["sft", "grpo", "gspo"] = Field(
+        "sft", description="objective: sft, grpo or gspo"
+    )
     adapter: Literal["ffa_lora", "lora", "dora", "qlora", "full"] = Field(
-        "ffa_lora", description="ffa_lora sends B; lora, dora, qlora and full send dense weight deltas"
+        "ffa_lora",
+        description="ffa_lora sends B; lora, dora, qlora and full send dense weight deltas",
     )
     lora_rank: int = Field(8, ge=1, le=4096)
     lora_alpha: float = Field(16.0, gt=0)
-    target_modules: list[str] = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    target_modules: list[str] = [
+        "q_proj",
+        "k_proj",
+        "v_proj",
+        "o_proj",
+        "gate_proj",
+        "up_proj",
+        "down_proj",
+    ]
     steps: int = Field(30, ge=1)
     learning_rate: float = Field(5e-3, gt=0, le=1.0)
     batch_size: int = Field(8, ge=1)
@@ -45,7 +56,8 @@ class TrainingPolicy(BaseModel):
     codec: str = "bitdelta"
     group_size: int = Field(128, ge=8, le=1 << 20)
     granularity: Literal["group", "row", "matrix"] = Field(
-        "group", description="one scale per group_size values, per row, or per matrix (the BitDelta paper)"
+        "group",
+        description="one scale per group_size values, per row, or per matrix (the BitDelta paper)",
     )
     num_generations: int = Field(4, ge=2, le=64, description="GRPO/GSPO completions per prompt")
     max_new_tokens: int = Field(8, ge=1, le=4096)
@@ -53,11 +65,16 @@ class TrainingPolicy(BaseModel):
     clip_epsilon: float = Field(0.2, gt=0, lt=1)
     kl_beta: float = Field(0.04, ge=0)
     reward_functions: list[str] = Field(
-        default_factory=lambda: ["exact_answer"], description="built-in rewards summed per completion"
+        default_factory=lambda: ["exact_answer"],
+        description="built-in rewards summed per completion",
     )
-    dp_noise_multiplier: float = Field(0.0, ge=0, description="DP-SGD noise multiplier; 0 = no DP-SGD")
+    dp_noise_multiplier: float = Field(
+        0.0, ge=0, description="DP-SGD noise multiplier; 0 = no DP-SGD"
+    )
     dp_max_grad_norm: float = Field(1.0, gt=0)
-    dp_target_epsilon: float = Field(0.0, ge=0, description="per-round epsilon; the client picks sigma")
+    dp_target_epsilon: float = Field(
+        0.0, ge=0, description="per-round epsilon; the client picks sigma"
+    )
     dp_delta: float = Field(1e-5, gt=0, lt=1)
     dp_accountant: Literal["rdp", "prv"] = "rdp"
     update_noise_multiplier: float = Field(
@@ -77,7 +94,9 @@ class TrainingPolicy(BaseModel):
                 "contributors add their own in their client config"
             )
         if self.update_noise_multiplier > 0 and self.clip_norm <= 0:
-            raise ValueError("update_noise_multiplier needs clip_norm > 0 (noise is scaled to the clipping norm)")
+            raise ValueError(
+                "update_noise_multiplier needs clip_norm > 0 (noise is scaled to the clipping norm)"
+            )
         return self
 
     def task_fields(self) -> dict[str, Any]:
@@ -89,21 +108,33 @@ class RewardSettings(BaseModel):
     """How each round's contributions are scored and paid (see `zoo_gym.scoring`)."""
 
     model_config = ConfigDict(extra="forbid")
-    method: str = Field("individual", description="individual, leave_one_out, gtg_shapley, exact_shapley, or none")
+    method: str = Field(
+        "individual", description="individual, leave_one_out, gtg_shapley, exact_shapley, or none"
+    )
     pool: Decimal = Field(Decimal(100), ge=0, description="paid per round, split by quality")
-    min_quality: float = Field(0.0, ge=0, description="a contribution must improve validation utility by more")
+    min_quality: float = Field(
+        0.0, ge=0, description="a contribution must improve validation utility by more"
+    )
     unit: Decimal = Field(Decimal("0.000001"), gt=0, description="smallest amount paid")
-    reputation_alpha: float = Field(0.2, gt=0, le=1, description="weight of the latest round in reputation")
-    reputation_weight: float = Field(0.0, ge=0, lt=1, description="how much reputation scales a reward")
+    reputation_alpha: float = Field(
+        0.2, gt=0, le=1, description="weight of the latest round in reputation"
+    )
+    reputation_weight: float = Field(
+        0.0, ge=0, lt=1, description="how much reputation scales a reward"
+    )
     selection_floor: float = Field(
-        0.0, ge=0, le=1,
+        0.0,
+        ge=0,
+        le=1,
         description="with clients_per_round, sample by reputation with this floor (0: uniformly)",
     )
 
     @model_validator(mode="after")
     def _known(self) -> RewardSettings:
         if self.method != "none" and self.method not in METHODS:
-            raise ValueError(f"method must be none or one of {', '.join(METHODS)}, not {self.method!r}")
+            raise ValueError(
+                f"method must be none or one of {', '.join(METHODS)}, not {self.method!r}"
+            )
         if self.pool % self.unit != 0:
             raise ValueError(f"pool {self.pool} is not a whole number of units of {self.unit}")
         return self
@@ -123,26 +154,47 @@ class CoordinatorConfig(HomeConfig):
     quorum: int = Field(1, ge=1, description="accepted updates needed to aggregate")
     aggregator: str = "fedavg"
     aggregator_params: dict[str, float | int] = Field(
-        default_factory=dict, description="passed to the rule: m (multikrum), tau and iters (centered_clipping), ..."
+        default_factory=dict,
+        description="passed to the rule: m (multikrum), tau and iters (centered_clipping), ...",
     )
-    pre_aggregation: str = Field("none", description="'nnm' mixes each update with its nearest neighbours first")
-    byzantine_f: int = Field(0, ge=0, description="Byzantine updates per round the rule must tolerate")
+    pre_aggregation: str = Field(
+        "none", description="'nnm' mixes each update with its nearest neighbours first"
+    )
+    byzantine_f: int = Field(
+        0, ge=0, description="Byzantine updates per round the rule must tolerate"
+    )
     quality_gate_tolerance: float = Field(0.02, ge=0)
     max_upload_bytes: int = Field(64 << 20, ge=1024)
     require_approval: bool = False
     clock_skew_s: float = Field(300.0, gt=0)
     max_submissions_per_round: int = Field(
-        3, ge=1, description="submissions a contributor may make per round; the first one over is recorded, later ones not"
+        3,
+        ge=1,
+        description="submissions a contributor may make per round; the first one over is recorded, later ones not",
     )
-    grpc_rate_per_s: float = Field(50.0, ge=0, description="gRPC calls per second per peer address; 0 = unlimited")
-    grpc_burst: int = Field(200, ge=1, description="gRPC calls a peer may make at once before the rate applies")
-    contributor_rate_per_s: float = Field(10.0, ge=0, description="gRPC calls per second per contributor key; 0 = unlimited")
+    grpc_rate_per_s: float = Field(
+        50.0, ge=0, description="gRPC calls per second per peer address; 0 = unlimited"
+    )
+    grpc_burst: int = Field(
+        200, ge=1, description="gRPC calls a peer may make at once before the rate applies"
+    )
+    contributor_rate_per_s: float = Field(
+        10.0, ge=0, description="gRPC calls per second per contributor key; 0 = unlimited"
+    )
     contributor_burst: int = Field(50, ge=1)
-    max_concurrent_per_peer: int = Field(64, ge=0, description="open gRPC calls per peer address; 0 = unlimited")
-    api_auth_rate_per_s: float = Field(2.0, ge=0, description="REST sign-in calls per second per client address; 0 = unlimited")
+    max_concurrent_per_peer: int = Field(
+        64, ge=0, description="open gRPC calls per peer address; 0 = unlimited"
+    )
+    api_auth_rate_per_s: float = Field(
+        2.0, ge=0, description="REST sign-in calls per second per client address; 0 = unlimited"
+    )
     api_auth_burst: int = Field(20, ge=1)
-    api_max_failures: int = Field(10, ge=1, description="bad REST credentials per client address before it is locked out")
-    api_lockout_s: float = Field(300.0, gt=0, description="how long a locked-out client address is refused")
+    api_max_failures: int = Field(
+        10, ge=1, description="bad REST credentials per client address before it is locked out"
+    )
+    api_lockout_s: float = Field(
+        300.0, gt=0, description="how long a locked-out client address is refused"
+    )
     seed: int = 0
     tls_cert: Path | None = None
     tls_key: Path | None = None
@@ -153,9 +205,13 @@ class CoordinatorConfig(HomeConfig):
     @model_validator(mode="after")
     def _check(self) -> CoordinatorConfig:
         if self.aggregator not in AGGREGATORS:
-            raise ValueError(f"aggregator must be one of {', '.join(AGGREGATORS)}, not {self.aggregator!r}")
+            raise ValueError(
+                f"aggregator must be one of {', '.join(AGGREGATORS)}, not {self.aggregator!r}"
+            )
         if self.pre_aggregation not in ("none", *PRE_STEPS):
-            raise ValueError(f"pre_aggregation must be none or {', '.join(PRE_STEPS)}, not {self.pre_aggregation!r}")
+            raise ValueError(
+                f"pre_aggregation must be none or {', '.join(PRE_STEPS)}, not {self.pre_aggregation!r}"
+            )
         needed = min_clients(self.aggregator, self.byzantine_f)
         if self.min_clients < needed:
             raise ValueError(
@@ -164,7 +220,9 @@ class CoordinatorConfig(HomeConfig):
             )
         # the rule checks its own parameters: run it once on a tiny input
         params: dict[str, Any] = dict(self.aggregator_params)
-        aggregate(self.aggregator, torch.zeros(needed, 2), f=self.byzantine_f, pre=self.pre, **params)
+        aggregate(
+            self.aggregator, torch.zeros(needed, 2), f=self.byzantine_f, pre=self.pre, **params
+        )
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ValueError("tls_cert and tls_key go together: set both or neither")
         return self
@@ -180,4 +238,6 @@ class CoordinatorConfig(HomeConfig):
 
 def load_config(path: Path) -> CoordinatorConfig:
     """Read and validate `path`; `home` defaults to the file's directory."""
-    return load_toml(path, CoordinatorConfig, error=ConfigError, missing="create one with `gym-coordinator init`")
+    return load_toml(
+        path, CoordinatorConfig, error=ConfigError, missing="create one with `gym-coordinator init`"
+    )

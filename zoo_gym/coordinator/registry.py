@@ -50,14 +50,18 @@ class ModelRegistry:
     def latest(self) -> Published:
         versions = self.versions()
         if not versions:
-            raise FileNotFoundError(f"no published model under {self.root}; run `gym-coordinator init`")
+            raise FileNotFoundError(
+                f"no published model under {self.root}; run `gym-coordinator init`"
+            )
         return self.get(versions[-1])
 
     def get(self, version: str) -> Published:
         directory = self.root / version
         if not (directory / MANIFEST).exists():
             raise KeyError(version)
-        return Published(version, directory, ModelManifest.from_bytes((directory / MANIFEST).read_bytes()))
+        return Published(
+            version, directory, ModelManifest.from_bytes((directory / MANIFEST).read_bytes())
+        )
 
     def verify(self, version: str) -> ModelManifest:
         return read_verified(self.root / version, self.signer.public_key)
@@ -94,10 +98,20 @@ class ModelRegistry:
         for item in (self.root / parent).iterdir():
             if item.is_file() and item.name not in (WEIGHTS, MANIFEST, SIGNATURE):
                 shutil.copy2(item, staging / item.name)
-        save_file({k: v.contiguous() for k, v in state_dict.items()}, staging / WEIGHTS, metadata={"format": "pt"})
+        save_file(
+            {k: v.contiguous() for k, v in state_dict.items()},
+            staging / WEIGHTS,
+            metadata={"format": "pt"},
+        )
         manifest = build_manifest(
-            staging, version=version, parent=parent, round=round_number, aggregator=aggregator,
-            contributors=contributors, metrics=metrics, epsilon=epsilon,
+            staging,
+            version=version,
+            parent=parent,
+            round=round_number,
+            aggregator=aggregator,
+            contributors=contributors,
+            metrics=metrics,
+            epsilon=epsilon,
         )
         write_signed(staging, manifest, self.signer)
         target = self.root / version

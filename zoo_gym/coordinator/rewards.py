@@ -55,31 +55,57 @@ def pay_round(
     params: dict[str, Any] = dict(config.aggregator_params)
 
     def aggregate_fn(rows: torch.Tensor) -> torch.Tensor:  # (k, d) -> (d,), the round's rule
-        return aggregate(config.aggregator, rows, f=config.byzantine_f, pre=config.pre, **params).vector
+        return aggregate(
+            config.aggregator, rows, f=config.byzantine_f, pre=config.pre, **params
+        ).vector
 
-    quality = score_contributions(agg.rows, utility=utility, method=settings.method,
-                                  aggregate_fn=aggregate_fn, baseline=baseline)
+    quality = score_contributions(
+        agg.rows,
+        utility=utility,
+        method=settings.method,
+        aggregate_fn=aggregate_fn,
+        baseline=baseline,
+    )
     contributions = [
-        Contribution(cid, quality=q, rejection=None if d.selected or d.weight > 0 else
-                     f"not used by {config.aggregator}: {d.reason}")
+        Contribution(
+            cid,
+            quality=q,
+            rejection=None
+            if d.selected or d.weight > 0
+            else f"not used by {config.aggregator}: {d.reason}",
+        )
         for cid, q, d in zip(agg.row_contributors, quality.scores, agg.decisions, strict=True)
     ]
     with Session(engine) as session:
         previous = {c.contributor_id: c.reputation for c in ledger.list_contributors(session)}
-    policy = RewardPolicy(pool=settings.pool, min_quality=settings.min_quality,
-                          reputation_weight=settings.reputation_weight, unit=settings.unit)
+    policy = RewardPolicy(
+        pool=settings.pool,
+        min_quality=settings.min_quality,
+        reputation_weight=settings.reputation_weight,
+        unit=settings.unit,
+    )
     split = split_rewards(contributions, policy=policy, reputations=previous)
     reputations = update_reputations(
         {c.contributor: previous.get(c.contributor, 0.0) for c in contributions},
-        round_outcomes(split.rewards), alpha=settings.reputation_alpha,
+        round_outcomes(split.rewards),
+        alpha=settings.reputation_alpha,
     )
     with Session(engine) as session:
         for reward in split.rewards:
             ledger.record_reward(
-                session, round_number=round_number, contributor_id=reward.contributor,
-                quality=reward.quality, amount=reward.amount,
-                reputation_after=reputations[reward.contributor], reason=reward.reason,
+                session,
+                round_number=round_number,
+                contributor_id=reward.contributor,
+                quality=reward.quality,
+                amount=reward.amount,
+                reputation_after=reputations[reward.contributor],
+                reason=reward.reason,
             )
-    log.info("round %d rewards (%s, %d utility evaluations): %s", round_number, quality.method,
-             quality.utility_calls, split.summary)
+    log.info(
+        "round %d rewards (%s, %d utility evaluations): %s",
+        round_number,
+        quality.method,
+        quality.utility_calls,
+        split.summary,
+    )
     return split

@@ -90,10 +90,14 @@ def validation_reward(co: Coordinator, state: dict[str, torch.Tensor]) -> float 
     t = co.config.training
     if t.method not in ("grpo", "gspo"):
         return None
-    return co.evaluator.mean_reward(state, reward_functions=t.reward_functions, max_new_tokens=t.max_new_tokens)
+    return co.evaluator.mean_reward(
+        state, reward_functions=t.reward_functions, max_new_tokens=t.max_new_tokens
+    )
 
 
-def round_epsilon(co: Coordinator, round_number: int, contributors: tuple[str, ...]) -> float | None:
+def round_epsilon(
+    co: Coordinator, round_number: int, contributors: tuple[str, ...]
+) -> float | None:
     """The largest per-round sample-level epsilon the round's aggregated contributors reported
     (None when one of them reported none: that update carries no DP guarantee).
 
@@ -113,7 +117,9 @@ def _same(layout: Layout) -> Layout:
     return layout
 
 
-def run_rounds(co: Coordinator, grid: Grid, *, on_round: Callable[[RoundSummary], None] | None = None) -> None:
+def run_rounds(
+    co: Coordinator, grid: Grid, *, on_round: Callable[[RoundSummary], None] | None = None
+) -> None:
     config = co.config
     spec = lora_spec(co)
     base = co.registry.latest()
@@ -126,14 +132,20 @@ def run_rounds(co: Coordinator, grid: Grid, *, on_round: Callable[[RoundSummary]
         last = ledger.latest_round(session)
         first = 1 if last is None else last.number + 1
         if last is not None and last.status in ("open", "aggregating"):
-            ledger.close_round(session, number=last.number, status="aborted",
-                               metrics={"reason": "coordinator restarted during the round"})
+            ledger.close_round(
+                session,
+                number=last.number,
+                status="aborted",
+                metrics={"reason": "coordinator restarted during the round"},
+            )
     log.info("starting at round %d on %s (validation loss %.4f)", first, base.version, loss)
 
     done = 0
     round_number = first
     while not co.stop.is_set() and (config.rounds == 0 or done < config.rounds):
-        if not co.control.wait_until_runnable(co.stop):  # blocks while an operator holds rounds paused
+        if not co.control.wait_until_runnable(
+            co.stop
+        ):  # blocks while an operator holds rounds paused
             break
         change = co.control.take_policy()
         if change is not None:  # staged through the REST API; applies from this round on
@@ -142,22 +154,38 @@ def run_rounds(co: Coordinator, grid: Grid, *, on_round: Callable[[RoundSummary]
             spec = lora_spec(co)
             layout = update_layout(state, spec, config.training.adapter)  # type: ignore[arg-type]
             strategy = co.make_strategy(functools.partial(_same, layout))
-            reward = validation_reward(co, state)  # the method (and so the utility) may have changed
+            reward = validation_reward(
+                co, state
+            )  # the method (and so the utility) may have changed
             log.info("policy changed by %s: %s", change.by, ", ".join(sorted(change.changes)))
         started = time.perf_counter()
         seed = round_seed(config.seed, round_number)
         deadline_ms = int((time.time() + config.round_timeout_s) * 1000)
         t = config.training
         task = TaskConfig(
-            round=round_number, base_version=base.version, seed=seed, deadline_ms=deadline_ms, **t.task_fields()
+            round=round_number,
+            base_version=base.version,
+            seed=seed,
+            deadline_ms=deadline_ms,
+            **t.task_fields(),
         )
-        messages = list(strategy.configure_train(round_number, ArrayRecord(), ConfigRecord(task.to_record()), grid))
+        messages = list(
+            strategy.configure_train(
+                round_number, ArrayRecord(), ConfigRecord(task.to_record()), grid
+            )
+        )
         if not messages:
             log.warning("no contributors connected; stopping")
             break
         with Session(co.engine) as session:
-            ledger.open_round(session, number=round_number, base_version=base.version, seed=seed,
-                              aggregator=config.aggregator, codec=t.codec)
+            ledger.open_round(
+                session,
+                number=round_number,
+                base_version=base.version,
+                seed=seed,
+                aggregator=config.aggregator,
+                codec=t.codec,
+            )
         co.control.round_started(round_number)
         co.metrics.round_opened(round_number)
         # configure_train waited for contributors to connect: the deadline runs from when tasks go out
@@ -182,8 +210,14 @@ def run_rounds(co: Coordinator, grid: Grid, *, on_round: Callable[[RoundSummary]
             status = "aborted"
         else:
             utility = validation_utility(co, state, layout, spec, seed)
-            pay_round(co.engine, config, round_number=round_number, agg=agg, utility=utility,
-                      baseline=-loss if reward is None else reward)
+            pay_round(
+                co.engine,
+                config,
+                round_number=round_number,
+                agg=agg,
+                utility=utility,
+                baseline=-loss if reward is None else reward,
+            )
             candidate = {k: v.clone() for k, v in state.items()}
             merge_update(candidate, agg.update, adapter=t.adapter, spec=spec, seed=seed)
             new_loss = co.evaluator.loss(candidate)
@@ -199,33 +233,58 @@ def run_rounds(co: Coordinator, grid: Grid, *, on_round: Callable[[RoundSummary]
                 if reward is not None and new_reward is not None:
                     metrics.update(mean_reward=new_reward, parent_mean_reward=reward)
                 pub = co.registry.publish(
-                    candidate, parent=base.version, round_number=round_number,
-                    aggregator=config.aggregator, contributors=agg.contributors, metrics=metrics,
+                    candidate,
+                    parent=base.version,
+                    round_number=round_number,
+                    aggregator=config.aggregator,
+                    contributors=agg.contributors,
+                    metrics=metrics,
                     epsilon=round_epsilon(co, round_number, agg.contributors),
                 )
                 published = pub.version
                 with Session(co.engine) as session:
                     ledger.record_model_version(
-                        session, version=pub.version, parent=base.version, round_number=round_number,
+                        session,
+                        version=pub.version,
+                        parent=base.version,
+                        round_number=round_number,
                         manifest_sha256=hashlib.sha256(pub.manifest.to_bytes()).hexdigest(),
-                        path=str(pub.directory), metrics=metrics,
+                        path=str(pub.directory),
+                        metrics=metrics,
                     )
                 state, base = candidate, pub
             else:
                 status = "rolled_back"
         summary = RoundSummary(
-            round=round_number, base_version=task.base_version, status=status, published_version=published,
-            participants=len(messages), received=received, accepted=accepted, rejected=received - accepted,
-            aggregated=len(agg.contributors) if agg else 0, loss_before=loss, loss_after=new_loss,
-            seconds=time.perf_counter() - started, reward_before=reward, mean_reward=new_reward,
+            round=round_number,
+            base_version=task.base_version,
+            status=status,
+            published_version=published,
+            participants=len(messages),
+            received=received,
+            accepted=accepted,
+            rejected=received - accepted,
+            aggregated=len(agg.contributors) if agg else 0,
+            loss_before=loss,
+            loss_after=new_loss,
+            seconds=time.perf_counter() - started,
+            reward_before=reward,
+            mean_reward=new_reward,
         )
         closing: dict[str, object] = dict(asdict(summary))
         if abort:
             closing.update(aborted_by=abort.by, reason=abort.reason)
         with Session(co.engine) as session:
-            ledger.close_round(session, number=round_number, status=status,
-                               new_version=published or None, metrics=closing)
-            ledger.checkpoint(session, signer=co.signer)  # contributors verify their rewards against it
+            ledger.close_round(
+                session,
+                number=round_number,
+                status=status,
+                new_version=published or None,
+                metrics=closing,
+            )
+            ledger.checkpoint(
+                session, signer=co.signer
+            )  # contributors verify their rewards against it
         co.metrics.observe_round(round_number, summary.seconds, status=status)
         co.control.round_finished(round_number)
         if status == "published":
@@ -233,15 +292,25 @@ def run_rounds(co: Coordinator, grid: Grid, *, on_round: Callable[[RoundSummary]
         co.backend.open_round = None
         with co.config.path("rounds.jsonl").open("a") as fh:
             fh.write(json.dumps(asdict(summary)) + "\n")
-        log.info("round %d %s: %d/%d accepted, loss %.4f -> %.4f%s", round_number, status, accepted,
-                 received, summary.loss_before, new_loss, f", published {published}" if published else "")
+        log.info(
+            "round %d %s: %d/%d accepted, loss %.4f -> %.4f%s",
+            round_number,
+            status,
+            accepted,
+            received,
+            summary.loss_before,
+            new_loss,
+            f", published {published}" if published else "",
+        )
         if on_round is not None:
             on_round(summary)
         done += 1
         round_number += 1
 
 
-def make_server_app(co: Coordinator, *, on_round: Callable[[RoundSummary], None] | None = None) -> ServerApp:
+def make_server_app(
+    co: Coordinator, *, on_round: Callable[[RoundSummary], None] | None = None
+) -> ServerApp:
     app = ServerApp()
 
     @app.main()

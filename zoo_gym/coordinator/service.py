@@ -44,13 +44,19 @@ class Coordinator:
         self.control = RoundControl()  # operators' requests (REST), read by the round loop
         self.metrics = CoordinatorMetrics()
         self.backend = CoordinatorBackend(
-            engine=self.engine, registry=self.registry, signer=self.signer,
-            payload_dir=config.path("payloads"), max_upload_bytes=config.max_upload_bytes,
-            clock_skew_s=config.clock_skew_s, require_approval=config.require_approval,
-            metrics=self.metrics, max_submissions_per_round=config.max_submissions_per_round,
+            engine=self.engine,
+            registry=self.registry,
+            signer=self.signer,
+            payload_dir=config.path("payloads"),
+            max_upload_bytes=config.max_upload_bytes,
+            clock_skew_s=config.clock_skew_s,
+            require_approval=config.require_approval,
+            metrics=self.metrics,
+            max_submissions_per_round=config.max_submissions_per_round,
         )
         self.evaluator = Evaluator(
-            self.registry.latest().directory, config.path(config.validation_data),
+            self.registry.latest().directory,
+            config.path(config.validation_data),
             max_length=config.training.max_length,
         )
         self.stop = threading.Event()
@@ -66,11 +72,19 @@ class Coordinator:
     def make_strategy(self, layout: Callable[[], Layout]) -> ZooStrategy:
         c = self.config
         return ZooStrategy(
-            self.backend, rule=c.aggregator, f=c.byzantine_f, params=c.aggregator_params, pre=c.pre,
+            self.backend,
+            rule=c.aggregator,
+            f=c.byzantine_f,
+            params=c.aggregator_params,
+            pre=c.pre,
             min_clients=c.min_clients,
-            clients_per_round=c.clients_per_round, quorum=c.quorum,
-            wait_for_clients_s=c.wait_for_clients_s, stop=self.stop, layout=layout,
-            selection_floor=c.rewards.selection_floor, keep_rows=c.rewards.method != "none",
+            clients_per_round=c.clients_per_round,
+            quorum=c.quorum,
+            wait_for_clients_s=c.wait_for_clients_s,
+            stop=self.stop,
+            layout=layout,
+            selection_floor=c.rewards.selection_floor,
+            keep_rows=c.rewards.method != "none",
         )
 
     def run(self, grid: object, *, on_round: Callable[[RoundSummary], None] | None = None) -> None:
@@ -80,7 +94,9 @@ class Coordinator:
         TaskIdentity.run_id = 1
         TaskIdentity.node_id = SERVERAPP_NODE_ID
         TaskIdentity.task_id = 1
-        context = Context(run_id=1, node_id=SERVERAPP_NODE_ID, node_config={}, state=RecordDict(), run_config={})
+        context = Context(
+            run_id=1, node_id=SERVERAPP_NODE_ID, node_config={}, state=RecordDict(), run_config={}
+        )
         make_server_app(self, on_round=on_round)(grid, context)  # type: ignore[arg-type]
 
     def serve(self, *, stay: bool = False) -> None:
@@ -103,10 +119,16 @@ class Coordinator:
             rest.server.config.ssl_certfile = str(cert)
             rest.server.config.ssl_keyfile = str(key)
         mailbox = Mailbox()
-        limits = RateLimits(c.grpc_rate_per_s, c.grpc_burst, c.contributor_rate_per_s, c.contributor_burst,
-                            c.max_concurrent_per_peer)
-        grpc_server = start_server(self.backend, mailbox, address=c.listen, spool=c.path("spool"), tls=tls,
-                                   limits=limits)
+        limits = RateLimits(
+            c.grpc_rate_per_s,
+            c.grpc_burst,
+            c.contributor_rate_per_s,
+            c.contributor_burst,
+            c.max_concurrent_per_peer,
+        )
+        grpc_server = start_server(
+            self.backend, mailbox, address=c.listen, spool=c.path("spool"), tls=tls, limits=limits
+        )
         log.info("REST API on %s://%s", "https" if tls else "http", c.rest_listen)
         rest.start()
 
@@ -125,4 +147,3 @@ class Coordinator:
         finally:
             grpc_server.stop()
             rest.stop()
-

@@ -67,8 +67,11 @@ class ZooStrategy(FedAvg):
         keep_rows: bool = True,
     ) -> None:
         super().__init__(
-            fraction_train=1.0, fraction_evaluate=0.0, min_train_nodes=min_clients,
-            min_available_nodes=min_clients, configrecord_key=TASK_CONFIG,
+            fraction_train=1.0,
+            fraction_evaluate=0.0,
+            min_train_nodes=min_clients,
+            min_available_nodes=min_clients,
+            configrecord_key=TASK_CONFIG,
         )
         self.backend = backend
         self.rule = rule
@@ -81,7 +84,9 @@ class ZooStrategy(FedAvg):
         self.stop = stop
         self.layout = layout
         self.selection_floor = selection_floor
-        self.keep_rows = keep_rows  # scoring needs every decoded update; plain FedAvg alone does not
+        self.keep_rows = (
+            keep_rows  # scoring needs every decoded update; plain FedAvg alone does not
+        )
         self.last: RoundAggregate | None = None
 
     def wait_for_nodes(self, grid: Grid) -> list[int]:
@@ -103,7 +108,9 @@ class ZooStrategy(FedAvg):
             return []
         if 0 < self.clients_per_round < len(nodes):
             nodes = self.sample(nodes, self.clients_per_round)
-        return self._construct_messages(RecordDict({TASK_CONFIG: config}), sorted(nodes), MessageType.TRAIN)
+        return self._construct_messages(
+            RecordDict({TASK_CONFIG: config}), sorted(nodes), MessageType.TRAIN
+        )
 
     def sample(self, nodes: list[int], k: int) -> list[int]:
         """k of `nodes`: uniformly, or by reputation when `selection_floor` > 0 (weights
@@ -123,7 +130,12 @@ class ZooStrategy(FedAvg):
         layout = self.layout()
         self.last = RoundAggregate({}, (), len(replies), len(accepted))
         if len(accepted) < self.quorum:
-            log.warning("round %d: %d accepted updates, quorum is %d", server_round, len(accepted), self.quorum)
+            log.warning(
+                "round %d: %d accepted updates, quorum is %d",
+                server_round,
+                len(accepted),
+                self.quorum,
+            )
             return None, None
         if self.rule == "fedavg" and self.pre is None and not self.keep_rows:
             fused = self._fused_fedavg(server_round, replies, accepted, layout)
@@ -146,30 +158,56 @@ class ZooStrategy(FedAvg):
             rows.append(reply)
         needed = max(self.quorum, min_clients(self.rule, self.f))
         if len(rows) < needed:
-            log.warning("round %d: %d decodable updates, %s with f=%d needs %d", server_round, len(rows),
-                        self.rule, self.f, needed)
+            log.warning(
+                "round %d: %d decodable updates, %s with f=%d needs %d",
+                server_round,
+                len(rows),
+                self.rule,
+                self.f,
+                needed,
+            )
             for reply in rows:
-                self._decide(reply.content.config_records[SUBMISSION], selected=False,
-                             reason=f"round aborted: {len(rows)} usable updates, {self.rule} needs {needed}")
+                self._decide(
+                    reply.content.config_records[SUBMISSION],
+                    selected=False,
+                    reason=f"round aborted: {len(rows)} usable updates, {self.rule} needs {needed}",
+                )
             return None, None
         updates = updates[: len(rows)]
         weights = None
         if self.rule in WEIGHTED_RULES:  # weighted by the examples each contributor trained on
             weights = torch.tensor(
-                [_number(r.content.metric_records.get(TRAIN_METRICS, MetricRecord()).get("num_examples", 1.0)) for r in rows],
+                [
+                    _number(
+                        r.content.metric_records.get(TRAIN_METRICS, MetricRecord()).get(
+                            "num_examples", 1.0
+                        )
+                    )
+                    for r in rows
+                ],
                 dtype=torch.float64,
             )
-        result: Aggregate = aggregate(self.rule, updates, f=self.f, weights=weights, pre=self.pre, **self.params)
+        result: Aggregate = aggregate(
+            self.rule, updates, f=self.f, weights=weights, pre=self.pre, **self.params
+        )
         contributors: list[str] = []
         for reply, decision in zip(rows, result.decisions, strict=True):
             record = reply.content.config_records[SUBMISSION]
-            self._decide(record, selected=decision.selected, reason=decision.reason, decision=decision)
+            self._decide(
+                record, selected=decision.selected, reason=decision.reason, decision=decision
+            )
             if decision.selected or decision.weight > 0:
                 contributors.append(str(record["contributor_id"]))
         update = {k: v.clone() for k, v in unflatten(result.vector.float(), layout).items()}
         self.last = RoundAggregate(
-            update, tuple(contributors), len(replies), len(accepted), rows=updates,
-            row_contributors=tuple(str(r.content.config_records[SUBMISSION]["contributor_id"]) for r in rows),
+            update,
+            tuple(contributors),
+            len(replies),
+            len(accepted),
+            rows=updates,
+            row_contributors=tuple(
+                str(r.content.config_records[SUBMISSION]["contributor_id"]) for r in rows
+            ),
             decisions=result.decisions,
         )
         metrics = MetricRecord({"accepted": len(accepted), "aggregated": len(rows)})
@@ -206,22 +244,40 @@ class ZooStrategy(FedAvg):
         decisions = []
         for reply, w in zip(accepted, weights, strict=True):
             record = reply.content.config_records[SUBMISSION]
-            decision = Decision(selected=w > 0, weight=w, trimmed_share=0.0 if w > 0 else 1.0, score=None,
-                                reason=f"averaged with weight {round(100 * w)}%" if w > 0 else "weight zero, not averaged")
-            self._decide(record, selected=decision.selected, reason=decision.reason, decision=decision)
+            decision = Decision(
+                selected=w > 0,
+                weight=w,
+                trimmed_share=0.0 if w > 0 else 1.0,
+                score=None,
+                reason=f"averaged with weight {round(100 * w)}%"
+                if w > 0
+                else "weight zero, not averaged",
+            )
+            self._decide(
+                record, selected=decision.selected, reason=decision.reason, decision=decision
+            )
             decisions.append(decision)
             if w > 0:
                 contributors.append(str(record["contributor_id"]))
         update = {k: v.clone() for k, v in unflatten(summed, layout).items()}
         self.last = RoundAggregate(
-            update, tuple(contributors), len(replies), len(accepted),
-            row_contributors=tuple(str(r.content.config_records[SUBMISSION]["contributor_id"]) for r in accepted),
+            update,
+            tuple(contributors),
+            len(replies),
+            len(accepted),
+            row_contributors=tuple(
+                str(r.content.config_records[SUBMISSION]["contributor_id"]) for r in accepted
+            ),
             decisions=tuple(decisions),
         )
         log.info("round %d: %d updates averaged in one fused pass", server_round, len(accepted))
-        return ArrayRecord(torch_state_dict=update), MetricRecord({"accepted": len(accepted), "aggregated": len(accepted)})
+        return ArrayRecord(torch_state_dict=update), MetricRecord(
+            {"accepted": len(accepted), "aggregated": len(accepted)}
+        )
 
-    def _decide(self, record: ConfigRecord, *, selected: bool, reason: str, decision: Decision | None = None) -> None:
+    def _decide(
+        self, record: ConfigRecord, *, selected: bool, reason: str, decision: Decision | None = None
+    ) -> None:
         with Session(self.backend.engine) as session:
             ledger.record_aggregation(
                 session,

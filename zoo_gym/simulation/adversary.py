@@ -41,7 +41,9 @@ class Adversary:
 
     def __post_init__(self) -> None:
         if self.attack not in ATTACKS:
-            raise ValueError(f"unknown update attack {self.attack!r}; choose one of {', '.join(ATTACKS)}")
+            raise ValueError(
+                f"unknown update attack {self.attack!r}; choose one of {', '.join(ATTACKS)}"
+            )
 
     def replies(self, honest: Sequence[Message], requests: Sequence[Message]) -> list[Message]:
         """One signed reply per request in `requests` (each addressed to a Byzantine node)."""
@@ -49,7 +51,9 @@ class Adversary:
             return []
         usable = [r for r in honest if not r.has_error()]
         if not usable:
-            raise RuntimeError("the adversary needs at least one honest update to attack; lower the Byzantine share")
+            raise RuntimeError(
+                "the adversary needs at least one honest update to attack; lower the Byzantine share"
+            )
         task = TaskConfig.from_record(requests[0].content.config_records[TASK_CONFIG])
         rows, layout = self._honest_rows(usable)  # (h, d)
         generator = torch.Generator().manual_seed(self._round_seed(task.round))
@@ -75,7 +79,9 @@ class Adversary:
         return rows, layout
 
     def _round_seed(self, round_number: int) -> int:
-        digest = hashlib.sha256(f"zoo-gym/adversary|{self.seed}|{self.attack}|{round_number}".encode()).digest()
+        digest = hashlib.sha256(
+            f"zoo-gym/adversary|{self.seed}|{self.attack}|{round_number}".encode()
+        ).digest()
         return int.from_bytes(digest[:8], "big") >> 1
 
 

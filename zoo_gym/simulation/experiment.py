@@ -55,24 +55,39 @@ class SweepConfig(BaseModel):
     """One attack matrix; every field can come from a TOML file or a flag."""
 
     model_config = ConfigDict(extra="forbid")
-    aggregators: list[str] = ["fedavg", "krum", "multikrum", "trimmed_mean", "median", "geometric_median"]
+    aggregators: list[str] = [
+        "fedavg",
+        "krum",
+        "multikrum",
+        "trimmed_mean",
+        "median",
+        "geometric_median",
+    ]
     attacks: list[str] = ["sign_flip", "scaling", "alie", "ipm", "label_flip"]
     byzantine_shares: list[float] = [0.1, 0.2, 0.3]
     clients: int = Field(10, ge=2)
     rounds: int = Field(4, ge=1)
     warmup_rounds: int = Field(
-        2, ge=0, description="honest FedAvg rounds every cell starts from (past the quick format-learning phase)"
+        2,
+        ge=0,
+        description="honest FedAvg rounds every cell starts from (past the quick format-learning phase)",
     )
     steps: int = Field(10, ge=1, description="local training steps per round")
     learning_rate: float = Field(0.01, gt=0)
     batch_size: int = Field(8, ge=1)
     examples_per_client: int = Field(60, ge=4)
-    f: int | None = Field(None, ge=0, description="Byzantine updates the rules tolerate; default: attackers at the largest share")
+    f: int | None = Field(
+        None,
+        ge=0,
+        description="Byzantine updates the rules tolerate; default: attackers at the largest share",
+    )
     pre_aggregation: str = "none"
     aggregator_params: dict[str, dict[str, float]] = {}
     attack_params: dict[str, dict[str, float]] = {}
     codec: str = "bitdelta"
-    quality_gate: bool = Field(False, description="keep the coordinator's quality gate (off: measure the rule alone)")
+    quality_gate: bool = Field(
+        False, description="keep the coordinator's quality gate (off: measure the rule alone)"
+    )
     engine: Literal["inprocess", "ray"] = "inprocess"
     jobs: int = Field(1, ge=1, description="cells run in parallel (in-process engine)")
     seed: int = 0
@@ -84,7 +99,9 @@ class SweepConfig(BaseModel):
                 raise ValueError(f"unknown aggregator {rule!r}; choose from {', '.join(RULES)}")
         for attack in self.attacks:
             if attack not in ATTACK_NAMES or attack == "none":
-                raise ValueError(f"unknown attack {attack!r}; choose from {', '.join(ATTACK_NAMES[1:])}")
+                raise ValueError(
+                    f"unknown attack {attack!r}; choose from {', '.join(ATTACK_NAMES[1:])}"
+                )
         for share in self.byzantine_shares:
             if not 0.0 < share < 0.5:
                 raise ValueError(f"Byzantine shares must lie in (0, 0.5), got {share}")
@@ -163,21 +180,34 @@ class CellResult:
 def byzantine_indices(config: SweepConfig, share: float) -> list[int]:
     """Which clients attack at `share`: a seeded choice, nested across shares."""
     digest = hashlib.sha256(f"zoo-gym/byzantine|{config.seed}".encode()).digest()
-    order = torch.randperm(config.clients, generator=torch.Generator().manual_seed(int.from_bytes(digest[:7], "big")))
+    order = torch.randperm(
+        config.clients, generator=torch.Generator().manual_seed(int.from_bytes(digest[:7], "big"))
+    )
     return sorted(order[: config.attackers(share)].tolist())
 
 
 def cell_overrides(config: SweepConfig, cell: Cell) -> dict[str, Any]:
     """Coordinator settings for one cell."""
     return {
-        "rounds": config.rounds, "min_clients": config.clients, "aggregator": cell.aggregator,
-        "byzantine_f": config.tolerated, "aggregator_params": config.aggregator_params.get(cell.aggregator, {}),
-        "pre_aggregation": config.pre_aggregation, "seed": config.seed, "round_timeout_s": 3600.0,
+        "rounds": config.rounds,
+        "min_clients": config.clients,
+        "aggregator": cell.aggregator,
+        "byzantine_f": config.tolerated,
+        "aggregator_params": config.aggregator_params.get(cell.aggregator, {}),
+        "pre_aggregation": config.pre_aggregation,
+        "seed": config.seed,
+        "round_timeout_s": 3600.0,
         "wait_for_clients_s": 60.0,
         "quality_gate_tolerance": 0.02 if config.quality_gate else math.inf,
-        "rewards": {"method": "none"},  # the matrix measures the rule; scoring would add n + 1 evaluations
-        "training": {"steps": config.steps, "learning_rate": config.learning_rate,
-                     "batch_size": config.batch_size, "codec": config.codec},
+        "rewards": {
+            "method": "none"
+        },  # the matrix measures the rule; scoring would add n + 1 evaluations
+        "training": {
+            "steps": config.steps,
+            "learning_rate": config.learning_rate,
+            "batch_size": config.batch_size,
+            "codec": config.codec,
+        },
     }
 
 
@@ -192,8 +222,10 @@ def make_template(workdir: Path, config: SweepConfig) -> Path:
     from zoo_gym.coordinator.setup import init_home
     from zoo_gym.simulation.inprocess import InProcessFederation
 
-    key = f"{config.seed}|{config.clients}|{config.examples_per_client}|{config.warmup_rounds}|{config.steps}|" \
-          f"{config.learning_rate}|{config.batch_size}|{config.codec}"
+    key = (
+        f"{config.seed}|{config.clients}|{config.examples_per_client}|{config.warmup_rounds}|{config.steps}|"
+        f"{config.learning_rate}|{config.batch_size}|{config.codec}"
+    )
     template = workdir / f"template-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
     if (template / "coordinator.toml").exists():
         return template
@@ -201,9 +233,16 @@ def make_template(workdir: Path, config: SweepConfig) -> Path:
     shutil.rmtree(building, ignore_errors=True)
     init_home(building, tiny=True, settings="", seed=config.seed)
     if config.warmup_rounds:
-        overrides = {**cell_overrides(config, Cell("fedavg", "none", 0.0)), "rounds": config.warmup_rounds,
-                     "byzantine_f": 0, "aggregator_params": {}, "pre_aggregation": "none"}
-        fed = InProcessFederation.build(building, shards_for(config), overrides=overrides, seed=config.seed)
+        overrides = {
+            **cell_overrides(config, Cell("fedavg", "none", 0.0)),
+            "rounds": config.warmup_rounds,
+            "byzantine_f": 0,
+            "aggregator_params": {},
+            "pre_aggregation": "none",
+        }
+        fed = InProcessFederation.build(
+            building, shards_for(config), overrides=overrides, seed=config.seed
+        )
         fed.run()
         fed.coordinator.engine.dispose()
         shutil.rmtree(building / "clients", ignore_errors=True)
@@ -226,8 +265,13 @@ def run_cell(config: SweepConfig, cell: Cell, template: Path, workdir: Path) -> 
         from zoo_gym.simulation.inprocess import InProcessFederation
 
         fed = InProcessFederation.build(
-            home, shards_for(config), overrides=cell_overrides(config, cell), byzantine=attackers,
-            attack=cell.attack, attack_params=config.attack_params.get(cell.attack, {}), seed=config.seed,
+            home,
+            shards_for(config),
+            overrides=cell_overrides(config, cell),
+            byzantine=attackers,
+            attack=cell.attack,
+            attack_params=config.attack_params.get(cell.attack, {}),
+            seed=config.seed,
         )
         summaries, co, bad = fed.run(), fed.coordinator, set(fed.byzantine.values())
     seconds = time.perf_counter() - started
@@ -238,12 +282,18 @@ def run_cell(config: SweepConfig, cell: Cell, template: Path, workdir: Path) -> 
     co.engine.dispose()  # a worker runs many cells: close this one's database connections
     selected = sum(1 for s in subs if s.selected) / len(subs) if subs else 0.0
     return CellResult(
-        aggregator=cell.aggregator, attack=cell.attack, byzantine_share=cell.share,
-        byzantine_clients=len(attackers), f=config.tolerated,
-        losses=(summaries[0].loss_before, *(s.loss_after if s.status == "published" else s.loss_before
-                                             for s in summaries)),
+        aggregator=cell.aggregator,
+        attack=cell.attack,
+        byzantine_share=cell.share,
+        byzantine_clients=len(attackers),
+        f=config.tolerated,
+        losses=(
+            summaries[0].loss_before,
+            *(s.loss_after if s.status == "published" else s.loss_before for s in summaries),
+        ),
         published=sum(1 for s in summaries if s.status == "published"),
-        byzantine_selected=selected, seconds=seconds,
+        byzantine_selected=selected,
+        seconds=seconds,
     )
 
 
@@ -276,7 +326,9 @@ def run_sweep(
             done(cell, run_cell(config, cell, template, workdir))
     else:
         context = multiprocessing.get_context("spawn")
-        with concurrent.futures.ProcessPoolExecutor(config.jobs, mp_context=context, initializer=_worker_init) as pool:
+        with concurrent.futures.ProcessPoolExecutor(
+            config.jobs, mp_context=context, initializer=_worker_init
+        ) as pool:
             futures = {pool.submit(_run_in_worker, config, c, template, workdir): c for c in cells}
             for future in concurrent.futures.as_completed(futures):
                 done(futures[future], future.result())

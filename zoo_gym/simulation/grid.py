@@ -77,8 +77,13 @@ class SimulationGrid(RunGrid):
         byzantine = self.adversary.identities if self.adversary else {}
         honest = [m for m in batch if m.metadata.dst_node_id not in byzantine]
         forwarded = {
-            id(m): Message(m.content, self.routes[m.metadata.dst_node_id], m.metadata.message_type,
-                           ttl=m.metadata.ttl, group_id=m.metadata.group_id)
+            id(m): Message(
+                m.content,
+                self.routes[m.metadata.dst_node_id],
+                m.metadata.message_type,
+                ttl=m.metadata.ttl,
+                group_id=m.metadata.group_id,
+            )
             for m in honest
         }
         inner_replies = list(self.inner.send_and_receive(list(forwarded.values()), timeout=timeout))
@@ -91,10 +96,13 @@ class SimulationGrid(RunGrid):
         attacked = [m for m in batch if m.metadata.dst_node_id in byzantine]
         if self.adversary is not None and attacked:
             honest_replies = [raw[id(m)] for m in honest if id(m) in raw]
-            for m, reply in zip(attacked, self.adversary.replies(honest_replies, attacked), strict=True):
+            for m, reply in zip(
+                attacked, self.adversary.replies(honest_replies, attacked), strict=True
+            ):
                 raw[id(m)] = reply
         return [
             submit_to_intake(self.backend, self.spool, m.metadata.dst_node_id, raw[id(m)], m)
-            if id(m) in raw else None
+            if id(m) in raw
+            else None
             for m in batch
         ]

@@ -44,7 +44,9 @@ def register(backend: CoordinatorBackend, identity: Identity, name: str) -> int:
     """Register `identity` with the coordinator as a contributor would; returns its node id."""
     ts = int(time.time() * 1000)
     reg = backend.register(
-        public_key=identity.public_key, name=name, timestamp_ms=ts,
+        public_key=identity.public_key,
+        name=name,
+        timestamp_ms=ts,
         signature=identity.sign(register_statement(identity.public_key, name, ts)),
     )
     return reg.node_id
@@ -98,19 +100,32 @@ class InProcessFederation:
                 crafted[node] = identity
                 continue
             runtime = ClientRuntime(
-                identity=identity, conversations=[to_conversation(r) for r in records],
-                home=home / "clients" / f"client-{i}", model_source=source,
-                misbehaviour=Misbehaviour(attack, dict(attack_params or {}), seed=seed + i) if attacker else None,
+                identity=identity,
+                conversations=[to_conversation(r) for r in records],
+                home=home / "clients" / f"client-{i}",
+                model_source=source,
+                misbehaviour=Misbehaviour(attack, dict(attack_params or {}), seed=seed + i)
+                if attacker
+                else None,
             )
             runtimes[node] = runtime
-            context = Context(run_id=1, node_id=node, node_config={}, state=RecordDict(), run_config={})
+            context = Context(
+                run_id=1, node_id=node, node_config={}, state=RecordDict(), run_config={}
+            )
             nodes[node] = (make_client_app(runtime), context)
         adversary = None
         if crafted:
-            adversary = Adversary(attack, crafted, f=config.byzantine_f, seed=seed, params=dict(attack_params or {}))
+            adversary = Adversary(
+                attack, crafted, f=config.byzantine_f, seed=seed, params=dict(attack_params or {})
+            )
         inner = LoopbackGrid(co.backend, nodes, spool=home / "spool", tamper=tamper, intake=False)
-        grid = SimulationGrid(inner, co.backend, routes={n: n for n in nodes}, spool=home / "spool",
-                              adversary=adversary)
+        grid = SimulationGrid(
+            inner,
+            co.backend,
+            routes={n: n for n in nodes},
+            spool=home / "spool",
+            adversary=adversary,
+        )
         return cls(co, runtimes, grid, bad)
 
     def run(self, on_round: Callable[[RoundSummary], None] | None = None) -> list[RoundSummary]:

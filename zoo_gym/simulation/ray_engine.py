@@ -52,7 +52,9 @@ REGISTRATION = "registration"
 
 def node_identity(seed: int, index: int) -> Identity:
     """The key of simulated contributor `index` in a sweep with `seed`."""
-    return Identity.from_seed(hashlib.sha256(f"zoo-gym/simulated-contributor|{seed}|{index}".encode()).digest())
+    return Identity.from_seed(
+        hashlib.sha256(f"zoo-gym/simulated-contributor|{seed}|{index}".encode()).digest()
+    )
 
 
 def make_simulated_client_app(
@@ -82,42 +84,56 @@ def make_simulated_client_app(
     def hello(message: Message, context: Context) -> Message:
         i = index(context)
         identity, name, ts = node_identity(seed, i), f"client-{i}", int(time.time() * 1000)
-        record = ConfigRecord({
-            "public_key": identity.public_key, "name": name, "timestamp_ms": ts,
-            "signature": identity.sign(register_statement(identity.public_key, name, ts)),
-        })
+        record = ConfigRecord(
+            {
+                "public_key": identity.public_key,
+                "name": name,
+                "timestamp_ms": ts,
+                "signature": identity.sign(register_statement(identity.public_key, name, ts)),
+            }
+        )
         return Message(RecordDict({REGISTRATION: record}), reply_to=message)
 
     @app.train()
     def train(message: Message, context: Context) -> Message:
         i = index(context)
         runtime = ClientRuntime(
-            identity=node_identity(seed, i), conversations=[to_conversation(r) for r in shards[i]],
-            home=workdir / f"client-{i}", model_source=source, misbehaviour=misbehaviour.get(i),
+            identity=node_identity(seed, i),
+            conversations=[to_conversation(r) for r in shards[i]],
+            home=workdir / f"client-{i}",
+            model_source=source,
+            misbehaviour=misbehaviour.get(i),
         )
         return runtime.train(message)
 
     return app
 
 
-def register_nodes(grid: Grid, co: Coordinator, *, expected: int, timeout_s: float = 600.0) -> dict[int, int]:
+def register_nodes(
+    grid: Grid, co: Coordinator, *, expected: int, timeout_s: float = 600.0
+) -> dict[int, int]:
     """Ask every engine node for its signed registration; coordinator node id -> engine node id."""
     deadline = time.monotonic() + timeout_s
     nodes = list(grid.get_node_ids())
     while len(nodes) < expected:  # the engine brings its nodes up after the ServerApp starts
         if time.monotonic() > deadline:
-            raise RuntimeError(f"{len(nodes)} of {expected} simulated nodes came up in {timeout_s:.0f} s")
+            raise RuntimeError(
+                f"{len(nodes)} of {expected} simulated nodes came up in {timeout_s:.0f} s"
+            )
         time.sleep(0.2)
         nodes = list(grid.get_node_ids())
     queries = [Message(RecordDict(), n, MessageType.QUERY, group_id="register") for n in nodes]
     routes: dict[int, int] = {}
     for reply in grid.send_and_receive(queries, timeout=600):
         if reply.has_error():
-            raise RuntimeError(f"node {reply.metadata.src_node_id} failed to register: {reply.error.reason}")
+            raise RuntimeError(
+                f"node {reply.metadata.src_node_id} failed to register: {reply.error.reason}"
+            )
         record = reply.content.config_records[REGISTRATION]
         reg = co.backend.register(
             public_key=bytes(record["public_key"]),  # type: ignore[arg-type]
-            name=str(record["name"]), timestamp_ms=int(record["timestamp_ms"]),  # type: ignore[arg-type]
+            name=str(record["name"]),
+            timestamp_ms=int(record["timestamp_ms"]),  # type: ignore[arg-type]
             signature=bytes(record["signature"]),  # type: ignore[arg-type]
         )
         routes[reg.node_id] = reply.metadata.src_node_id
@@ -135,19 +151,33 @@ def run_ray_federation(
     from zoo_gym.simulation.experiment import cell_overrides, shards_for
 
     base = load_config(home / "coordinator.toml")
-    co = Coordinator(CoordinatorConfig.model_validate({**base.model_dump(), **cell_overrides(config, cell)}))
+    co = Coordinator(
+        CoordinatorConfig.model_validate({**base.model_dump(), **cell_overrides(config, cell)})
+    )
     shards = shards_for(config)
     params = config.attack_params.get(cell.attack, {})
     crafted = set(attackers) if cell.attack in UPDATE_ATTACKS else set()
     clients = [i for i in range(config.clients) if i not in crafted]
     keys = {i: node_identity(config.seed, i) for i in sorted(crafted)}
     virtual = {register(co.backend, key, f"client-{i}"): key for i, key in keys.items()}
-    adversary = Adversary(cell.attack, virtual, f=config.tolerated, seed=config.seed, params=params) if virtual else None
-    misbehaviour = {i: Misbehaviour(cell.attack, dict(params), seed=config.seed + i)
-                    for i in attackers if i not in crafted}
+    adversary = (
+        Adversary(cell.attack, virtual, f=config.tolerated, seed=config.seed, params=params)
+        if virtual
+        else None
+    )
+    misbehaviour = {
+        i: Misbehaviour(cell.attack, dict(params), seed=config.seed + i)
+        for i in attackers
+        if i not in crafted
+    }
     client_app = make_simulated_client_app(
-        shards=shards, clients=clients, misbehaviour=misbehaviour, seed=config.seed, workdir=home / "clients",
-        registry=co.registry.root, coordinator_key=co.signer.public_key,
+        shards=shards,
+        clients=clients,
+        misbehaviour=misbehaviour,
+        seed=config.seed,
+        workdir=home / "clients",
+        registry=co.registry.root,
+        coordinator_key=co.signer.public_key,
     )
     summaries: list[RoundSummary] = []
     server_app = ServerApp()
@@ -155,14 +185,22 @@ def run_ray_federation(
     @server_app.main()
     def main(grid: Grid, context: Context) -> None:
         routes = register_nodes(grid, co, expected=len(clients))
-        sim_grid = SimulationGrid(grid, co.backend, routes=routes, spool=home / "spool", adversary=adversary)
+        sim_grid = SimulationGrid(
+            grid, co.backend, routes=routes, spool=home / "spool", adversary=adversary
+        )
         run_rounds(co, sim_grid, on_round=summaries.append)
 
     backend_config: dict[str, Any] = {
         "client_resources": {"num_cpus": 1, "num_gpus": 0.0},
-        "init_args": {"num_cpus": config.jobs, "include_dashboard": False, "logging_level": "error",
-                      "log_to_driver": False},
+        "init_args": {
+            "num_cpus": config.jobs,
+            "include_dashboard": False,
+            "logging_level": "error",
+            "log_to_driver": False,
+        },
     }
-    run_simulation(server_app, client_app, num_supernodes=len(clients), backend_config=backend_config)
+    run_simulation(
+        server_app, client_app, num_supernodes=len(clients), backend_config=backend_config
+    )
     bad = {node_identity(config.seed, i).contributor_id for i in attackers}
     return summaries, co, bad

@@ -10,8 +10,19 @@ from pathlib import Path
 from zoo_gym.simulation.experiment import CellResult, SweepConfig, as_row, relative
 
 COLUMNS = (
-    "aggregator", "attack", "byzantine_share", "byzantine_clients", "f", "initial_loss", "final_loss",
-    "quality", "relative_quality", "byzantine_selected", "published", "seconds", "losses",
+    "aggregator",
+    "attack",
+    "byzantine_share",
+    "byzantine_clients",
+    "f",
+    "initial_loss",
+    "final_loss",
+    "quality",
+    "relative_quality",
+    "byzantine_selected",
+    "published",
+    "seconds",
+    "losses",
 )
 
 
@@ -45,7 +56,9 @@ def markdown(results: Sequence[CellResult], config: SweepConfig) -> str:
         "100% = no harm; 0% = no progress; negative = worse than the start. "
         "In brackets: share of Byzantine updates the rule selected.",
         "",
-        "| aggregator | attack | " + " | ".join(f"{round(100 * s)}% Byzantine" for s in shares) + " |",
+        "| aggregator | attack | "
+        + " | ".join(f"{round(100 * s)}% Byzantine" for s in shares)
+        + " |",
         "|---|---|" + "---:|" * len(shares),
     ]
     for rule in dict.fromkeys(r.aggregator for r in results):
@@ -59,7 +72,11 @@ def markdown(results: Sequence[CellResult], config: SweepConfig) -> str:
             cells = []
             for share in shares:
                 r = by_cell.get((rule, attack, share))
-                cells.append("" if r is None else f"{_pct(relative(r, baseline))} ({_pct(r.byzantine_selected)})")
+                cells.append(
+                    ""
+                    if r is None
+                    else f"{_pct(relative(r, baseline))} ({_pct(r.byzantine_selected)})"
+                )
             lines.append(f"| {rule} | {attack} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
@@ -78,20 +95,24 @@ def plot(results: Sequence[CellResult], directory: Path) -> list[Path]:
         cols = min(3, len(rules))
         rows = math.ceil(len(rules) / cols)
         fig = Figure(figsize=(4.2 * cols, 3.2 * rows), layout="constrained")
-        axes = fig.subplots(rows, cols, squeeze=False)  # own y scale: one divergent run must not flatten the rest
+        axes = fig.subplots(
+            rows, cols, squeeze=False
+        )  # own y scale: one divergent run must not flatten the rest
         for ax, rule in zip(axes.flat, rules, strict=False):
             if rule in base:
                 ax.plot(range(len(base[rule].losses)), base[rule].losses, "k--", label="no attack")
             for attack in attacks:
                 for r in results:
                     if (r.aggregator, r.attack, r.byzantine_share) == (rule, attack, share):
-                        ax.plot(range(len(r.losses)), r.losses, marker="o", markersize=3, label=attack)
+                        ax.plot(
+                            range(len(r.losses)), r.losses, marker="o", markersize=3, label=attack
+                        )
             ax.set_title(rule)
             ax.xaxis.set_major_locator(MaxNLocator(integer=True))
             ax.set_xlabel("round")
             ax.set_ylabel("validation loss")
             ax.grid(alpha=0.3)
-        for ax in list(axes.flat)[len(rules):]:
+        for ax in list(axes.flat)[len(rules) :]:
             ax.set_visible(False)
         axes.flat[0].legend(fontsize="small")
         fig.suptitle(f"validation loss under attack, {round(100 * share)}% Byzantine clients")

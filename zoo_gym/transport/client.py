@@ -65,7 +65,9 @@ def _describe(err: grpc.RpcError, target: str) -> TransportError:
             code=code.name,
         )
     if code == grpc.StatusCode.DEADLINE_EXCEEDED:
-        return TransportError(f"the coordinator at {target} did not answer in time; try again", code=code.name)
+        return TransportError(
+            f"the coordinator at {target} did not answer in time; try again", code=code.name
+        )
     return TransportError(str(err.details()), code=code.name)
 
 
@@ -181,18 +183,27 @@ class FederationClient:
     def _fetch_file(self, version: str, name: str, entry: FileEntry, path: Path) -> None:
         """Make `path` match `entry`: keep it if it does, resume a partial file, restart a bad one once."""
         for _ in range(2):
-            if path.exists() and path.stat().st_size == entry.size and sha256_file(path) == entry.sha256:
+            if (
+                path.exists()
+                and path.stat().st_size == entry.size
+                and sha256_file(path) == entry.sha256
+            ):
                 return
             if path.exists() and path.stat().st_size >= entry.size:
                 path.unlink()  # complete but corrupt: start over
             self._download(version, name, path)
         if sha256_file(path) != entry.sha256:
-            raise TransportError(f"{name} of {version} does not match its manifest hash after download")
+            raise TransportError(
+                f"{name} of {version} does not match its manifest hash after download"
+            )
 
     def _download(self, version: str, name: str, path: Path) -> None:
         offset = path.stat().st_size if path.exists() else 0
         request = pb.DownloadRequest(
-            auth=self._auth("download", f"{version}/{name}"), version=version, file=name, offset=offset
+            auth=self._auth("download", f"{version}/{name}"),
+            version=version,
+            file=name,
+            offset=offset,
         )
         try:
             with path.open("ab") as fh:
@@ -227,15 +238,20 @@ class FederationClient:
             result = self.stub.SubmitUpdate(chunks(), timeout=self.timeout_s * 10)
         except grpc.RpcError as err:
             raise _describe(err, self.target) from None
-        return SubmitResult(result.decision == "accepted", result.reason, result.submission_id, len(payload))
+        return SubmitResult(
+            result.decision == "accepted", result.reason, result.submission_id, len(payload)
+        )
 
     def outcome(self, round_number: int) -> Outcome:
         try:
             r = self.stub.GetOutcome(
-                pb.OutcomeRequest(auth=self._auth("outcome", str(round_number)), round=round_number),
+                pb.OutcomeRequest(
+                    auth=self._auth("outcome", str(round_number)), round=round_number
+                ),
                 timeout=self.timeout_s,
             )
         except grpc.RpcError as err:
             raise _describe(err, self.target) from None
-        return Outcome(r.decision, r.reason, r.quality, r.reward, r.round_status, r.published_version)
-
+        return Outcome(
+            r.decision, r.reason, r.quality, r.reward, r.round_status, r.published_version
+        )

@@ -81,7 +81,6 @@ class LoopbackGrid(RunGrid):
         return list(self.pull_messages(self.push_messages(messages)))
 
 
-
 def submit_to_intake(
     backend: FederationBackend, spool: Path, node_id: int, reply: Message, request: Message
 ) -> Message:

@@ -52,13 +52,19 @@ def parse_message(data: bytes) -> Message:
 
 class FederationServicer(pb_grpc.FederationServicer):
     def __init__(
-        self, backend: FederationBackend, mailbox: Mailbox, spool: Path, limits: RateLimits | None = None
+        self,
+        backend: FederationBackend,
+        mailbox: Mailbox,
+        spool: Path,
+        limits: RateLimits | None = None,
     ) -> None:
         self.backend = backend
         self.mailbox = mailbox
         self.spool = spool
         self.limits = limits or RateLimits()
-        self.per_contributor = TokenBuckets(self.limits.contributor_rate_per_s, self.limits.contributor_burst)
+        self.per_contributor = TokenBuckets(
+            self.limits.contributor_rate_per_s, self.limits.contributor_burst
+        )
         spool.mkdir(parents=True, exist_ok=True)
 
     def _auth(self, auth: pb.Auth, method: str, digest: str, context: grpc.ServicerContext) -> int:
@@ -83,7 +89,9 @@ class FederationServicer(pb_grpc.FederationServicer):
             )
         return node
 
-    def Register(self, request: pb.RegisterRequest, context: grpc.ServicerContext) -> pb.RegisterReply:
+    def Register(
+        self, request: pb.RegisterRequest, context: grpc.ServicerContext
+    ) -> pb.RegisterReply:
         if request.protocol_version != 1:
             context.abort(
                 grpc.StatusCode.FAILED_PRECONDITION,
@@ -126,7 +134,9 @@ class FederationServicer(pb_grpc.FederationServicer):
             )
         )
 
-    def GetManifest(self, request: pb.ManifestRequest, context: grpc.ServicerContext) -> pb.ManifestReply:
+    def GetManifest(
+        self, request: pb.ManifestRequest, context: grpc.ServicerContext
+    ) -> pb.ManifestReply:
         self._auth(request.auth, "manifest", request.version, context)
         try:
             manifest, signature = self.backend.manifest(request.version)
@@ -135,7 +145,9 @@ class FederationServicer(pb_grpc.FederationServicer):
             raise
         return pb.ManifestReply(manifest=manifest, signature=signature)
 
-    def DownloadFile(self, request: pb.DownloadRequest, context: grpc.ServicerContext) -> Iterator[pb.FileChunk]:
+    def DownloadFile(
+        self, request: pb.DownloadRequest, context: grpc.ServicerContext
+    ) -> Iterator[pb.FileChunk]:
         self._auth(request.auth, "download", f"{request.version}/{request.file}", context)
         try:
             path = self.backend.model_file(request.version, request.file)
@@ -144,7 +156,10 @@ class FederationServicer(pb_grpc.FederationServicer):
             raise
         total = path.stat().st_size
         if request.offset > total:
-            context.abort(grpc.StatusCode.OUT_OF_RANGE, f"offset {request.offset} is past the end ({total} bytes)")
+            context.abort(
+                grpc.StatusCode.OUT_OF_RANGE,
+                f"offset {request.offset} is past the end ({total} bytes)",
+            )
         with path.open("rb") as fh:
             fh.seek(request.offset)
             offset = request.offset
@@ -154,16 +169,25 @@ class FederationServicer(pb_grpc.FederationServicer):
         if total == 0:
             yield pb.FileChunk(offset=0, data=b"", total_size=0)
 
-    def SubmitUpdate(self, request_iterator: Iterator[pb.UpdateChunk], context: grpc.ServicerContext) -> pb.SubmitReply:
+    def SubmitUpdate(
+        self, request_iterator: Iterator[pb.UpdateChunk], context: grpc.ServicerContext
+    ) -> pb.SubmitReply:
         first = next(request_iterator, None)
         if first is None or not first.HasField("header"):
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a submission must start with its header")
+            context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, "a submission must start with its header"
+            )
             raise AssertionError("unreachable")
         header = first.header
-        node_id = self._auth(header.auth, "submit", f"{header.message_id}|{header.payload_sha256}", context)
+        node_id = self._auth(
+            header.auth, "submit", f"{header.message_id}|{header.payload_sha256}", context
+        )
         limit = self.backend.max_upload_bytes
         if header.payload_size > limit:
-            self.backend.refuse(_submission(header), f"update of {header.payload_size} bytes exceeds the {limit}-byte limit")
+            self.backend.refuse(
+                _submission(header),
+                f"update of {header.payload_size} bytes exceeds the {limit}-byte limit",
+            )
             context.abort(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
                 f"update of {header.payload_size} bytes exceeds the {limit}-byte limit; use a smaller codec or group size",
@@ -197,7 +221,9 @@ class FederationServicer(pb_grpc.FederationServicer):
                 )
             submission = _submission(header)
             try:
-                verdict, content = self.backend.receive(submission, spooled.path, reply.content, node_id=node_id)
+                verdict, content = self.backend.receive(
+                    submission, spooled.path, reply.content, node_id=node_id
+                )
             except RequestError as exc:
                 _abort(context, exc)
                 raise
@@ -210,12 +236,18 @@ class FederationServicer(pb_grpc.FederationServicer):
             submission_id=verdict.submission_id,
         )
 
-    def GetOutcome(self, request: pb.OutcomeRequest, context: grpc.ServicerContext) -> pb.OutcomeReply:
+    def GetOutcome(
+        self, request: pb.OutcomeRequest, context: grpc.ServicerContext
+    ) -> pb.OutcomeReply:
         self._auth(request.auth, "outcome", str(request.round), context)
         out = self.backend.outcome(request.auth.contributor_id, request.round)
         return pb.OutcomeReply(
-            decision=out.decision, reason=out.reason, quality=out.quality, reward=out.reward,
-            round_status=out.round_status, published_version=out.published_version,
+            decision=out.decision,
+            reason=out.reason,
+            quality=out.quality,
+            reward=out.reward,
+            round_status=out.round_status,
+            published_version=out.published_version,
         )
 
 
@@ -258,7 +290,8 @@ class _Spool:
                     fh.write(data)
             if received != declared:
                 raise RequestError(
-                    "DATA_LOSS", f"upload ended after {received} of {declared} bytes (truncated); send it again"
+                    "DATA_LOSS",
+                    f"upload ended after {received} of {declared} bytes (truncated); send it again",
                 )
         except BaseException:
             path.unlink(missing_ok=True)
@@ -300,7 +333,9 @@ def start_server(
             ("grpc.so_reuseport", 0),
         ],
     )
-    pb_grpc.add_FederationServicer_to_server(FederationServicer(backend, mailbox, spool, limits), server)
+    pb_grpc.add_FederationServicer_to_server(
+        FederationServicer(backend, mailbox, spool, limits), server
+    )
     if tls is None:
         port = server.add_insecure_port(address)
     else:
@@ -309,6 +344,9 @@ def start_server(
     if port == 0:
         raise OSError(f"cannot listen on {address}: address in use or not local; pick another port")
     server.start()
-    log.info("federation service listening on %s (%s)", address.rsplit(":", 1)[0] + f":{port}", "TLS" if tls else "plaintext")
+    log.info(
+        "federation service listening on %s (%s)",
+        address.rsplit(":", 1)[0] + f":{port}",
+        "TLS" if tls else "plaintext",
+    )
     return ServerHandle(server, port)
-

@@ -23,7 +23,9 @@ AMOUNT = sa.Numeric(38, 9)
 
 def upgrade() -> None:
     with op.batch_alter_table("rewards") as batch:
-        batch.alter_column("amount", type_=AMOUNT, existing_type=sa.Float(), existing_nullable=False)
+        batch.alter_column(
+            "amount", type_=AMOUNT, existing_type=sa.Float(), existing_nullable=False
+        )
         batch.alter_column("quality", existing_type=sa.Float(), nullable=True)
         batch.add_column(sa.Column("reason", sa.String(), nullable=False, server_default=""))
     with op.batch_alter_table("submissions") as batch:
@@ -36,4 +38,6 @@ def downgrade() -> None:
     with op.batch_alter_table("rewards") as batch:
         batch.drop_column("reason")
         batch.alter_column("quality", existing_type=sa.Float(), nullable=False)
-        batch.alter_column("amount", type_=sa.Float(), existing_type=AMOUNT, existing_nullable=False)
+        batch.alter_column(
+            "amount", type_=sa.Float(), existing_type=AMOUNT, existing_nullable=False
+        )

@@ -24,6 +24,7 @@ test-all: $(VENV)/.installed
 
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check zoo_gym tests bench
+	$(VENV)/bin/ruff format --check zoo_gym tests bench
 	$(VENV)/bin/mypy zoo_gym
 	$(VENV)/bin/lint-imports
 

@@ -250,3 +250,42 @@ def test_init_refuses_bad_tls_options(tmp_path: Path, args: list[str], message: 
     assert result.exit_code == 1
     assert result.stderr.startswith(message) and len(result.stderr.strip().splitlines()) == 1
     assert not (tmp_path / "c").exists()  # nothing written
+
+
+# --- the contributor's channel -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("target", "loopback"),
+    [
+        ("localhost:7443", True),
+        ("127.0.0.1:7443", True),
+        ("127.8.9.10:1", True),
+        ("[::1]:7443", True),
+        ("coordinator.example.org:7443", False),
+        ("203.0.113.5:7443", False),
+        ("[2001:db8::1]:7443", False),
+    ],
+)
+def test_only_loopback_addresses_default_to_plaintext(target: str, loopback: bool) -> None:
+    from zoo_gym.transport.client import is_loopback
+
+    assert is_loopback(target) is loopback
+
+
+def test_a_client_without_the_ca_uses_tls_and_says_why_the_handshake_failed(
+    grpc_port: int,
+) -> None:
+    # a coordinator elsewhere is reached over TLS checked against the system's CAs, which do
+    # not know this CA: the contributor is told to pass --ca-cert
+    from zoo_gym.core.identity import Identity
+    from zoo_gym.transport.client import FederationClient, TransportError
+
+    client = FederationClient(
+        f"localhost:{grpc_port}", Identity.generate(), plaintext=False, timeout_s=10
+    )
+    try:
+        with pytest.raises(TransportError, match=r"TLS handshake .* failed .* --ca-cert"):
+            client.register("nobody")
+    finally:
+        client.close()

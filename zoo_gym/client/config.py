@@ -26,7 +26,14 @@ class ClientConfig(HomeConfig):
         description="the coordinator's REST address, e.g. http://HOST:8080 (`gym-client rewards`)",
     )
     data: Path | None = None
-    ca_cert: Path | None = None
+    ca_cert: Path | None = Field(
+        None, description="CA certificate of the coordinator's TLS; unset: the system's trusted CAs"
+    )
+    plaintext: bool = Field(
+        False,
+        description="connect without TLS to a coordinator on another machine (private networks only); "
+        "a loopback address is always plaintext unless ca_cert is set",
+    )
     device: str = "cpu"
     poll_wait_s: float = Field(10.0, gt=0, le=30)
     max_rounds: int = Field(0, ge=0, description="leave after this many submissions; 0 = stay")

@@ -53,6 +53,7 @@ def join(
         config.coordinator,
         identity,
         root_certificates=roots,
+        plaintext=True if config.plaintext else None,
         clock=(lambda: time.time() + offset) if offset else time.time,
     )
     try:

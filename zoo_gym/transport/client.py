@@ -8,6 +8,7 @@ and streams a ClientApp's reply up in chunks. gRPC failures become
 from __future__ import annotations
 
 import hashlib
+import ipaddress
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -59,6 +60,15 @@ class SubmitResult:
 
 def _describe(err: grpc.RpcError, target: str) -> TransportError:
     code = err.code()
+    details = str(err.details())
+    if code == grpc.StatusCode.UNAVAILABLE and (
+        "handshake" in details.lower() or "CERTIFICATE" in details
+    ):
+        return TransportError(
+            f"the TLS handshake with the coordinator at {target} failed ({details}); pass its CA certificate "
+            "with --ca-cert and use a host name its certificate names",
+            code=code.name,
+        )
     if code == grpc.StatusCode.UNAVAILABLE:
         return TransportError(
             f"cannot reach the coordinator at {target} ({err.details()}); check the address and that it is running",
@@ -71,6 +81,17 @@ def _describe(err: grpc.RpcError, target: str) -> TransportError:
     return TransportError(str(err.details()), code=code.name)
 
 
+def is_loopback(target: str) -> bool:
+    """Whether HOST:PORT names this machine (localhost, 127.0.0.0/8 or ::1)."""
+    host = target.rsplit(":", 1)[0].strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
 class FederationClient:
     def __init__(
         self,
@@ -78,9 +99,15 @@ class FederationClient:
         identity: Identity,
         *,
         root_certificates: bytes | None = None,
+        plaintext: bool | None = None,
         timeout_s: float = 30.0,
         clock: Callable[[], float] = time.time,
     ) -> None:
+        """A client of the coordinator at `target` (HOST:PORT).
+
+        TLS is checked against `root_certificates` when given, else against the system's trusted
+        CAs. Plaintext only when `plaintext` says so, or by default for a loopback address.
+        """
         self.target = target
         self.identity = identity
         self.timeout_s = timeout_s
@@ -89,7 +116,9 @@ class FederationClient:
             ("grpc.max_receive_message_length", CHUNK_BYTES * 4 + MAX_HEADER_BYTES),
             ("grpc.max_send_message_length", CHUNK_BYTES * 4 + MAX_HEADER_BYTES),
         ]
-        if root_certificates is None:
+        if plaintext is None:
+            plaintext = root_certificates is None and is_loopback(target)
+        if plaintext:
             self.channel = grpc.insecure_channel(target, options=options)
         else:
             creds = grpc.ssl_channel_credentials(root_certificates=root_certificates)

@@ -97,9 +97,9 @@ def join(
 ) -> None:
     """Register, then train and submit an update every round until stopped (Ctrl-C).
 
-    Settings come from client.toml; options given here override them for this run. With a
-    privacy budget set, the client stops (exit 0) at the first round that would exceed it,
-    before training: nothing is submitted for that round.
+    Settings come from client.toml; options given here override them for this run.
+
+    With a privacy budget set, the client stops (exit 0) before training a round that would exceed it.
     """
     setup_logging(verbose)
     if (

@@ -65,3 +65,14 @@ def test_bad_aggregation_policy_is_one_line(tmp_path: Path, text: str, message: 
     with pytest.raises(ConfigError) as exc:
         load_config(_write(tmp_path, text))
     assert message in str(exc.value) and "\n" not in str(exc.value)
+
+
+def test_the_environment_names_the_ledger_database(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = _write(tmp_path, 'database_url = "sqlite:///from-file.db"\n')
+    assert load_config(path).ledger_url == "sqlite:///from-file.db"
+
+    monkeypatch.setenv("ZOO_GYM_DATABASE_URL", "postgresql+psycopg://zoo:secret@db/zoo")
+
+    assert load_config(path).ledger_url == "postgresql+psycopg://zoo:secret@db/zoo"

@@ -6,6 +6,7 @@ value stops the coordinator with one line naming the key and what to put there.
 
 from __future__ import annotations
 
+import os
 from decimal import Decimal
 from pathlib import Path
 from typing import Any, Literal
@@ -236,8 +237,19 @@ class CoordinatorConfig(HomeConfig):
         return self.database_url or f"sqlite:///{self.path('ledger.db')}"
 
 
+DATABASE_URL_ENV = "ZOO_GYM_DATABASE_URL"
+"""When set, the ledger database URL (it holds a password: containers pass it as a secret)."""
+
+
 def load_config(path: Path) -> CoordinatorConfig:
-    """Read and validate `path`; `home` defaults to the file's directory."""
-    return load_toml(
+    """Read and validate `path`; `home` defaults to the file's directory.
+
+    ``ZOO_GYM_DATABASE_URL`` in the environment overrides ``database_url``.
+    """
+    config = load_toml(
         path, CoordinatorConfig, error=ConfigError, missing="create one with `gym-coordinator init`"
     )
+    url = os.environ.get(DATABASE_URL_ENV, "").strip()
+    if url:
+        config = config.model_copy(update={"database_url": url})
+    return config

@@ -551,9 +551,27 @@ def _decision(line: RoundLine) -> str:
     return line.decision
 
 
+def _totals(statement: Statement, verification: Verification | None) -> list[str]:
+    """The cells of the totals row, shared by the table and the HTML page."""
+    t = statement.totals
+    totals = [
+        "total",
+        f"{t.accepted} accepted, {t.rejected} rejected",
+        f"{t.rewarded} of {t.rounds} round(s) rewarded",
+        "",
+        money(t.amount),
+        f"{statement.reputation:.3f}",
+        epsilon_text(t.epsilon),
+    ]
+    if verification is not None:
+        n = verification.counts
+        totals.append(f"{n['ok']}/{n['ok'] + n['failed'] + n['pending']}")
+    return totals
+
+
 def render_table(statement: Statement, verification: Verification | None = None) -> Table:
     """The statement as a rich table, totals in the last row."""
-    s, t = statement, statement.totals
+    s = statement
     table = Table(
         title=f"rewards of {s.name} ({s.contributor_id[:12]}, {s.status})",
         caption=f"reputation now {s.reputation:.3f}",
@@ -585,18 +603,7 @@ def render_table(statement: Statement, verification: Verification | None = None)
             cells.append(verification.checks[line.round].mark)
         table.add_row(*cells, style="red" if line.decision == "rejected" else None)
     table.add_section()
-    totals = [
-        "total",
-        f"{t.accepted} accepted, {t.rejected} rejected",
-        f"{t.rewarded} of {t.rounds} round(s) rewarded",
-        "",
-        money(t.amount),
-        f"{s.reputation:.3f}",
-        epsilon_text(t.epsilon),
-    ]
-    if verification is not None:
-        n = verification.counts
-        totals.append(f"{n['ok']}/{n['ok'] + n['failed'] + n['pending']}")
+    totals = _totals(statement, verification)
     table.add_row(*totals, style="bold")
     return table
 
@@ -799,7 +806,7 @@ def to_html(
 ) -> str:
     """A self-contained page (inline CSS and SVG, nothing fetched): summary, verification status,
     a plot of rewards and quality per round, the table and its totals."""
-    s, t = statement, statement.totals
+    s = statement
     generated = datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
     head = ["round", "decision", "why", "quality", "reward", "reputation", "ε"]
     if verification is not None:
@@ -808,18 +815,7 @@ def to_html(
     header = "".join(
         f'<th class="{a}">{html.escape(h)}</th>' for a, h in zip(align, head, strict=True)
     )
-    totals = [
-        "total",
-        f"{t.accepted} accepted, {t.rejected} rejected",
-        f"{t.rewarded} of {t.rounds} round(s) rewarded",
-        "",
-        money(t.amount),
-        f"{s.reputation:.3f}",
-        epsilon_text(t.epsilon),
-    ]
-    if verification is not None:
-        n = verification.counts
-        totals.append(f"{n['ok']}/{n['ok'] + n['failed'] + n['pending']}")
+    totals = _totals(statement, verification)
     foot = "".join(
         f'<td class="{a}">{html.escape(v)}</td>' for a, v in zip(align, totals, strict=True)
     )

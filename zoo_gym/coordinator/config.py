@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from zoo_gym.aggregation import RULES, aggregate, min_clients
 from zoo_gym.aggregation.dispatch import PRE_STEPS
 from zoo_gym.compression import CODECS
+from zoo_gym.core.protocol import BUILTIN_REWARDS, DEFAULT_TARGETS
 from zoo_gym.core.settings import HomeConfig, load_toml
 from zoo_gym.scoring import METHODS
 
@@ -40,15 +41,7 @@ class TrainingPolicy(BaseModel):
     )
     lora_rank: int = Field(8, ge=1, le=4096)
     lora_alpha: float = Field(16.0, gt=0)
-    target_modules: list[str] = [
-        "q_proj",
-        "k_proj",
-        "v_proj",
-        "o_proj",
-        "gate_proj",
-        "up_proj",
-        "down_proj",
-    ]
+    target_modules: list[str] = Field(default_factory=lambda: list(DEFAULT_TARGETS))
     steps: int = Field(30, ge=1)
     learning_rate: float = Field(5e-3, gt=0, le=1.0)
     batch_size: int = Field(8, ge=1)
@@ -84,8 +77,6 @@ class TrainingPolicy(BaseModel):
 
     @model_validator(mode="after")
     def _consistent(self) -> TrainingPolicy:
-        from zoo_gym.core.protocol import BUILTIN_REWARDS
-
         if self.codec not in CODECS:
             raise ValueError(f"codec must be one of {', '.join(CODECS)}, not {self.codec!r}")
         unknown = [name for name in self.reward_functions if name not in BUILTIN_REWARDS]

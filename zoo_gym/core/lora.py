@@ -28,8 +28,8 @@ import torch
 from torch import Tensor, nn
 
 from zoo_gym.core.delta import Delta
+from zoo_gym.core.protocol import DEFAULT_TARGETS
 
-DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 _B_SUFFIX = ".lora_B"
 
 

@@ -117,6 +117,9 @@ modules' weights; ``full`` trains every weight and sends the dense delta of all 
 
 DENSE_ADAPTERS = frozenset({"lora", "dora", "qlora", "full"})
 
+DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+"""Linear layers LoRA adapts by default (attention and MLP projections of Llama/Qwen models)."""
+
 BUILTIN_REWARDS = ("exact_answer", "format", "length", "closeness")
 """Reward functions a task may name; a contributor's own ones come from its local config."""
 
@@ -135,15 +138,7 @@ class TaskConfig:
     adapter: str = "ffa_lora"  # one of ADAPTERS
     lora_rank: int = 8
     lora_alpha: float = 16.0
-    target_modules: tuple[str, ...] = (
-        "q_proj",
-        "k_proj",
-        "v_proj",
-        "o_proj",
-        "gate_proj",
-        "up_proj",
-        "down_proj",
-    )
+    target_modules: tuple[str, ...] = DEFAULT_TARGETS
     steps: int = 30
     learning_rate: float = 5e-3
     batch_size: int = 8

@@ -86,6 +86,7 @@ def init(
 def _print_tls_handout(directory: Path, hosts: list[str], *, listen: str, rest_listen: str) -> None:
     """What contributors need to join this coordinator over TLS."""
     from zoo_gym.coordinator.tls import fingerprint, load_certificate
+    from zoo_gym.transport.client import is_loopback, is_loopback_host
 
     ca = load_certificate(directory / "ca.pem")
     server = load_certificate(directory / "server.pem")
@@ -108,9 +109,7 @@ def _print_tls_handout(directory: Path, hosts: list[str], *, listen: str, rest_l
         soft_wrap=True,
     )
     out(f"  join: gym-client join {hosts[0]}:{port} --ca-cert ca.pem", soft_wrap=True)
-    if listen.rsplit(":", 1)[0] in ("127.0.0.1", "localhost", "[::1]") and any(
-        h not in ("127.0.0.1", "localhost", "::1") for h in hosts
-    ):
+    if is_loopback(listen) and not all(is_loopback_host(h) for h in hosts):
         out(
             f"note: listen = {listen} accepts only local connections; set listen = "
             f'"0.0.0.0:{port}" in coordinator.toml for contributors elsewhere',

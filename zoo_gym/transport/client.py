@@ -82,8 +82,13 @@ def _describe(err: grpc.RpcError, target: str) -> TransportError:
 
 
 def is_loopback(target: str) -> bool:
-    """Whether HOST:PORT names this machine (localhost, 127.0.0.0/8 or ::1)."""
-    host = target.rsplit(":", 1)[0].strip("[]")
+    """Whether HOST:PORT names this machine (localhost, 127.0.0.0/8 or [::1])."""
+    return is_loopback_host(target.rsplit(":", 1)[0])
+
+
+def is_loopback_host(host: str) -> bool:
+    """Whether a host name or address (IPv6 with or without brackets) is this machine."""
+    host = host.strip("[]")
     if host == "localhost":
         return True
     try:

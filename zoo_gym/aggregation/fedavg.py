@@ -19,7 +19,12 @@ def fedavg(updates: Tensor, *, weights: Tensor | None = None) -> Aggregate:
     n, _ = check_updates(updates, "fedavg")
     w = check_weights(weights, n, "fedavg")  # (n,) float64, sums to 1
     vector = weighted_sum(updates, w)
-    decisions = tuple(
+    return Aggregate(vector, fedavg_decisions(w.tolist()))
+
+
+def fedavg_decisions(weights: list[float]) -> tuple[Decision, ...]:
+    """What FedAvg did with each update, given the normalised weights (summing to 1)."""
+    return tuple(
         Decision(
             selected=wi > 0.0,
             weight=wi,
@@ -27,6 +32,5 @@ def fedavg(updates: Tensor, *, weights: Tensor | None = None) -> Aggregate:
             score=None,
             reason=f"averaged with weight {pct(wi)}" if wi > 0.0 else "weight zero, not averaged",
         )
-        for wi in w.tolist()
+        for wi in weights
     )
-    return Aggregate(vector, decisions)

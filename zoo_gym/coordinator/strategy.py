@@ -25,6 +25,7 @@ from sqlmodel import Session
 
 from zoo_gym import ledger
 from zoo_gym.aggregation import WEIGHTED_RULES, Aggregate, Decision, aggregate, min_clients
+from zoo_gym.aggregation.fedavg import fedavg_decisions
 from zoo_gym.compression import EnvelopeError, decode_accumulate, decode_into
 from zoo_gym.coordinator.backend import CoordinatorBackend
 from zoo_gym.core.delta import Layout, numel, unflatten
@@ -240,24 +241,14 @@ class ZooStrategy(FedAvg):
             return None
         if not torch.isfinite(summed).all():
             return None
+        decisions = fedavg_decisions(weights)
         contributors = []
-        decisions = []
-        for reply, w in zip(accepted, weights, strict=True):
+        for reply, decision in zip(accepted, decisions, strict=True):
             record = reply.content.config_records[SUBMISSION]
-            decision = Decision(
-                selected=w > 0,
-                weight=w,
-                trimmed_share=0.0 if w > 0 else 1.0,
-                score=None,
-                reason=f"averaged with weight {round(100 * w)}%"
-                if w > 0
-                else "weight zero, not averaged",
-            )
             self._decide(
                 record, selected=decision.selected, reason=decision.reason, decision=decision
             )
-            decisions.append(decision)
-            if w > 0:
+            if decision.selected:
                 contributors.append(str(record["contributor_id"]))
         update = {k: v.clone() for k, v in unflatten(summed, layout).items()}
         self.last = RoundAggregate(
@@ -268,7 +259,7 @@ class ZooStrategy(FedAvg):
             row_contributors=tuple(
                 str(r.content.config_records[SUBMISSION]["contributor_id"]) for r in accepted
             ),
-            decisions=tuple(decisions),
+            decisions=decisions,
         )
         log.info("round %d: %d updates averaged in one fused pass", server_round, len(accepted))
         return ArrayRecord(torch_state_dict=update), MetricRecord(

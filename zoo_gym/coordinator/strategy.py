@@ -223,10 +223,8 @@ class ZooStrategy(FedAvg):
         Returns None, having recorded nothing, when an envelope fails to decode or the sum is not
         finite: the row-by-row path then finds and records the culprit.
         """
-        payloads, examples = [], []
+        examples = []
         for reply in accepted:
-            record = reply.content.config_records[SUBMISSION]
-            payloads.append(self.backend.payload_path(str(record["payload_sha256"])).read_bytes())
             metrics = reply.content.metric_records.get(TRAIN_METRICS, MetricRecord())
             examples.append(max(_number(metrics.get("num_examples", 1.0)), 0.0))
         needed = max(self.quorum, min_clients(self.rule, self.f))
@@ -235,10 +233,13 @@ class ZooStrategy(FedAvg):
             return None
         weights = [e / total for e in examples]
         summed = torch.zeros(numel(layout), dtype=torch.float32)
-        try:
-            decode_accumulate(payloads, weights, summed, layout, max_elements=numel(layout))
-        except EnvelopeError:
-            return None
+        for reply, w in zip(accepted, weights, strict=True):  # one payload in memory at a time
+            sha = str(reply.content.config_records[SUBMISSION]["payload_sha256"])
+            data = self.backend.payload_path(sha).read_bytes()
+            try:
+                decode_accumulate([data], [w], summed, layout, max_elements=numel(layout))
+            except EnvelopeError:
+                return None
         if not torch.isfinite(summed).all():
             return None
         decisions = fedavg_decisions(weights)

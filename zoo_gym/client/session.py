@@ -23,6 +23,7 @@ from zoo_gym.client.runtime import ClientRuntime, RoundEvent
 from zoo_gym.client.state import Contribution
 from zoo_gym.core.identity import Identity
 from zoo_gym.core.manifest import read_verified
+from zoo_gym.core.protocol import ALREADY_ACCEPTED
 from zoo_gym.transport.client import FederationClient, TransportError
 
 log = logging.getLogger(__name__)
@@ -195,9 +196,6 @@ def _report_outcomes(
             return
         if stop is not None and stop.wait(0.5):
             return
-
-
-ALREADY_ACCEPTED = "you already have an accepted submission for round"
 
 
 def already_accepted(reason: str) -> bool:

@@ -37,6 +37,7 @@ from zoo_gym.core.protocol import (
     RequestError,
     Submission,
     Verdict,
+    already_accepted_reason,
     register_statement,
     request_statement,
 )
@@ -236,7 +237,7 @@ class CoordinatorBackend:
                     "this submission's nonce was already used (a replay); each submission needs a fresh nonce",
                 )
             except ledger.DuplicateSubmission:
-                reason = f"you already have an accepted submission for round {sub.round}; only one counts"
+                reason = already_accepted_reason(sub.round)
                 return Verdict(False, reason)
             return Verdict(accepted, reason, int(row.id or 0))
 
@@ -285,7 +286,7 @@ class CoordinatorBackend:
         ):
             return "update tensors (names or shapes) differ from what this round trains; use the task's LoRA settings"
         if sub.contributor_id in current.accepted:
-            return f"you already have an accepted submission for round {sub.round}; only one counts"
+            return already_accepted_reason(sub.round)
         return ""
 
     def receive(

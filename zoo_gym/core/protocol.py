@@ -76,6 +76,15 @@ class Submission:
         return f"{PREFIX}|submission|".encode() + canonical_json(body)
 
 
+ALREADY_ACCEPTED = "you already have an accepted submission for round"
+"""How intake's refusal of a second upload for a round begins: the first one counts, so a client
+that reads it knows its update for that round is in."""
+
+
+def already_accepted_reason(round_number: int) -> str:
+    return f"{ALREADY_ACCEPTED} {round_number}; only one counts"
+
+
 @dataclass(frozen=True)
 class Verdict:
     """The coordinator's answer to a submission at intake."""

@@ -24,8 +24,9 @@ warnings.filterwarnings(
     "ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning
 )
 
-console = Console(stderr=False, highlight=False)
-err_console = Console(stderr=True, highlight=False)
+# emoji=False: rich would render ":ab:" in a hex fingerprint or digest as an emoji
+console = Console(stderr=False, highlight=False, emoji=False)
+err_console = Console(stderr=True, highlight=False, emoji=False)
 
 
 def user_errors() -> tuple[type[BaseException], ...]:

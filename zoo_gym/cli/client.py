@@ -328,7 +328,9 @@ def rewards(
             console.print(report.render_table(statement, checked))
         else:
             with out.open("w", encoding="utf-8") as fh:
-                Console(file=fh, width=160, emoji=False).print(report.render_table(statement, checked))
+                Console(file=fh, width=160, emoji=False).print(
+                    report.render_table(statement, checked)
+                )
     else:
         text = (report.to_json if format is RewardsFormat.json else report.to_csv)(
             statement, checked

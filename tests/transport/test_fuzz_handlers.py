@@ -38,7 +38,6 @@ EXAMPLES = int(os.environ.get("ZOO_FUZZ_EXAMPLES", "40"))
 FUZZ = settings(
     max_examples=EXAMPLES,
     deadline=None,
-    derandomize=False,
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
 )
 METHODS = ("Register", "PollTask", "GetManifest", "DownloadFile", "SubmitUpdate", "GetOutcome")

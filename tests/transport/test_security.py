@@ -23,6 +23,7 @@ from zoo_gym.client.runtime import signed_reply
 from zoo_gym.compression import CodecSpec, encode
 from zoo_gym.core.identity import Identity
 from zoo_gym.core.protocol import TASK_CONFIG, TaskConfig
+from zoo_gym.proto.v1 import federation_pb2 as pb
 from zoo_gym.transport.client import TransportError
 from zoo_gym.transport.limits import RateLimits, TokenBuckets, peer_host
 
@@ -317,3 +318,30 @@ def test_token_bucket_refills_at_its_rate() -> None:
     buckets.take("c")  # evicts "a", the least recently used
     assert len(buckets._buckets) == 2 and "a" not in buckets._buckets
     assert peer_host("ipv4:127.0.0.1:5555") == "127.0.0.1" and peer_host("ipv6:[::1]:80") == "::1"
+
+
+def test_strings_a_caller_chose_are_quoted_so_a_refusal_stays_one_line(wire: Wire) -> None:
+    me = Identity.generate()
+    client = wire.client(me)
+    client.register("me")
+    wire.open_round(1, [me])
+    task = take_task(client)
+    forged = "v9\nINFO round 1 accepted"
+    reply = signed_reply(
+        me,
+        task.message,
+        dataclasses.replace(config_of(task), base_version=forged),
+        wire.payload(task),
+        {"num_examples": 1.0},
+    )
+    result = client.submit(task, reply)
+    assert not result.accepted and "stale base" in result.reason
+    assert "\n" not in result.reason and repr(forged) in result.reason
+
+    header = pb.SubmissionHeader(
+        auth=client._auth("submit", "x\ny|00"), message_id="x\ny", payload_sha256="00"
+    )
+    with pytest.raises(grpc.RpcError) as refused:
+        client.stub.SubmitUpdate(iter([pb.UpdateChunk(header=header)]), timeout=10)
+    assert refused.value.details().startswith("no open task 'x\\ny' for you")  # type: ignore[attr-defined]
+    assert all("\n" not in reason for _, _, reason in wire.rows(me))

@@ -267,7 +267,7 @@ class CoordinatorBackend:
         if sub.round != current.number:
             return f"submission is for round {sub.round} but round {current.number} is open (stale round); train on the current task"
         if sub.base_version != current.base_version:
-            return f"update was trained on {sub.base_version} but round {current.number} builds on {current.base_version} (stale base); fetch the current model"
+            return f"update was trained on {sub.base_version[:64]!r} but round {current.number} builds on {current.base_version} (stale base); fetch the current model"
         if current.deadline_ms and time.time() * 1000 > current.deadline_ms:
             return f"round {current.number} closed for submissions at its deadline"
         if sub.payload_size > self.max_upload_bytes:

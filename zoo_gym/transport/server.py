@@ -194,7 +194,7 @@ class FederationServicer(pb_grpc.FederationServicer):
             )
         task = self.mailbox.task(node_id, header.message_id)
         if task is None:
-            reason = f"no open task {header.message_id[:12]} for you (round {header.round} is closed, already answered or was never yours)"
+            reason = f"no open task {header.message_id[:12]!r} for you (round {header.round} is closed, already answered or was never yours)"
             self.backend.refuse(_submission(header), reason)
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"{reason}; wait for the next round")
             raise AssertionError("unreachable")

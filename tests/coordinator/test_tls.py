@@ -23,10 +23,14 @@ from cryptography.x509.oid import ExtendedKeyUsageOID
 
 from zoo_gym.coordinator.tls import (
     TlsError,
+    TlsFiles,
+    certificate_hosts,
     check_server_files,
     create_ca,
+    expiry_warning,
     issue_server_certificate,
     load_certificate,
+    renew_server_certificate,
     write_tls_material,
 )
 
@@ -250,6 +254,100 @@ def test_init_refuses_bad_tls_options(tmp_path: Path, args: list[str], message: 
     assert result.exit_code == 1
     assert result.stderr.startswith(message) and len(result.stderr.strip().splitlines()) == 1
     assert not (tmp_path / "c").exists()  # nothing written
+
+
+# --- renewal ---------------------------------------------------------------------------------------
+
+
+def _renew(directory: Path, **kwargs: object) -> TlsFiles:
+    paths: dict[str, object] = {
+        "ca_cert": directory / "ca.pem",
+        "ca_key": directory / "ca.key",
+        "server_cert": directory / "server.pem",
+        "server_key": directory / "server.key",
+    }
+    return renew_server_certificate(**(paths | kwargs))  # type: ignore[arg-type]
+
+
+def test_renewal_keeps_the_ca_and_the_hosts(tmp_path: Path) -> None:
+    first = write_tls_material(tmp_path / "tls", HOSTS)
+    old_cert, old_key = first.server_cert.read_bytes(), first.server_key.read_bytes()
+    ca_before = first.ca_cert.read_bytes()
+
+    renewed = _renew(tmp_path / "tls", days=90)
+
+    assert renewed.fingerprint == first.fingerprint
+    assert first.ca_cert.read_bytes() == ca_before
+    cert = check_server_files(first.server_cert, first.server_key)  # a matching pair
+    assert first.server_key.read_bytes() != old_key  # a new key, not only a new date
+    assert certificate_hosts(cert) == list(HOSTS)
+    left = cert.not_valid_after_utc - dt.datetime.now(dt.UTC)
+    assert dt.timedelta(days=89) < left <= dt.timedelta(days=90)
+    assert (tmp_path / "tls/server.pem.old").read_bytes() == old_cert
+    assert (tmp_path / "tls/server.key.old").read_bytes() == old_key
+    for key in ("server.key", "server.key.old"):
+        assert stat.S_IMODE((tmp_path / "tls" / key).stat().st_mode) == 0o600
+    assert not list((tmp_path / "tls").glob(".*.new"))
+    # the renewed certificate chains to the CA contributors already pinned
+    cert.verify_directly_issued_by(load_certificate(first.ca_cert))
+
+
+def test_renewal_can_change_the_hosts(tmp_path: Path) -> None:
+    write_tls_material(tmp_path / "tls", ["localhost"])
+    _renew(tmp_path / "tls", hosts=["coordinator.example.org", "203.0.113.5"])
+    cert = load_certificate(tmp_path / "tls/server.pem")
+    assert certificate_hosts(cert) == ["coordinator.example.org", "203.0.113.5"]
+
+
+def test_renewal_refuses_a_missing_or_foreign_ca_key(tmp_path: Path) -> None:
+    files = write_tls_material(tmp_path / "tls", ["localhost"])
+    stranger = write_tls_material(tmp_path / "stranger", ["localhost"])
+    before = files.server_cert.read_bytes()
+
+    with pytest.raises(TlsError, match="is not the private key of"):
+        _renew(tmp_path / "tls", ca_key=stranger.ca_key)
+    files.ca_key.unlink()
+    with pytest.raises(TlsError, match=r"no CA key at .*; bring it back"):
+        _renew(tmp_path / "tls")
+    assert files.server_cert.read_bytes() == before  # nothing changed
+
+
+def test_expiry_warning_starts_thirty_days_out(material: Path) -> None:
+    cert = load_certificate(material / "server.pem")
+    end = cert.not_valid_after_utc
+
+    assert expiry_warning(Path("s.pem"), cert, now=end - dt.timedelta(days=31)) == ""
+    line = expiry_warning(Path("s.pem"), cert, now=end - dt.timedelta(days=12, hours=1))
+    assert line.startswith("TLS certificate s.pem expires in 12 days (")
+    assert "gym-coordinator tls renew" in line
+
+
+def test_tls_renew_command(tiny_home: Path) -> None:
+    from typer.testing import CliRunner
+
+    from zoo_gym.cli.coordinator import app
+
+    files = write_tls_material(tiny_home / "tls", ["localhost"])
+    config = tiny_home / "coordinator.toml"
+    config.write_text(
+        'tls_cert = "tls/server.pem"\ntls_key = "tls/server.key"\n' + config.read_text()
+    )
+    runner = CliRunner()
+
+    result = runner.invoke(app, ["tls", "renew", "-c", str(config), "--days", "30"])
+
+    assert result.exit_code == 0, result.output
+    assert f"CA unchanged (SHA-256 {files.fingerprint})" in result.stdout
+    assert "restart `gym-coordinator serve`" in result.stdout
+    assert load_certificate(files.server_cert).not_valid_after_utc < (
+        dt.datetime.now(dt.UTC) + dt.timedelta(days=31)
+    )
+
+    files.ca_key.unlink()  # kept offline: the operator names where it is
+    result = runner.invoke(app, ["tls", "renew", "-c", str(config)])
+    assert result.exit_code == 1
+    assert result.stderr.startswith("error: no CA key at ")
+    assert len(result.stderr.strip().splitlines()) == 1
 
 
 # --- the contributor's channel -------------------------------------------------------------------

@@ -8,7 +8,8 @@
   structurally: Chart.yaml fields, every `.Values.x.y` a template uses exists in values.yaml,
   every `include` names a defined template, balanced template actions.
 - systemd units: `systemd-analyze verify` with ExecStart pointing at this tree's installed scripts.
-- Prometheus: `promtool check config` (syntax, then the full check with the secret files present).
+- Prometheus: `promtool check config` (syntax, then the full check with the secret files present);
+  the alerting rules with `promtool check rules`, on metrics the coordinator exports.
 - Grafana: every metric a dashboard queries is one the coordinator exports; PromQL parsed by
   `promtool check rules`.
 """
@@ -415,6 +416,7 @@ def test_dashboard_queries_exported_metrics(tmp_path: Path) -> None:
         "zoo_gym_ledger_entries",
         "zoo_gym_contributors",
         "zoo_gym_rounds_paused",
+        "zoo_gym_tls_certificate_expiry_timestamp_seconds",
     }
 
 
@@ -446,6 +448,30 @@ def test_prometheus_scrapes_metrics_with_a_token() -> None:
     assert job["static_configs"][0]["targets"] == ["coordinator:8080"]
     secrets = {f"/run/secrets/{name}" for name in compose["services"]["prometheus"]["secrets"]}
     assert {job["authorization"]["credentials_file"], job["tls_config"]["ca_file"]} <= secrets
+    assert config["rule_files"] == ["alerts.yml"]
+    mounts = compose["services"]["prometheus"]["volumes"]
+    assert "./prometheus/alerts.yml:/etc/prometheus/alerts.yml:ro" in mounts
+
+
+def _alert_rules() -> list[dict[str, Any]]:
+    config = yaml.safe_load((DEPLOY / "prometheus" / "alerts.yml").read_text())
+    return [rule for group in config["groups"] for rule in group["rules"]]
+
+
+def test_alerts_use_exported_metrics(tmp_path: Path) -> None:
+    rules = _alert_rules()
+    exported = exported_samples(tmp_path) | {"up"}
+    used = {name for r in rules for name in re.findall(r"\b(?:zoo_gym_[a-z_]+|up)\b", r["expr"])}
+
+    assert {r["alert"] for r in rules} >= {
+        "ZooGymCoordinatorDown",
+        "ZooGymTlsCertificateExpiresSoon",
+    }
+    assert "zoo_gym_tls_certificate_expiry_timestamp_seconds" in used
+    assert used <= exported, f"not exported by the coordinator: {sorted(used - exported)}"
+    for rule in rules:
+        assert rule["labels"]["severity"] in ("warning", "critical")
+        assert rule["annotations"]["summary"] and rule["annotations"]["description"]
 
 
 PROMTOOL = shutil.which("promtool")
@@ -470,6 +496,7 @@ def test_promtool_check_config(tmp_path: Path) -> None:
     ca = write_tls_material(tmp_path / "tls", ["coordinator"]).ca_cert
     text = source.read_text().replace("/run/secrets/prometheus_token", str(tmp_path / "token"))
     (tmp_path / "prometheus.yml").write_text(text.replace("/run/secrets/coordinator_ca", str(ca)))
+    shutil.copy(DEPLOY / "prometheus" / "alerts.yml", tmp_path / "alerts.yml")
     full = subprocess.run(
         [PROMTOOL, "check", "config", str(tmp_path / "prometheus.yml")],
         capture_output=True,
@@ -500,3 +527,17 @@ def test_dashboard_promql_parses(tmp_path: Path) -> None:
         [PROMTOOL, "check", "rules", str(tmp_path / "rules.yml")], capture_output=True, text=True
     )
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+@pytest.mark.skipif(
+    PROMTOOL is None, reason="promtool is not installed (Debian package prometheus)"
+)
+def test_promtool_check_alert_rules() -> None:
+    assert PROMTOOL is not None
+    result = subprocess.run(
+        [PROMTOOL, "check", "rules", str(DEPLOY / "prometheus" / "alerts.yml")],
+        capture_output=True,
+        text=True,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert f"SUCCESS: {len(_alert_rules())} rules found" in result.stdout

@@ -26,6 +26,7 @@ import httpx
 import pytest
 from cryptography import x509
 from cryptography.hazmat.primitives import serialization
+from prometheus_client.parser import text_string_to_metric_families
 
 from zoo_gym.core.synthetic import make_examples, write_jsonl
 from zoo_gym.simulation.demo import free_port
@@ -217,6 +218,14 @@ def test_tls_coordinator_from_the_guide(tmp_path: Path) -> None:
         assert [p["name"] for p in people] == ["alice"]
         metrics = httpx.get(f"{api}/metrics", headers=headers, verify=context, timeout=10).text
         assert "zoo_gym_submissions_accepted_total 1.0" in metrics
+        served = x509.load_pem_x509_certificate((home / "tls" / "server.pem").read_bytes())
+        [expiry] = [
+            sample.value
+            for family in text_string_to_metric_families(metrics)
+            for sample in family.samples
+            if sample.name == "zoo_gym_tls_certificate_expiry_timestamp_seconds"
+        ]
+        assert expiry == served.not_valid_after_utc.timestamp()  # what the expiry alert watches
 
         # the contributor's reward statement over HTTPS, checked with ca_cert from client.toml
         with (alice / "client.toml").open("a") as fh:

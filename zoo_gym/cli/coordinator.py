@@ -23,9 +23,11 @@ apikey_app = typer.Typer(
     help="Operators' REST API keys (the ledger keeps only their hashes).", no_args_is_help=True
 )
 ledger_app = typer.Typer(help="The coordinator's ledger.", no_args_is_help=True)
+tls_app = typer.Typer(help="The coordinator's TLS certificate.", no_args_is_help=True)
 app.add_typer(admin_app, name="admin")
 app.add_typer(apikey_app, name="apikey")
 app.add_typer(ledger_app, name="ledger")
+app.add_typer(tls_app, name="tls")
 
 ConfigOpt = Annotated[Path, typer.Option("--config", "-c", help="coordinator.toml")]
 FormatOpt = Annotated[str, typer.Option("--format", "-f", help="table or json")]
@@ -190,6 +192,56 @@ def variant(
         f"variant {record.version} from {record.parent}: {record.size} bytes, "
         f"sha256 {record.sha256}{' (distilled)' if record.distilled else ''}"
     )
+
+
+@tls_app.command("renew")
+@friendly
+def tls_renew(
+    config: ConfigOpt = Path("coordinator") / CONFIG,
+    host: Annotated[
+        list[str] | None,
+        typer.Option(
+            help="names the new certificate covers (repeatable; default: the current ones)"
+        ),
+    ] = None,
+    days: Annotated[int, typer.Option(min=1, max=825, help="validity in days")] = 825,
+    ca_cert: Annotated[
+        Path | None, typer.Option(help="the CA certificate (default: ca.pem beside tls_cert)")
+    ] = None,
+    ca_key: Annotated[
+        Path | None, typer.Option(help="the CA's key (default: ca.key beside tls_cert)")
+    ] = None,
+) -> None:
+    """Issue a new server certificate from the coordinator's CA (contributors change nothing)."""
+    from zoo_gym.coordinator.config import load_config
+    from zoo_gym.coordinator.tls import TlsError, renew_server_certificate
+
+    cfg = load_config(config)
+    if cfg.tls_cert is None or cfg.tls_key is None:
+        _fail(f"{config} sets no tls_cert/tls_key; create TLS material with `init --tls`")
+    cert, key = cfg.path(cfg.tls_cert), cfg.path(cfg.tls_key)
+    try:
+        files = renew_server_certificate(
+            ca_cert=ca_cert or cert.with_name("ca.pem"),
+            ca_key=ca_key or cert.with_name("ca.key"),
+            server_cert=cert,
+            server_key=key,
+            hosts=host or (),
+            days=days,
+        )
+    except TlsError as exc:
+        _fail(str(exc))
+    out = console.print
+    out(
+        f"TLS: new server certificate {files.server_cert} for {', '.join(files.hosts)}, "
+        f"valid until {files.not_after:%Y-%m-%d}; the previous pair is kept as *.old",
+        soft_wrap=True,
+    )
+    out(
+        f"TLS: CA unchanged (SHA-256 {files.fingerprint}); contributors change nothing",
+        soft_wrap=True,
+    )
+    out("restart `gym-coordinator serve` to load it", soft_wrap=True)
 
 
 def _fail(message: str) -> NoReturn:

@@ -17,6 +17,8 @@ and never drift from the ledger.
     zoo_gym_ledger_rounds                       gauge      scrape: rounds in the ledger
     zoo_gym_contributors{status}                gauge      scrape: contributors per status
     zoo_gym_rounds_paused                       gauge      scrape: 1 while an operator paused rounds
+    zoo_gym_tls_certificate_expiry_timestamp_seconds
+                                                gauge      serve: the served certificate's notAfter
 
 Rejection reasons are free text in the ledger; the `reason` label is one of `REJECT_REASONS`
 (`reason_label` maps intake's messages onto them) so the label set stays small.
@@ -167,6 +169,11 @@ class CoordinatorMetrics:
             "zoo_gym_aggregation_seconds",
             "time to decode and aggregate a round's updates",
             buckets=AGGREGATION_BUCKETS,
+            registry=r,
+        )
+        self.tls_expiry = Gauge(
+            "zoo_gym_tls_certificate_expiry_timestamp_seconds",
+            "when the served TLS certificate expires (Unix time; 0 without TLS)",
             registry=r,
         )
         self._watched: set[str] = set()

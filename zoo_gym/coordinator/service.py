@@ -102,7 +102,7 @@ class Coordinator:
     def serve(self, *, stay: bool = False) -> None:
         """gRPC + REST + the round loop, until done or SIGINT/SIGTERM."""
         from zoo_gym.coordinator.api.app import RestServer
-        from zoo_gym.coordinator.tls import check_server_files
+        from zoo_gym.coordinator.tls import check_server_files, expiry_warning
         from zoo_gym.transport.grid import GrpcGrid
         from zoo_gym.transport.limits import RateLimits
         from zoo_gym.transport.mailbox import Mailbox
@@ -113,8 +113,11 @@ class Coordinator:
         rest = RestServer(self, c.rest_listen, control=self.control, metrics=self.metrics)
         if c.tls_cert is not None and c.tls_key is not None:
             cert, key = c.path(c.tls_cert), c.path(c.tls_key)
-            check_server_files(cert, key)
+            certificate = check_server_files(cert, key)
             tls = (cert.read_bytes(), key.read_bytes())
+            self.metrics.tls_expiry.set(certificate.not_valid_after_utc.timestamp())
+            if warning := expiry_warning(cert, certificate):
+                log.warning("%s", warning)
             # REST serves HTTPS with the same certificate (uvicorn builds its context at start)
             rest.server.config.ssl_certfile = str(cert)
             rest.server.config.ssl_keyfile = str(key)

@@ -4,6 +4,7 @@
 
     ca.pem       the CA certificate contributors pin (`gym-client join ... --ca-cert ca.pem`)
     ca.key       the CA's private key (0600); needed only to issue a new server certificate
+                 (`gym-coordinator tls renew`), so it can be kept offline in between
     server.pem   the coordinator's certificate for every --host (subjectAltName), used by gRPC and REST
     server.key   its private key (0600)
 
@@ -31,6 +32,7 @@ from zoo_gym.coordinator.config import ConfigError
 
 CA_DAYS = 3650
 SERVER_DAYS = 825  # the longest validity Apple's TLS clients accept, also for private CAs
+RENEW_WITHIN_DAYS = 30  # `serve` warns once less than this is left
 CA_NAME = "zoo-gym coordinator CA"
 _DNS_LABEL = re.compile(r"^(?!-)[a-z0-9-]{1,63}(?<!-)$", re.IGNORECASE)
 
@@ -155,15 +157,18 @@ def fingerprint(cert: x509.Certificate) -> str:
     return cert.fingerprint(hashes.SHA256()).hex(":").upper()
 
 
-def _write_key(path: Path, key: ec.EllipticCurvePrivateKey) -> None:
-    pem = key.private_bytes(
+def _key_pem(key: ec.EllipticCurvePrivateKey) -> bytes:
+    return key.private_bytes(
         serialization.Encoding.PEM,
         serialization.PrivateFormat.PKCS8,
         serialization.NoEncryption(),
     )
+
+
+def _write_key(path: Path, key: ec.EllipticCurvePrivateKey) -> None:
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(fd, "wb") as fh:
-        fh.write(pem)
+        fh.write(_key_pem(key))
 
 
 def write_tls_material(
@@ -212,8 +217,8 @@ def load_certificate(path: Path) -> x509.Certificate:
         raise TlsError(f"{path} is not a PEM certificate; point tls_cert at one") from None
 
 
-def check_server_files(cert: Path, key: Path) -> None:
-    """Refuse a certificate and key that do not belong together, or an expired certificate."""
+def check_server_files(cert: Path, key: Path) -> x509.Certificate:
+    """The server certificate, after refusing a key that is not its own or an expired one."""
     certificate = load_certificate(cert)
     try:
         private = serialization.load_pem_private_key(key.read_bytes(), password=None)
@@ -230,5 +235,105 @@ def check_server_files(cert: Path, key: Path) -> None:
         )
     if certificate.not_valid_after_utc < dt.datetime.now(dt.UTC):
         raise TlsError(
-            f"{cert} expired on {certificate.not_valid_after_utc:%Y-%m-%d}; issue a new server certificate"
+            f"{cert} expired on {certificate.not_valid_after_utc:%Y-%m-%d}; "
+            "issue a new one with `gym-coordinator tls renew`"
         )
+    return certificate
+
+
+def certificate_hosts(cert: x509.Certificate) -> list[str]:
+    """The DNS names and IP addresses a certificate's subjectAltName covers, in order."""
+    try:
+        names = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    except x509.ExtensionNotFound:
+        return []
+    return [str(name.value) for name in names if isinstance(name, x509.DNSName | x509.IPAddress)]
+
+
+def _load_ca(ca_cert: Path, ca_key: Path) -> tuple[ec.EllipticCurvePrivateKey, x509.Certificate]:
+    if not ca_key.exists():
+        raise TlsError(
+            f"no CA key at {ca_key}; bring it back from where it is kept, or pass --ca-key"
+        )
+    cert = load_certificate(ca_cert)
+    try:
+        key = serialization.load_pem_private_key(ca_key.read_bytes(), password=None)
+    except (ValueError, TypeError):
+        raise TlsError(
+            f"{ca_key} is not an unencrypted PEM private key; pass the CA's key"
+        ) from None
+    public = serialization.PublicFormat.SubjectPublicKeyInfo
+    if not isinstance(key, ec.EllipticCurvePrivateKey) or key.public_key().public_bytes(
+        serialization.Encoding.PEM, public
+    ) != cert.public_key().public_bytes(serialization.Encoding.PEM, public):
+        raise TlsError(f"{ca_key} is not the private key of {ca_cert}; pass the matching CA key")
+    if cert.not_valid_after_utc < dt.datetime.now(dt.UTC):
+        raise TlsError(
+            f"the CA {ca_cert} expired on {cert.not_valid_after_utc:%Y-%m-%d}; create a new CA "
+            "(`gym-coordinator init --tls` in a new home) and hand contributors its certificate"
+        )
+    return key, cert
+
+
+def _replace(path: Path, data: bytes, mode: int) -> None:
+    """Write `data` next to `path` and rename it over `path` (never a half-written file)."""
+    tmp = path.with_name(f".{path.name}.new")
+    tmp.unlink(missing_ok=True)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
+    with os.fdopen(fd, "wb") as fh:
+        fh.write(data)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+
+
+def renew_server_certificate(
+    *,
+    ca_cert: Path,
+    ca_key: Path,
+    server_cert: Path,
+    server_key: Path,
+    hosts: Sequence[str] = (),
+    days: int = SERVER_DAYS,
+) -> TlsFiles:
+    """Issue a new server key and certificate from the existing CA and swap them in.
+
+    Contributors pinned the CA, so they keep connecting without any change on their side. The
+    hosts are those of the current certificate unless `hosts` names others. The old files are
+    kept as `server.pem.old` / `server.key.old` until the next renewal; a running coordinator
+    loads the new pair when it restarts.
+    """
+    key, cert = _load_ca(ca_cert, ca_key)
+    if not hosts:
+        if not server_cert.exists():
+            raise TlsError(f"no certificate at {server_cert} to take the hosts from; pass --host")
+        hosts = certificate_hosts(load_certificate(server_cert))
+    new_key, new_cert = issue_server_certificate(key, cert, hosts, days=days)
+    for current in (server_cert, server_key):
+        if current.exists():
+            old = current.with_name(current.name + ".old")
+            _replace(old, current.read_bytes(), 0o600)
+    # each file is swapped whole; `serve` checks that the pair on disk matches before using it
+    _replace(server_key, _key_pem(new_key), 0o600)
+    _replace(server_cert, new_cert.public_bytes(serialization.Encoding.PEM), 0o644)
+    return TlsFiles(
+        ca_cert=ca_cert,
+        ca_key=ca_key,
+        server_cert=server_cert,
+        server_key=server_key,
+        hosts=tuple(hosts),
+        fingerprint=fingerprint(cert),
+        not_after=new_cert.not_valid_after_utc,
+    )
+
+
+def expiry_warning(path: Path, cert: x509.Certificate, now: dt.datetime | None = None) -> str:
+    """A line for the operator when `cert` expires within RENEW_WITHIN_DAYS, else ''."""
+    left = (cert.not_valid_after_utc - (now or dt.datetime.now(dt.UTC))).total_seconds() / 86400
+    if left >= RENEW_WITHIN_DAYS:
+        return ""
+    return (
+        f"TLS certificate {path} expires in {max(left, 0):.0f} days "
+        f"({cert.not_valid_after_utc:%Y-%m-%d}); renew it with `gym-coordinator tls renew` "
+        "and restart"
+    )

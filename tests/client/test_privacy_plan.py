@@ -302,9 +302,9 @@ def test_dp_round_reports_epsilon_to_the_ledger_and_the_manifest(tiny_home: Path
     # Assert: each client's epsilon is the accountant's at its own sample rate and reached the ledger
     assert summary.status == "published"
     with Session(fed.coordinator.engine) as session:
-        recorded = {
-            s.contributor_id: s.epsilon for s in ledger.list_submissions(session, round_number=1)
-        }
+        rows = ledger.list_submissions(session, round_number=1)
+        recorded = {s.contributor_id: s.epsilon for s in rows}
+        stated = {s.contributor_id: s.dp_mechanism for s in rows}
     for rt in fed.runtimes.values():
         (spent,) = rt.state.privacy.rounds
         assert spent.sample_rate == 5 / len(rt.conversations)
@@ -313,6 +313,10 @@ def test_dp_round_reports_epsilon_to_the_ledger_and_the_manifest(tiny_home: Path
         )
         assert spent.epsilon is not None and spent.epsilon <= 8.0
         assert recorded[rt.identity.contributor_id] == pytest.approx(spent.epsilon)
+        # the mechanism behind it reached the ledger too, so the coordinator can compose rounds
+        assert stated[rt.identity.contributor_id] == ledger.DpMechanism(
+            spent.dp_noise_multiplier, spent.sample_rate, 4, DELTA, "rdp"
+        )
     published = read_verified(
         fed.coordinator.registry.root / summary.published_version, fed.coordinator.signer.public_key
     )

@@ -536,3 +536,11 @@ def test_an_expired_token_is_renewed(shared: Network) -> None:
         api = ReportApi(http, shared.alice, token="zgc_" + "0" * 32 + "_1_" + "0" * 64)
         report = api.get(f"/contributors/{shared.alice.contributor_id}/report")
     assert report["name"] == "alice" and api.token.startswith("zgc_" + api.contributor_id)
+
+
+def test_a_composed_epsilon_is_shown_with_its_delta() -> None:
+    from zoo_gym.client.rewards import epsilon_text
+
+    assert epsilon_text(3.14159, 1e-5) == "3.14 (δ=1e-05)"
+    assert epsilon_text(2.25) == "2.25"  # a sum of rounds holds for no single delta
+    assert epsilon_text(None, 1e-5) == "n/a"

@@ -92,3 +92,14 @@ def test_gaussian_update_mechanism() -> None:
     assert math.isfinite(prv) and 0 < prv < epsilon_of_history(
         [gaussian_update_mechanism(3.0)], 1e-5
     )
+
+
+def test_a_long_history_of_repeated_mechanisms_matches_opacus() -> None:
+    # a contributor's rounds: the same two mechanisms again and again (each RDP curve computed once)
+    history = [(1.1, 0.05, 40), (0.9, 0.1, 20)] * 50
+    direct = RDPAccountant()
+    direct.history = list(history)
+
+    assert epsilon_of_history(history, 1e-6) == pytest.approx(
+        direct.get_epsilon(delta=1e-6), rel=1e-12
+    )

@@ -264,6 +264,7 @@ class Totals:
     rewarded: int
     amount: Decimal
     epsilon: float | None
+    epsilon_delta: float | None = None  # the delta a composed epsilon holds for; None for a sum
 
 
 @dataclass(frozen=True)
@@ -291,6 +292,7 @@ class Statement:
                 rewarded=int(t["rewarded"]),
                 amount=_amount(t["amount"]),
                 epsilon=_opt_float(t.get("epsilon")),
+                epsilon_delta=_opt_float(t.get("epsilon_delta")),
             )
             return cls(
                 contributor_id=str(data["contributor_id"]),
@@ -541,8 +543,9 @@ def _num(value: float | None, spec: str, none: str = "—") -> str:
     return none if value is None else format(value, spec)
 
 
-def epsilon_text(value: float | None) -> str:
-    return _num(value, ".2f", none="n/a")
+def epsilon_text(value: float | None, delta: float | None = None) -> str:
+    text = _num(value, ".2f", none="n/a")
+    return text if value is None or delta is None else f"{text} (δ={delta:g})"
 
 
 def _decision(line: RoundLine) -> str:
@@ -561,7 +564,7 @@ def _totals(statement: Statement, verification: Verification | None) -> list[str
         "",
         money(t.amount),
         f"{statement.reputation:.3f}",
-        epsilon_text(t.epsilon),
+        epsilon_text(t.epsilon, t.epsilon_delta),
     ]
     if verification is not None:
         n = verification.counts
@@ -756,7 +759,7 @@ def _cards(statement: Statement) -> str:
         ("accepted / rejected", f"{t.accepted} / {t.rejected}"),
         ("rewarded rounds", str(t.rewarded)),
         ("reputation", f"{s.reputation:.3f}"),
-        ("privacy spent (ε)", epsilon_text(t.epsilon)),
+        ("privacy spent (ε)", epsilon_text(t.epsilon, t.epsilon_delta)),
     )
     items = "".join(
         f'<div class="card"><span>{html.escape(k)}</span><b>{html.escape(v)}</b></div>'

@@ -193,7 +193,13 @@ class CoordinatorBackend:
 
     # -- intake -------------------------------------------------------------
     def _record(
-        self, sub: Submission, *, accepted: bool, reason: str, epsilon: float | None = None
+        self,
+        sub: Submission,
+        *,
+        accepted: bool,
+        reason: str,
+        epsilon: float | None = None,
+        dp: ledger.DpMechanism | None = None,
     ) -> Verdict:
         with Session(self.engine) as session:
             round_number = sub.round
@@ -230,6 +236,7 @@ class CoordinatorBackend:
                     decision="accepted" if accepted else "rejected",
                     reason=reason,
                     epsilon=epsilon,
+                    dp=dp,
                 )
             except ledger.ReplayedNonce:
                 return Verdict(
@@ -304,6 +311,7 @@ class CoordinatorBackend:
                     accepted=True,
                     reason="accepted at intake",
                     epsilon=claimed_epsilon(content),
+                    dp=stated_mechanism(content),
                 )
                 self._observe(verdict)
                 if verdict.accepted and self.open_round is not None:
@@ -346,6 +354,27 @@ class CoordinatorBackend:
                 rnd.status,
                 rnd.new_version or "",
             )
+
+
+def stated_mechanism(content: RecordDict) -> ledger.DpMechanism | None:
+    """The DP-SGD mechanism a submission states in its metrics (`dp_noise_multiplier`,
+    `dp_sample_rate`, `dp_steps`, `dp_delta`, `dp_accountant_prv`), or None when it ran none or
+    the values cannot describe one (a sigma that is not positive, a rate outside (0, 1], ...)."""
+    metrics = content.metric_records.get(TRAIN_METRICS)
+    if metrics is None:
+        return None
+    values = [
+        metrics.get(k) for k in ("dp_noise_multiplier", "dp_sample_rate", "dp_steps", "dp_delta")
+    ]
+    if not all(isinstance(v, int | float) and math.isfinite(v) for v in values):
+        return None
+    sigma, q, steps, delta = (float(v) for v in values)  # type: ignore[arg-type]
+    if not (
+        sigma > 0 and 0 < q <= 1 and steps.is_integer() and 1 <= steps <= 1e9 and 0 < delta < 1
+    ):
+        return None
+    accountant = "prv" if metrics.get("dp_accountant_prv") == 1 else "rdp"
+    return ledger.DpMechanism(sigma, q, int(steps), delta, accountant)
 
 
 def claimed_epsilon(content: RecordDict) -> float | None:

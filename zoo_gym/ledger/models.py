@@ -7,6 +7,7 @@ deleted; every change to a row goes through a repository function that also appe
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from decimal import Decimal
 from typing import Any, Literal
@@ -119,6 +120,18 @@ class RoundPublic(RoundBase):
 # --- submissions --------------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class DpMechanism:
+    """The DP-SGD a submission states it ran: `steps` subsampled Gaussian steps at noise
+    multiplier sigma and sample rate q, accounted for `delta` with `accountant` (rdp or prv)."""
+
+    noise_multiplier: float
+    sample_rate: float
+    steps: int
+    delta: float
+    accountant: str
+
+
 class SubmissionBase(SQLModel):
     round_number: int = Field(index=True)
     contributor_id: str = Field(index=True)
@@ -129,6 +142,13 @@ class SubmissionBase(SQLModel):
     decision: str
     reason: str
     epsilon: float | None = None
+    # the DP-SGD mechanism the contributor states it ran (absent when the round was not private);
+    # the coordinator composes a contributor's rounds from these (zoo_gym.privacy.accounting)
+    dp_noise_multiplier: float | None = None
+    dp_sample_rate: float | None = None
+    dp_steps: int | None = None
+    dp_delta: float | None = None
+    dp_accountant: str | None = None
 
 
 class SubmissionCreate(SubmissionBase):
@@ -164,6 +184,19 @@ class Submission(SubmissionCreate, table=True):
     aggregation_reason: str | None = None
     quality: float | None = None
     reward: Decimal | None = Field(default=None, sa_type=Numeric(AMOUNT_DIGITS, AMOUNT_SCALE))
+
+    @property
+    def dp_mechanism(self) -> DpMechanism | None:
+        """The DP-SGD this submission states it ran, or None (not private, or not stated)."""
+        sigma, q, steps, delta = (
+            self.dp_noise_multiplier,
+            self.dp_sample_rate,
+            self.dp_steps,
+            self.dp_delta,
+        )
+        if sigma is None or q is None or steps is None or delta is None:
+            return None
+        return DpMechanism(sigma, q, steps, delta, self.dp_accountant or "rdp")
 
 
 class SubmissionPublic(SubmissionBase):

@@ -22,6 +22,7 @@ from zoo_gym.ledger.models import (
     ROUND_STATUSES,
     AuditEvent,
     Contributor,
+    DpMechanism,
     ModelVersion,
     Reward,
     Round,
@@ -230,8 +231,10 @@ def record_submission(
     decision: str,
     reason: str,
     epsilon: float | None = None,
+    dp: DpMechanism | None = None,
 ) -> Submission:
-    """Record a received submission and the decision about it.
+    """Record a received submission and the decision about it (`epsilon` and `dp`: the privacy
+    it reports and the DP-SGD mechanism it states).
 
     Raises `ReplayedNonce` when the contributor used `nonce` before (whatever that decision was),
     and `DuplicateSubmission` for a second accepted submission in the same round.
@@ -269,6 +272,12 @@ def record_submission(
             reason=reason,
             epsilon=epsilon,
         )
+        if dp is not None:
+            submission.dp_noise_multiplier = dp.noise_multiplier
+            submission.dp_sample_rate = dp.sample_rate
+            submission.dp_steps = dp.steps
+            submission.dp_delta = dp.delta
+            submission.dp_accountant = dp.accountant
         session.add(submission)
         session.flush()
         append_entry(session, kind="submission", changes=[(submission, None)])

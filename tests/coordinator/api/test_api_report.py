@@ -18,7 +18,15 @@ if TYPE_CHECKING:
     from api_world import World
 
 
-def submit(world: World, number: int, *, decision: str, reason: str, eps: float | None) -> int:
+def submit(
+    world: World,
+    number: int,
+    *,
+    decision: str,
+    reason: str,
+    eps: float | None,
+    dp: ledger.DpMechanism | None = None,
+) -> int:
     with world.session() as s:
         if ledger.get_round(s, number=number) is None:
             ledger.open_round(
@@ -35,6 +43,7 @@ def submit(world: World, number: int, *, decision: str, reason: str, eps: float 
             decision=decision,
             reason=reason,
             epsilon=eps,
+            dp=dp,
         )
         assert sub.id is not None
         return sub.id
@@ -108,7 +117,40 @@ def test_report_states_every_round_with_exact_amounts_and_totals(world: World) -
     assert totals["amount"] == "7.123456789" and totals["reward"] == pytest.approx(7.123456789)
     assert (totals["rounds"], totals["accepted"], totals["rejected"]) == (4, 3, 1)
     assert (totals["selected"], totals["rewarded"]) == (2, 2)
-    assert totals["epsilon"] == pytest.approx(2.25)
+    assert totals["epsilon"] == pytest.approx(2.25)  # no round stated its mechanism: a sum
+    assert totals["epsilon_delta"] is None
+
+
+def test_total_epsilon_composes_the_stated_mechanisms(world: World) -> None:
+    # Prepare: three DP-SGD rounds, two with the same mechanism; the second names a larger delta
+    from opacus.accountants import RDPAccountant
+
+    from zoo_gym.privacy.accounting import epsilon
+
+    mechanisms = [
+        ledger.DpMechanism(1.1, 0.05, 40, 1e-5, "rdp"),
+        ledger.DpMechanism(0.9, 0.1, 20, 1e-4, "prv"),
+        ledger.DpMechanism(1.1, 0.05, 40, 1e-5, "rdp"),
+    ]
+    claimed = [epsilon(m.noise_multiplier, m.sample_rate, m.steps, m.delta) for m in mechanisms]
+    for number, (m, eps) in enumerate(zip(mechanisms, claimed, strict=True), start=2):
+        submit(world, number, decision="accepted", reason="accepted at intake", eps=eps, dp=m)
+
+    # Execute
+    headers = world.auth(sign_in(world.client, world.alice))
+    totals = report(world, headers)["totals"]
+
+    # Assert: Opacus's RDP accountant over the same history, at the smallest delta; under the sum
+    direct = RDPAccountant()
+    direct.history = [(m.noise_multiplier, m.sample_rate, m.steps) for m in mechanisms]
+    assert totals["epsilon_delta"] == 1e-5
+    assert totals["epsilon"] == pytest.approx(direct.get_epsilon(delta=1e-5), rel=1e-9)
+    assert totals["epsilon"] < sum(claimed)
+    with world.session() as s:
+        [row] = ledger.list_submissions(
+            s, round_number=3, contributor_id=world.alice.contributor_id
+        )
+    assert row.dp_mechanism == mechanisms[1]
 
 
 def test_each_reward_names_the_log_entry_that_recorded_it(world: World) -> None:

@@ -177,8 +177,13 @@ class ReportTotals(BaseModel):
     reward: float = Field(description="`amount` as a float, for display")
     amount: Amount
     epsilon: float | None = Field(
-        description="sum of the rounds' epsilon (basic composition, an upper bound); "
-        "None when no round reported one"
+        description="privacy spent over all rounds: the stated DP-SGD mechanisms composed with "
+        "the RDP accountant, for `epsilon_delta`; the sum of the rounds' epsilon (basic "
+        "composition) when some round stated no mechanism; None when no round reported one"
+    )
+    epsilon_delta: float | None = Field(
+        default=None,
+        description="the delta `epsilon` holds for (the smallest the rounds name); None for a sum",
     )
 
 

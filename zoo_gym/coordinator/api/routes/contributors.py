@@ -145,6 +145,27 @@ def _epsilon(subs: list[Submission]) -> float | None:
     return float(sum(spent)) if spent else None
 
 
+def _total_epsilon(subs: list[Submission]) -> tuple[float | None, float | None]:
+    """(epsilon, delta) of everything the contributor's submissions report.
+
+    When every submission that reports privacy also states its DP-SGD mechanism, the mechanisms
+    are composed with the RDP accountant and the epsilon is given for the smallest delta they
+    name. Otherwise (submissions recorded before mechanisms were kept) it is the sum of the
+    reported epsilons, basic composition, with no single delta.
+    """
+    from zoo_gym.privacy.accounting import epsilon_of_history
+
+    private = [s for s in subs if s.epsilon is not None or s.dp_mechanism is not None]
+    if not private:
+        return None, None
+    mechanisms = [m for s in private if (m := s.dp_mechanism) is not None]
+    if len(mechanisms) < len(private):
+        return float(sum(s.epsilon or 0.0 for s in private)), None
+    delta = min(m.delta for m in mechanisms)
+    history = [(m.noise_multiplier, m.sample_rate, m.steps) for m in mechanisms]
+    return epsilon_of_history(history, delta, "rdp"), delta
+
+
 def _row(
     number: int,
     status_: str | None,
@@ -198,7 +219,7 @@ def build_report(
         entry = entries.get(reward.id) if reward is not None and reward.id is not None else None
         rows.append(_row(number, statuses.get(number), by_round.get(number, []), reward, entry))
     amount = sum((r.amount for r in rows), ZERO)
-    epsilons = [r.epsilon for r in rows if r.epsilon is not None]
+    epsilon, delta = _total_epsilon(subs)
     totals = ReportTotals(
         rounds=len(rows),
         submissions=len(subs),
@@ -208,7 +229,8 @@ def build_report(
         rewarded=sum(r.amount > 0 for r in rows),
         reward=float(amount),
         amount=amount,
-        epsilon=float(sum(epsilons)) if epsilons else None,
+        epsilon=epsilon,
+        epsilon_delta=delta,
     )
     return ContributorReport(
         contributor_id=cid,

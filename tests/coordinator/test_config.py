@@ -76,3 +76,26 @@ def test_the_environment_names_the_ledger_database(
     monkeypatch.setenv("ZOO_GYM_DATABASE_URL", "postgresql+psycopg://zoo:secret@db/zoo")
 
     assert load_config(path).ledger_url == "postgresql+psycopg://zoo:secret@db/zoo"
+
+
+def test_a_file_can_hold_the_ledger_database_url(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = _write(tmp_path, 'database_url = "sqlite:///from-file.db"\n')
+    secret = tmp_path / "database_url"
+    secret.write_text("postgresql+psycopg://zoo:s3cret@postgres:5432/zoo_gym\n")
+    monkeypatch.setenv("ZOO_GYM_DATABASE_URL_FILE", str(secret))
+
+    assert load_config(path).ledger_url == "postgresql+psycopg://zoo:s3cret@postgres:5432/zoo_gym"
+    monkeypatch.setenv("ZOO_GYM_DATABASE_URL", "sqlite:///from-env.db")  # the variable wins
+    assert load_config(path).ledger_url == "sqlite:///from-env.db"
+    monkeypatch.delenv("ZOO_GYM_DATABASE_URL")
+
+    secret.write_text("\n")
+    with pytest.raises(ConfigError, match=r"database_url is empty; write the database URL in it"):
+        load_config(path)
+    secret.unlink()
+    with pytest.raises(ConfigError) as missing:
+        load_config(path)
+    assert "cannot be read (No such file or directory)" in str(missing.value)
+    assert "\n" not in str(missing.value)

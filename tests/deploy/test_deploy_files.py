@@ -225,6 +225,10 @@ def test_compose_services_and_files() -> None:
             source = volume.split(":")[0]
             if source.startswith("."):  # bind mounts of this repository's files
                 assert (DEPLOY / source).exists(), f"{name}: {source} does not exist"
+    # the ledger URL (with its password) reaches the coordinator as a secret, not in its config
+    coordinator = services["coordinator"]
+    assert "database_url" in coordinator["secrets"]
+    assert coordinator["environment"]["ZOO_GYM_DATABASE_URL_FILE"] == "/run/secrets/database_url"
     # secrets are files the operator creates (deploy/secrets/ is not in the repository)
     for secret in compose["secrets"].values():
         assert secret["file"].startswith("./secrets/")
@@ -311,6 +315,11 @@ def test_chart_runs_as_non_root_over_tls() -> None:
     assert "runAsNonRoot: true" in deployment and "runAsUser: 10001" in deployment
     assert values["tls"]["enabled"] is True and values["postgresql"]["enabled"] is True
     assert values["image"]["tag"] != "latest"
+    # the database URL is in the coordinator's environment, from a Secret, never written to a file
+    helpers = (CHART / "templates" / "_helpers.tpl").read_text()
+    serve = deployment[deployment.index("containers:") :]
+    assert 'include "zoo-gym.databaseEnv"' in serve
+    assert "- name: ZOO_GYM_DATABASE_URL" in helpers and "database_url" not in deployment
 
 
 # --- systemd --------------------------------------------------------------------------------------

@@ -230,17 +230,40 @@ class CoordinatorConfig(HomeConfig):
 
 DATABASE_URL_ENV = "ZOO_GYM_DATABASE_URL"
 """When set, the ledger database URL (it holds a password: containers pass it as a secret)."""
+DATABASE_URL_FILE_ENV = "ZOO_GYM_DATABASE_URL_FILE"
+"""When set, a file holding the ledger database URL (a Docker or systemd credential)."""
+
+
+def database_url_from_environment() -> str:
+    """The ledger URL the environment names: ``ZOO_GYM_DATABASE_URL``, else the first line of the
+    file ``ZOO_GYM_DATABASE_URL_FILE`` names; '' when neither is set."""
+    url = os.environ.get(DATABASE_URL_ENV, "").strip()
+    if url:
+        return url
+    name = os.environ.get(DATABASE_URL_FILE_ENV, "").strip()
+    if not name:
+        return ""
+    try:
+        lines = Path(name).read_text().strip().splitlines()
+    except OSError as exc:
+        raise ConfigError(
+            f"{DATABASE_URL_FILE_ENV}={name} cannot be read ({exc.strerror}); "
+            "point it at the file holding the database URL"
+        ) from None
+    if not lines:
+        raise ConfigError(f"{DATABASE_URL_FILE_ENV}={name} is empty; write the database URL in it")
+    return lines[0].strip()
 
 
 def load_config(path: Path) -> CoordinatorConfig:
     """Read and validate `path`; `home` defaults to the file's directory.
 
-    ``ZOO_GYM_DATABASE_URL`` in the environment overrides ``database_url``.
+    The environment's database URL (`database_url_from_environment`) overrides ``database_url``.
     """
     config = load_toml(
         path, CoordinatorConfig, error=ConfigError, missing="create one with `gym-coordinator init`"
     )
-    url = os.environ.get(DATABASE_URL_ENV, "").strip()
+    url = database_url_from_environment()
     if url:
         config = config.model_copy(update={"database_url": url})
     return config

@@ -19,7 +19,7 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- if .Values.tls.enabled }}HTTPS{{ else }}HTTP{{ end -}}
 {{- end -}}
 
-{{/* DATABASE_URL for the init container: the bundled PostgreSQL, or an existing Secret */}}
+{{/* ZOO_GYM_DATABASE_URL for the coordinator: the bundled PostgreSQL, or an existing Secret */}}
 {{- define "zoo-gym.databaseEnv" -}}
 {{- if .Values.postgresql.enabled }}
 - name: POSTGRES_PASSWORD
@@ -27,10 +27,10 @@ app.kubernetes.io/instance: {{ .Release.Name }}
     secretKeyRef:
       name: {{ printf "%s-postgresql" .Release.Name }}
       key: password
-- name: DATABASE_URL
+- name: ZOO_GYM_DATABASE_URL
   value: {{ printf "postgresql+psycopg://%s:$(POSTGRES_PASSWORD)@%s-postgresql:5432/%s" .Values.postgresql.auth.username .Release.Name .Values.postgresql.auth.database | quote }}
 {{- else }}
-- name: DATABASE_URL
+- name: ZOO_GYM_DATABASE_URL
   valueFrom:
     secretKeyRef:
       name: {{ .Values.externalDatabase.existingSecret }}

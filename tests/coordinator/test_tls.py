@@ -22,12 +22,14 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID
 
 from zoo_gym.coordinator.tls import (
+    CertificateWatcher,
     TlsError,
     TlsFiles,
     certificate_hosts,
     check_server_files,
     create_ca,
     expiry_warning,
+    follow_in_ssl_context,
     issue_server_certificate,
     load_certificate,
     renew_server_certificate,
@@ -338,7 +340,7 @@ def test_tls_renew_command(tiny_home: Path) -> None:
 
     assert result.exit_code == 0, result.output
     assert f"CA unchanged (SHA-256 {files.fingerprint})" in result.stdout
-    assert "restart `gym-coordinator serve`" in result.stdout
+    assert "a running `gym-coordinator serve` switches to it within 60 s" in result.stdout
     assert load_certificate(files.server_cert).not_valid_after_utc < (
         dt.datetime.now(dt.UTC) + dt.timedelta(days=31)
     )
@@ -348,6 +350,123 @@ def test_tls_renew_command(tiny_home: Path) -> None:
     assert result.exit_code == 1
     assert result.stderr.startswith("error: no CA key at ")
     assert len(result.stderr.strip().splitlines()) == 1
+
+
+# --- serving a renewed certificate without a restart --------------------------------------------
+
+
+def _fingerprint_served(port: int, ca: Path, *, alpn: str | None = None) -> str:
+    """SHA-256 of the certificate a TLS server on 127.0.0.1:`port` presents (checked against `ca`)."""
+    context = ssl.create_default_context(cafile=str(ca))
+    if alpn:
+        context.set_alpn_protocols([alpn])
+    with (
+        socket.create_connection(("127.0.0.1", port), timeout=10) as raw,
+        context.wrap_socket(raw, server_hostname="localhost") as tls,
+    ):
+        der = tls.getpeercert(binary_form=True)
+    assert der is not None
+    return hashlib.sha256(der).hexdigest()
+
+
+def _der_sha(path: Path) -> str:
+    return hashlib.sha256(
+        load_certificate(path).public_bytes(serialization.Encoding.DER)
+    ).hexdigest()
+
+
+def test_watcher_takes_a_renewed_pair_and_skips_a_broken_one(tmp_path: Path) -> None:
+    files = write_tls_material(tmp_path / "tls", ["localhost"])
+    watcher = CertificateWatcher(files.server_cert, files.server_key, interval_s=0)
+    seen: list[str] = []
+    watcher.on_change.append(lambda pair: seen.append(pair.cert_pem.decode()))
+    first = watcher.current
+
+    assert watcher.check() is False  # nothing changed
+    files.server_cert.write_bytes(files.server_cert.read_bytes())  # touched, same bytes
+    assert watcher.check() is False and seen == []
+
+    # half a renewal: a new key beside the old certificate is not a pair; the old one stays
+    stranger = write_tls_material(tmp_path / "other", ["localhost"])
+    files.server_key.write_bytes(stranger.server_key.read_bytes())
+    assert watcher.check() is False and watcher.current.cert_pem == first.cert_pem
+
+    _renew(tmp_path / "tls")
+    assert watcher.check() is True
+    assert watcher.current.cert_pem == files.server_cert.read_bytes() != first.cert_pem
+    assert seen == [files.server_cert.read_text()]
+
+
+def test_watcher_thread_follows_the_files(tmp_path: Path) -> None:
+    files = write_tls_material(tmp_path / "tls", ["localhost"])
+    watcher = CertificateWatcher(files.server_cert, files.server_key, interval_s=0.05)
+    renewed = threading.Event()
+    watcher.on_change.append(lambda pair: renewed.set())
+    watcher.start()
+    try:
+        _renew(tmp_path / "tls")
+        assert renewed.wait(10)
+    finally:
+        watcher.stop()
+
+
+def test_https_serves_the_renewed_certificate_to_new_connections(tmp_path: Path) -> None:
+    files = write_tls_material(tmp_path / "tls", ["localhost"])
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.load_cert_chain(files.server_cert, files.server_key)
+
+    def fresh() -> ssl.SSLContext:
+        made = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        made.load_cert_chain(files.server_cert, files.server_key)
+        return made
+
+    renewed = follow_in_ssl_context(context, fresh)
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+
+    def serve(n: int) -> None:
+        for _ in range(n):
+            conn, _ = listener.accept()
+            with context.wrap_socket(conn, server_side=True) as tls:
+                tls.recv(1)
+
+    thread = threading.Thread(target=serve, args=(2,), daemon=True)
+    thread.start()
+    before = _fingerprint_served(port, files.ca_cert)
+    assert before == _der_sha(files.server_cert)
+    watcher = CertificateWatcher(files.server_cert, files.server_key, interval_s=0)
+    watcher.on_change.append(renewed)
+    _renew(tmp_path / "tls")
+    assert watcher.check()
+
+    after = _fingerprint_served(port, files.ca_cert)  # IP address: no SNI is sent, still switched
+    assert after == _der_sha(files.server_cert) != before
+    thread.join(5)
+    listener.close()
+
+
+def test_grpc_serves_the_renewed_certificate_to_new_connections(tmp_path: Path) -> None:
+    from zoo_gym.transport.server import following_credentials
+
+    files = write_tls_material(tmp_path / "tls", ["localhost"])
+    watcher = CertificateWatcher(files.server_cert, files.server_key, interval_s=0)
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    handler = grpc.unary_unary_rpc_method_handler(lambda request, context: b"echo:" + request)
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler("zoo_gym.test.Echo", {"Call": handler}),)
+    )
+    port = server.add_secure_port("127.0.0.1:0", following_credentials(watcher.pem))
+    server.start()
+    try:
+        before = _fingerprint_served(port, files.ca_cert, alpn="h2")
+        assert before == _der_sha(files.server_cert)
+        _renew(tmp_path / "tls")
+        assert watcher.check()
+
+        assert _fingerprint_served(port, files.ca_cert, alpn="h2") == _der_sha(files.server_cert)
+        assert _echo(f"localhost:{port}", files.ca_cert.read_bytes()) == b"echo:hi"
+    finally:
+        server.stop(0).wait()
 
 
 # --- the contributor's channel -------------------------------------------------------------------

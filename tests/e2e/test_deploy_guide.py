@@ -3,7 +3,8 @@
 `gym-coordinator init --tls` for localhost / 127.0.0.1, `serve` as a real process, REST over HTTPS
 checked against the CA (health, an admin call with a key from `apikey create`, /metrics), one
 contributor refused without the CA, then joining over TLS with `--ca-cert` and finishing a round,
-and its reward statement over HTTPS. Every process is stopped by PID. (Another CA being refused
+its reward statement over HTTPS, then `tls renew` with both ports switching to the new certificate
+without a restart. Every process is stopped by PID. (Another CA being refused
 is in tests/coordinator/test_tls.py.)
 """
 
@@ -15,6 +16,7 @@ import json
 import os
 import re
 import signal
+import socket
 import ssl
 import subprocess
 import sys
@@ -32,6 +34,20 @@ from zoo_gym.core.synthetic import make_examples, write_jsonl
 from zoo_gym.simulation.demo import free_port
 
 pytestmark = pytest.mark.e2e
+
+
+def _served_sha(port: int, ca: Path, *, alpn: str | None = None) -> str:
+    """SHA-256 of the certificate 127.0.0.1:`port` presents, checked against `ca`."""
+    context = ssl.create_default_context(cafile=str(ca))
+    if alpn:
+        context.set_alpn_protocols([alpn])
+    with (
+        socket.create_connection(("127.0.0.1", port), timeout=10) as raw,
+        context.wrap_socket(raw, server_hostname="localhost") as tls,
+    ):
+        der = tls.getpeercert(binary_form=True)
+    assert der is not None
+    return hashlib.sha256(der).hexdigest()
 
 
 def _cli(
@@ -120,6 +136,8 @@ def test_tls_coordinator_from_the_guide(tmp_path: Path) -> None:
     config = config.replace("rounds = 0", "rounds = 1").replace(
         "min_clients = 2", "min_clients = 1"
     )
+    # and the certificate files checked every second (60 by default) for the renewal step
+    config = "tls_reload_s = 1\n" + config
     (home / "coordinator.toml").write_text(config.replace("steps = 30", "steps = 4"))
 
     # Step 2: serve (gRPC and REST both over TLS)
@@ -235,6 +253,24 @@ def test_tls_coordinator_from_the_guide(tmp_path: Path) -> None:
         )
         assert statement.returncode == 0, statement.stderr
         assert [r["round"] for r in json.loads(statement.stdout)["rounds"]] == [1]
+
+        # Step 10: renew the certificate; both ports serve it without a restart
+        old = _served_sha(rest_port, ca)
+        renewed = _cli("coordinator", "tls", "renew", "-c", str(home / "coordinator.toml"))
+        assert renewed.returncode == 0, renewed.stderr
+        assert f"CA unchanged (SHA-256 {printed.group(1)})" in renewed.stdout
+        new = hashlib.sha256(
+            x509.load_pem_x509_certificate((home / "tls" / "server.pem").read_bytes()).public_bytes(
+                serialization.Encoding.DER
+            )
+        ).hexdigest()
+        assert new != old
+        deadline = time.monotonic() + 30
+        while {_served_sha(rest_port, ca), _served_sha(port, ca, alpn="h2")} != {new}:
+            assert time.monotonic() < deadline, "the renewed certificate was not picked up"
+            time.sleep(0.3)
+        again = _cli("client", "rewards", "--home", str(alice), "--api", api, "--verify")
+        assert again.returncode == 0, again.stderr  # contributors changed nothing
 
         # Step 5: stop it like systemd does (SIGTERM to the PID)
         os.killpg(coordinator.pid, signal.SIGTERM)

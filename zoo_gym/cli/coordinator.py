@@ -241,7 +241,14 @@ def tls_renew(
         f"TLS: CA unchanged (SHA-256 {files.fingerprint}); contributors change nothing",
         soft_wrap=True,
     )
-    out("restart `gym-coordinator serve` to load it", soft_wrap=True)
+    if cfg.tls_reload_s > 0:
+        out(
+            f"a running `gym-coordinator serve` switches to it within {cfg.tls_reload_s:g} s "
+            "(tls_reload_s); connections already open keep the old one",
+            soft_wrap=True,
+        )
+    else:
+        out("tls_reload_s = 0: restart `gym-coordinator serve` to load it", soft_wrap=True)
 
 
 def _fail(message: str) -> NoReturn:

@@ -190,6 +190,11 @@ class CoordinatorConfig(HomeConfig):
     seed: int = 0
     tls_cert: Path | None = None
     tls_key: Path | None = None
+    tls_reload_s: float = Field(
+        60.0,
+        ge=0,
+        description="how often serve checks tls_cert/tls_key for a renewed pair; 0 = never",
+    )
     signing_key: Path = Path("coordinator.key")
     training: TrainingPolicy = Field(default_factory=lambda: TrainingPolicy.model_validate({}))
     rewards: RewardSettings = Field(default_factory=lambda: RewardSettings.model_validate({}))

@@ -29,7 +29,11 @@ from zoo_gym.core.delta import Layout
 from zoo_gym.core.identity import Identity
 
 if TYPE_CHECKING:
+    import ssl
+
+    from zoo_gym.coordinator.api.app import RestServer
     from zoo_gym.coordinator.rounds import RoundSummary
+    from zoo_gym.coordinator.tls import CertificateWatcher, ServedPair
 
 log = logging.getLogger(__name__)
 SERVERAPP_NODE_ID = 0
@@ -99,28 +103,58 @@ class Coordinator:
         )
         make_server_app(self, on_round=on_round)(grid, context)  # type: ignore[arg-type]
 
+    def _serve_tls(self, rest: RestServer) -> CertificateWatcher:
+        """The served certificate for gRPC and REST, followed through renewals on disk."""
+        from uvicorn.config import create_ssl_context
+
+        from zoo_gym.coordinator.tls import CertificateWatcher, follow_in_ssl_context
+
+        c = self.config
+        assert c.tls_cert is not None and c.tls_key is not None
+        cert, key = c.path(c.tls_cert), c.path(c.tls_key)
+        watcher = CertificateWatcher(cert, key, interval_s=c.tls_reload_s)
+        self._note_certificate(watcher.current)
+        watcher.on_change.append(self._note_certificate)
+        # REST serves HTTPS with the same certificate; uvicorn's context follows a renewal too
+        config = rest.server.config
+        config.ssl_certfile, config.ssl_keyfile = str(cert), str(key)
+        config.load()
+        assert config.ssl is not None
+
+        def fresh_context() -> ssl.SSLContext:
+            return create_ssl_context(
+                certfile=cert,
+                keyfile=key,
+                password=None,
+                ssl_version=config.ssl_version,
+                cert_reqs=config.ssl_cert_reqs,
+                ca_certs=None,
+                ciphers=config.ssl_ciphers,
+            )
+
+        watcher.on_change.append(follow_in_ssl_context(config.ssl, fresh_context))
+        return watcher
+
+    def _note_certificate(self, pair: ServedPair) -> None:
+        """Export a served certificate's expiry, and warn when it is close."""
+        from zoo_gym.coordinator.tls import expiry_warning
+
+        self.metrics.tls_expiry.set(pair.certificate.not_valid_after_utc.timestamp())
+        assert self.config.tls_cert is not None
+        if warning := expiry_warning(self.config.path(self.config.tls_cert), pair.certificate):
+            log.warning("%s", warning)
+
     def serve(self, *, stay: bool = False) -> None:
         """gRPC + REST + the round loop, until done or SIGINT/SIGTERM."""
         from zoo_gym.coordinator.api.app import RestServer
-        from zoo_gym.coordinator.tls import check_server_files, expiry_warning
         from zoo_gym.transport.grid import GrpcGrid
         from zoo_gym.transport.limits import RateLimits
         from zoo_gym.transport.mailbox import Mailbox
         from zoo_gym.transport.server import start_server
 
         c = self.config
-        tls = None
         rest = RestServer(self, c.rest_listen, control=self.control, metrics=self.metrics)
-        if c.tls_cert is not None and c.tls_key is not None:
-            cert, key = c.path(c.tls_cert), c.path(c.tls_key)
-            certificate = check_server_files(cert, key)
-            tls = (cert.read_bytes(), key.read_bytes())
-            self.metrics.tls_expiry.set(certificate.not_valid_after_utc.timestamp())
-            if warning := expiry_warning(cert, certificate):
-                log.warning("%s", warning)
-            # REST serves HTTPS with the same certificate (uvicorn builds its context at start)
-            rest.server.config.ssl_certfile = str(cert)
-            rest.server.config.ssl_keyfile = str(key)
+        watcher = self._serve_tls(rest) if c.tls_cert is not None else None
         mailbox = Mailbox()
         limits = RateLimits(
             c.grpc_rate_per_s,
@@ -130,10 +164,17 @@ class Coordinator:
             c.max_concurrent_per_peer,
         )
         grpc_server = start_server(
-            self.backend, mailbox, address=c.listen, spool=c.path("spool"), tls=tls, limits=limits
+            self.backend,
+            mailbox,
+            address=c.listen,
+            spool=c.path("spool"),
+            tls=watcher.pem if watcher is not None else None,
+            limits=limits,
         )
-        log.info("REST API on %s://%s", "https" if tls else "http", c.rest_listen)
+        log.info("REST API on %s://%s", "https" if watcher else "http", c.rest_listen)
         rest.start()
+        if watcher is not None:
+            watcher.start()
 
         def _stop(signum: int, frame: FrameType | None) -> None:
             log.info("stopping (signal %d)", signum)
@@ -148,5 +189,7 @@ class Coordinator:
                 return
             self.stop.wait()  # keep answering outcome, download and REST calls until stopped
         finally:
+            if watcher is not None:
+                watcher.stop()
             grpc_server.stop()
             rest.stop()

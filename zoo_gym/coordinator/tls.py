@@ -17,9 +17,12 @@ from __future__ import annotations
 
 import datetime as dt
 import ipaddress
+import logging
 import os
 import re
-from collections.abc import Sequence
+import ssl
+import threading
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,6 +32,8 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from zoo_gym.coordinator.config import ConfigError
+
+log = logging.getLogger(__name__)
 
 CA_DAYS = 3650
 SERVER_DAYS = 825  # the longest validity Apple's TLS clients accept, also for private CAs
@@ -301,7 +306,7 @@ def renew_server_certificate(
     Contributors pinned the CA, so they keep connecting without any change on their side. The
     hosts are those of the current certificate unless `hosts` names others. The old files are
     kept as `server.pem.old` / `server.key.old` until the next renewal; a running coordinator
-    loads the new pair when it restarts.
+    switches to the new pair by itself (`CertificateWatcher`).
     """
     key, cert = _load_ca(ca_cert, ca_key)
     if not hosts:
@@ -334,6 +339,125 @@ def expiry_warning(path: Path, cert: x509.Certificate, now: dt.datetime | None =
         return ""
     return (
         f"TLS certificate {path} expires in {max(left, 0):.0f} days "
-        f"({cert.not_valid_after_utc:%Y-%m-%d}); renew it with `gym-coordinator tls renew` "
-        "and restart"
+        f"({cert.not_valid_after_utc:%Y-%m-%d}); renew it with `gym-coordinator tls renew`"
     )
+
+
+@dataclass(frozen=True)
+class ServedPair:
+    """A certificate and key `serve` is using: their PEM bytes and the parsed certificate."""
+
+    cert_pem: bytes
+    key_pem: bytes
+    certificate: x509.Certificate
+    stamp: tuple[int, int, int, int]  # (mtime_ns, size) of both files when they were read
+
+
+def _stamp(cert: Path, key: Path) -> tuple[int, int, int, int]:
+    c, k = cert.stat(), key.stat()
+    return c.st_mtime_ns, c.st_size, k.st_mtime_ns, k.st_size
+
+
+def read_served_pair(cert: Path, key: Path) -> ServedPair:
+    """The pair at `cert`/`key`, checked like `check_server_files` (TlsError when unusable)."""
+    stamp = _stamp(cert, key)
+    certificate = check_server_files(cert, key)
+    return ServedPair(cert.read_bytes(), key.read_bytes(), certificate, stamp)
+
+
+class CertificateWatcher:
+    """Serves a renewed certificate without a restart.
+
+    A thread checks `cert` and `key` every `interval_s` seconds. When they changed and form a
+    valid pair (matching, not expired), `current` moves to the new pair and each `on_change`
+    callback runs with it. A pair caught half-written, or one that fails the checks, is skipped
+    with one warning, and the certificate in use stays until a good pair appears.
+    """
+
+    def __init__(self, cert: Path, key: Path, *, interval_s: float) -> None:
+        self.cert, self.key, self.interval_s = cert, key, interval_s
+        self.current = read_served_pair(cert, key)
+        self.on_change: list[Callable[[ServedPair], None]] = []
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._refused: tuple[int, int, int, int] | None = None
+
+    def pem(self) -> tuple[bytes, bytes]:
+        """(certificate chain PEM, key PEM) in use now: what the gRPC server asks per handshake."""
+        pair = self.current
+        return pair.cert_pem, pair.key_pem
+
+    def start(self) -> None:
+        if self.interval_s > 0 and self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="tls-watch", daemon=True)
+            self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self.check()
+
+    def check(self) -> bool:
+        """Load the files if they changed since they were read; True when a new pair is in use."""
+        try:
+            stamp = _stamp(self.cert, self.key)
+        except OSError as exc:
+            if self._refused != (0, 0, 0, 0):
+                log.warning(
+                    "TLS files unreadable (%s); still serving the certificate loaded before", exc
+                )
+                self._refused = (0, 0, 0, 0)
+            return False
+        if stamp == self.current.stamp or stamp == self._refused:
+            return False
+        try:
+            pair = read_served_pair(self.cert, self.key)
+        except (TlsError, OSError) as exc:
+            log.warning("TLS files changed but cannot be used yet: %s", exc)
+            self._refused = stamp
+            return False
+        self._refused = None
+        if pair.cert_pem == self.current.cert_pem and pair.key_pem == self.current.key_pem:
+            self.current = pair  # touched, not changed
+            return False
+        self.current = pair
+        log.info(
+            "TLS certificate reloaded from %s: valid until %s",
+            self.cert,
+            f"{pair.certificate.not_valid_after_utc:%Y-%m-%d}",
+        )
+        for callback in self.on_change:
+            callback(pair)
+        return True
+
+
+def follow_in_ssl_context(
+    context: ssl.SSLContext, make: Callable[[], ssl.SSLContext]
+) -> Callable[[ServedPair], None]:
+    """Make new TLS connections to `context` (uvicorn's) use the latest renewed certificate.
+
+    Returns the callback for `CertificateWatcher.on_change`: it builds a fresh context with `make`
+    (same settings, new files), and the SNI callback, which OpenSSL runs on every ClientHello
+    with or without a server name, moves each new connection onto it. Connections already open
+    keep the certificate they were made with.
+    """
+    latest = [context]
+
+    def switch(
+        connection: ssl.SSLObject | ssl.SSLSocket, name: str | None, ctx: ssl.SSLContext
+    ) -> None:
+        if latest[0] is not ctx:
+            connection.context = latest[0]
+
+    context.sni_callback = switch
+
+    def renewed(pair: ServedPair) -> None:
+        fresh = make()
+        fresh.sni_callback = switch
+        latest[0] = fresh
+
+    return renewed

@@ -11,7 +11,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent import futures
 from dataclasses import dataclass
 from pathlib import Path
@@ -308,19 +308,36 @@ class ServerHandle:
         self.server.stop(grace).wait()
 
 
+def following_credentials(current: Callable[[], tuple[bytes, bytes]]) -> grpc.ServerCredentials:
+    """Credentials that switch to whatever pair `current` returns, at the next handshake."""
+    served = [current()]
+
+    def fetch() -> grpc.ServerCertificateConfiguration | None:
+        pair = current()
+        if pair == served[0]:
+            return None
+        served[0] = pair
+        return grpc.ssl_server_certificate_configuration([(pair[1], pair[0])])
+
+    initial = grpc.ssl_server_certificate_configuration([(served[0][1], served[0][0])])
+    return grpc.dynamic_ssl_server_credentials(initial, fetch)
+
+
 def start_server(
     backend: FederationBackend,
     mailbox: Mailbox,
     *,
     address: str,
     spool: Path,
-    tls: tuple[bytes, bytes] | None = None,
+    tls: tuple[bytes, bytes] | Callable[[], tuple[bytes, bytes]] | None = None,
     max_workers: int = 32,
     limits: RateLimits | None = None,
 ) -> ServerHandle:
     """Serve the federation on `address` ("host:port"; port 0 picks a free one).
 
-    `tls` is (certificate chain PEM, private key PEM); without it the port is plaintext.
+    `tls` is (certificate chain PEM, private key PEM), or a callable returning the pair to use
+    now: it is asked before every new connection's handshake, so a renewed certificate is served
+    without a restart. Without `tls` the port is plaintext.
     `limits` caps request rates per peer and per contributor (defaults: `RateLimits()`).
     """
     limits = limits or RateLimits()
@@ -338,6 +355,8 @@ def start_server(
     )
     if tls is None:
         port = server.add_insecure_port(address)
+    elif callable(tls):
+        port = server.add_secure_port(address, following_credentials(tls))
     else:
         creds = grpc.ssl_server_credentials([(tls[1], tls[0])])
         port = server.add_secure_port(address, creds)

@@ -123,6 +123,7 @@ def test_report_per_round_with_totals(shared_world: World) -> None:
         "reward": 5.0,
         "amount": "5.000000000",
         "epsilon": None,
+        "epsilon_delta": None,
     }
     (row,) = bob["rounds"]
     assert (row["decision"], row["reward"], row["amount"]) == ("rejected", 0.0, "0.000000000")

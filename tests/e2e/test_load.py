@@ -10,7 +10,8 @@ the per-address gRPC limits are turned off for this run (per-key limits stay on)
 
 Measured: every submission's ledger row (decision and reason), the coordinator's memory (VmRSS
 sampled every 20 ms and VmHWM from /proc/PID/status) against the sum of the payloads, and the
-latency of REST `/health` polled every 50 ms while the round runs.
+latency of REST `/health` polled every 50 ms while the round runs, from a separate process (this
+one holds every simulated contributor's thread).
 
 CI runs N=20, S=1 MB. The full run (N=100, S=10 MB) is marked slow:
 
@@ -55,12 +56,30 @@ def status_kib(pid: int, key: str) -> int:
     raise KeyError(key)
 
 
+HEALTH_PROBE = """
+import sys, time, httpx
+url = sys.argv[1]
+with httpx.Client(timeout=10) as http:
+    while True:
+        started = time.perf_counter()
+        try:
+            ok = http.get(url).status_code == 200
+        except httpx.HTTPError:
+            ok = False
+        print(f"{(time.perf_counter() - started) * 1000:.3f} {int(ok)}", flush=True)
+        time.sleep(0.05)
+"""
+
+
 @dataclass
 class Probe:
-    """Samples the coordinator's RSS and REST /health latency in background threads."""
+    """Samples the coordinator's RSS in a thread, and REST /health latency from a process of its
+    own, so the figure is the coordinator's and not the load generator's: this test process
+    runs every simulated contributor, and its threads would hold its GIL against the probe."""
 
     pid: int
     rest: str
+    workdir: Path
     rss_kib: list[int] = field(default_factory=list)
     health_ms: list[float] = field(default_factory=list)
     health_failures: int = 0
@@ -71,24 +90,25 @@ class Probe:
             while not self.stop.wait(0.02):
                 self.rss_kib.append(status_kib(self.pid, "VmRSS"))
 
-        def health() -> None:
-            with httpx.Client(timeout=10) as http:
-                while not self.stop.wait(0.05):
-                    started = time.perf_counter()
-                    try:
-                        ok = http.get(f"{self.rest}/health").status_code == 200
-                    except httpx.HTTPError:
-                        ok = False
-                    self.health_ms.append((time.perf_counter() - started) * 1000)
-                    self.health_failures += not ok
+        samples = (self.workdir / "health.txt").open("wb")
+        self._health = subprocess.Popen(
+            [sys.executable, "-c", HEALTH_PROBE, f"{self.rest}/health"], stdout=samples
+        )
+        samples.close()
+        thread = threading.Thread(target=rss, daemon=True)
+        thread.start()
+        return [thread]
 
-        threads = [
-            threading.Thread(target=rss, daemon=True),
-            threading.Thread(target=health, daemon=True),
-        ]
+    def finish(self, threads: list[threading.Thread]) -> None:
+        self.stop.set()
         for t in threads:
-            t.start()
-        return threads
+            t.join()
+        self._health.terminate()
+        self._health.wait(timeout=30)
+        for line in (self.workdir / "health.txt").read_text().splitlines():
+            ms, ok = line.split()
+            self.health_ms.append(float(ms))
+            self.health_failures += ok != "1"
 
 
 @pytest.fixture
@@ -185,7 +205,7 @@ def run_load(start: object, tiny_home: Path, *, n: int, size_bytes: int) -> dict
     proc, address, rest = start(n, rank)  # type: ignore[operator]
     time.sleep(1.0)
     idle_kib = status_kib(proc.pid, "VmRSS")
-    probe = Probe(proc.pid, rest)
+    probe = Probe(proc.pid, rest, tiny_home)
     threads = probe.run()
     results: dict[str, SubmitResult | str] = {}
     barrier = threading.Barrier(n)
@@ -204,9 +224,7 @@ def run_load(start: object, tiny_home: Path, *, n: int, size_bytes: int) -> dict
     while not rounds.exists() and time.monotonic() < deadline and proc.poll() is None:
         time.sleep(0.2)
     wall = time.perf_counter() - started
-    probe.stop.set()
-    for t in threads:
-        t.join()
+    probe.finish(threads)
     peak_kib = status_kib(proc.pid, "VmHWM")
 
     failures = {k: v for k, v in results.items() if isinstance(v, str)}

@@ -20,6 +20,7 @@ from cryptography import x509
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID
+from tls_probe import served_sha256
 
 from zoo_gym.coordinator.tls import (
     CertificateWatcher,
@@ -355,20 +356,6 @@ def test_tls_renew_command(tiny_home: Path) -> None:
 # --- serving a renewed certificate without a restart --------------------------------------------
 
 
-def _fingerprint_served(port: int, ca: Path, *, alpn: str | None = None) -> str:
-    """SHA-256 of the certificate a TLS server on 127.0.0.1:`port` presents (checked against `ca`)."""
-    context = ssl.create_default_context(cafile=str(ca))
-    if alpn:
-        context.set_alpn_protocols([alpn])
-    with (
-        socket.create_connection(("127.0.0.1", port), timeout=10) as raw,
-        context.wrap_socket(raw, server_hostname="localhost") as tls,
-    ):
-        der = tls.getpeercert(binary_form=True)
-    assert der is not None
-    return hashlib.sha256(der).hexdigest()
-
-
 def _der_sha(path: Path) -> str:
     return hashlib.sha256(
         load_certificate(path).public_bytes(serialization.Encoding.DER)
@@ -432,14 +419,14 @@ def test_https_serves_the_renewed_certificate_to_new_connections(tmp_path: Path)
 
     thread = threading.Thread(target=serve, args=(2,), daemon=True)
     thread.start()
-    before = _fingerprint_served(port, files.ca_cert)
+    before = served_sha256(port, files.ca_cert)
     assert before == _der_sha(files.server_cert)
     watcher = CertificateWatcher(files.server_cert, files.server_key, interval_s=0)
     watcher.on_change.append(renewed)
     _renew(tmp_path / "tls")
     assert watcher.check()
 
-    after = _fingerprint_served(port, files.ca_cert)  # IP address: no SNI is sent, still switched
+    after = served_sha256(port, files.ca_cert)  # IP address: no SNI is sent, still switched
     assert after == _der_sha(files.server_cert) != before
     thread.join(5)
     listener.close()
@@ -458,12 +445,12 @@ def test_grpc_serves_the_renewed_certificate_to_new_connections(tmp_path: Path) 
     port = server.add_secure_port("127.0.0.1:0", following_credentials(watcher.pem))
     server.start()
     try:
-        before = _fingerprint_served(port, files.ca_cert, alpn="h2")
+        before = served_sha256(port, files.ca_cert, alpn="h2")
         assert before == _der_sha(files.server_cert)
         _renew(tmp_path / "tls")
         assert watcher.check()
 
-        assert _fingerprint_served(port, files.ca_cert, alpn="h2") == _der_sha(files.server_cert)
+        assert served_sha256(port, files.ca_cert, alpn="h2") == _der_sha(files.server_cert)
         assert _echo(f"localhost:{port}", files.ca_cert.read_bytes()) == b"echo:hi"
     finally:
         server.stop(0).wait()

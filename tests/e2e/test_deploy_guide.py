@@ -16,7 +16,6 @@ import json
 import os
 import re
 import signal
-import socket
 import ssl
 import subprocess
 import sys
@@ -29,25 +28,12 @@ import pytest
 from cryptography import x509
 from cryptography.hazmat.primitives import serialization
 from prometheus_client.parser import text_string_to_metric_families
+from tls_probe import served_sha256
 
 from zoo_gym.core.synthetic import make_examples, write_jsonl
 from zoo_gym.simulation.demo import free_port
 
 pytestmark = pytest.mark.e2e
-
-
-def _served_sha(port: int, ca: Path, *, alpn: str | None = None) -> str:
-    """SHA-256 of the certificate 127.0.0.1:`port` presents, checked against `ca`."""
-    context = ssl.create_default_context(cafile=str(ca))
-    if alpn:
-        context.set_alpn_protocols([alpn])
-    with (
-        socket.create_connection(("127.0.0.1", port), timeout=10) as raw,
-        context.wrap_socket(raw, server_hostname="localhost") as tls,
-    ):
-        der = tls.getpeercert(binary_form=True)
-    assert der is not None
-    return hashlib.sha256(der).hexdigest()
 
 
 def _cli(
@@ -255,7 +241,7 @@ def test_tls_coordinator_from_the_guide(tmp_path: Path) -> None:
         assert [r["round"] for r in json.loads(statement.stdout)["rounds"]] == [1]
 
         # Step 10: renew the certificate; both ports serve it without a restart
-        old = _served_sha(rest_port, ca)
+        old = served_sha256(rest_port, ca)
         renewed = _cli("coordinator", "tls", "renew", "-c", str(home / "coordinator.toml"))
         assert renewed.returncode == 0, renewed.stderr
         assert f"CA unchanged (SHA-256 {printed.group(1)})" in renewed.stdout
@@ -266,7 +252,7 @@ def test_tls_coordinator_from_the_guide(tmp_path: Path) -> None:
         ).hexdigest()
         assert new != old
         deadline = time.monotonic() + 30
-        while {_served_sha(rest_port, ca), _served_sha(port, ca, alpn="h2")} != {new}:
+        while {served_sha256(rest_port, ca), served_sha256(port, ca, alpn="h2")} != {new}:
             assert time.monotonic() < deadline, "the renewed certificate was not picked up"
             time.sleep(0.3)
         again = _cli("client", "rewards", "--home", str(alice), "--api", api, "--verify")

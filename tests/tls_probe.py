@@ -1,0 +1,23 @@
+"""Which certificate a TLS server on 127.0.0.1 presents (used by the TLS and deployment tests)."""
+
+from __future__ import annotations
+
+import hashlib
+import socket
+import ssl
+from pathlib import Path
+
+
+def served_sha256(port: int, ca: Path, *, alpn: str | None = None) -> str:
+    """SHA-256 of the certificate 127.0.0.1:`port` presents for "localhost", checked against
+    `ca`. gRPC servers need `alpn="h2"` to finish the handshake."""
+    context = ssl.create_default_context(cafile=str(ca))
+    if alpn:
+        context.set_alpn_protocols([alpn])
+    with (
+        socket.create_connection(("127.0.0.1", port), timeout=10) as raw,
+        context.wrap_socket(raw, server_hostname="localhost") as tls,
+    ):
+        der = tls.getpeercert(binary_form=True)
+    assert der is not None
+    return hashlib.sha256(der).hexdigest()

@@ -11,7 +11,7 @@ import torch
 from hypothesis import settings
 
 # CI replays the same examples on every run, so a red build always names a reproducible case;
-# local runs draw new examples each time (and the slow fuzz variants draw many more).
+# local runs draw new examples each time (ZOO_FUZZ_EXAMPLES raises the handler fuzz's count).
 settings.register_profile("ci", derandomize=True, database=None, print_blob=True)
 if os.environ.get("CI"):
     settings.load_profile("ci")

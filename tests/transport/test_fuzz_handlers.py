@@ -6,7 +6,8 @@ server must still be serving, and every failure must be a gRPC status other than
 is what an unhandled exception becomes) with a one-line message. Uploads claiming huge sizes must
 be refused without the server holding them.
 
-`ZOO_FUZZ_EXAMPLES` sets the examples per strategy (default 40); the slow variant runs 500.
+`ZOO_FUZZ_EXAMPLES` sets the examples per strategy (default 40): for a longer run,
+`ZOO_FUZZ_EXAMPLES=500 .venv/bin/pytest tests/transport/test_fuzz_handlers.py -s`.
 The envelope decoder is fuzzed where it lives (tests/compression).
 """
 

@@ -384,6 +384,21 @@ def test_watcher_takes_a_renewed_pair_and_skips_a_broken_one(tmp_path: Path) -> 
     assert seen == [files.server_cert.read_text()]
 
 
+def test_a_failing_listener_does_not_stop_the_others(tmp_path: Path) -> None:
+    files = write_tls_material(tmp_path / "tls", ["localhost"])
+    watcher = CertificateWatcher(files.server_cert, files.server_key, interval_s=0)
+    seen: list[bytes] = []
+
+    def broken(pair: object) -> None:
+        raise OSError("disk gone")
+
+    watcher.on_change += [broken, lambda pair: seen.append(pair.cert_pem)]
+    _renew(tmp_path / "tls")
+
+    assert watcher.check() is True
+    assert seen == [files.server_cert.read_bytes()]
+
+
 def test_watcher_thread_follows_the_files(tmp_path: Path) -> None:
     files = write_tls_material(tmp_path / "tls", ["localhost"])
     watcher = CertificateWatcher(files.server_cert, files.server_key, interval_s=0.05)

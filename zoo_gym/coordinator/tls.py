@@ -216,17 +216,28 @@ def write_tls_material(
 
 def load_certificate(path: Path) -> x509.Certificate:
     """The PEM certificate at `path` (TlsError with one line when it is not one)."""
+    return _parse_certificate(path.read_bytes(), path)
+
+
+def _parse_certificate(pem: bytes, path: Path) -> x509.Certificate:
     try:
-        return x509.load_pem_x509_certificate(path.read_bytes())
+        return x509.load_pem_x509_certificate(pem)
     except ValueError:
         raise TlsError(f"{path} is not a PEM certificate; point tls_cert at one") from None
 
 
 def check_server_files(cert: Path, key: Path) -> x509.Certificate:
     """The server certificate, after refusing a key that is not its own or an expired one."""
-    certificate = load_certificate(cert)
+    return check_server_pair(cert.read_bytes(), key.read_bytes(), cert=cert, key=key)
+
+
+def check_server_pair(
+    cert_pem: bytes, key_pem: bytes, *, cert: Path, key: Path
+) -> x509.Certificate:
+    """`check_server_files` of contents already read (`cert` and `key` name them in errors)."""
+    certificate = _parse_certificate(cert_pem, cert)
     try:
-        private = serialization.load_pem_private_key(key.read_bytes(), password=None)
+        private = serialization.load_pem_private_key(key_pem, password=None)
     except (ValueError, TypeError):
         raise TlsError(
             f"{key} is not an unencrypted PEM private key; point tls_key at one"
@@ -350,28 +361,23 @@ class ServedPair:
     cert_pem: bytes
     key_pem: bytes
     certificate: x509.Certificate
-    stamp: tuple[int, int, int, int]  # (mtime_ns, size) of both files when they were read
-
-
-def _stamp(cert: Path, key: Path) -> tuple[int, int, int, int]:
-    c, k = cert.stat(), key.stat()
-    return c.st_mtime_ns, c.st_size, k.st_mtime_ns, k.st_size
 
 
 def read_served_pair(cert: Path, key: Path) -> ServedPair:
     """The pair at `cert`/`key`, checked like `check_server_files` (TlsError when unusable)."""
-    stamp = _stamp(cert, key)
-    certificate = check_server_files(cert, key)
-    return ServedPair(cert.read_bytes(), key.read_bytes(), certificate, stamp)
+    cert_pem, key_pem = cert.read_bytes(), key.read_bytes()
+    return ServedPair(cert_pem, key_pem, check_server_pair(cert_pem, key_pem, cert=cert, key=key))
 
 
 class CertificateWatcher:
     """Serves a renewed certificate without a restart.
 
-    A thread checks `cert` and `key` every `interval_s` seconds. When they changed and form a
-    valid pair (matching, not expired), `current` moves to the new pair and each `on_change`
-    callback runs with it. A pair caught half-written, or one that fails the checks, is skipped
-    with one warning, and the certificate in use stays until a good pair appears.
+    A thread reads `cert` and `key` every `interval_s` seconds (two small files; contents are
+    compared, since file times are too coarse to show every rewrite). When they differ from the
+    pair in use and form a valid pair (matching, not expired), `current` moves to the new pair
+    and each `on_change` callback runs with it. A pair caught half-written, or one that fails the
+    checks, is skipped with one warning, and the certificate in use stays until a good pair
+    appears.
     """
 
     def __init__(self, cert: Path, key: Path, *, interval_s: float) -> None:
@@ -380,7 +386,7 @@ class CertificateWatcher:
         self.on_change: list[Callable[[ServedPair], None]] = []
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._refused: tuple[int, int, int, int] | None = None
+        self._refused: tuple[bytes, bytes] | None = None  # the last contents warned about
 
     def pem(self) -> tuple[bytes, bytes]:
         """(certificate chain PEM, key PEM) in use now: what the gRPC server asks per handshake."""
@@ -402,36 +408,34 @@ class CertificateWatcher:
             self.check()
 
     def check(self) -> bool:
-        """Load the files if they changed since they were read; True when a new pair is in use."""
+        """Read the files; True when they hold a new valid pair, now in use."""
         try:
-            stamp = _stamp(self.cert, self.key)
+            seen = (self.cert.read_bytes(), self.key.read_bytes())
         except OSError as exc:
-            if self._refused != (0, 0, 0, 0):
-                log.warning(
-                    "TLS files unreadable (%s); still serving the certificate loaded before", exc
-                )
-                self._refused = (0, 0, 0, 0)
+            if self._refused != (b"", b""):
+                log.warning("TLS files unreadable (%s); still serving the certificate in use", exc)
+                self._refused = (b"", b"")
             return False
-        if stamp == self.current.stamp or stamp == self._refused:
+        if seen == self.pem() or seen == self._refused:
             return False
         try:
-            pair = read_served_pair(self.cert, self.key)
-        except (TlsError, OSError) as exc:
+            certificate = check_server_pair(*seen, cert=self.cert, key=self.key)
+        except TlsError as exc:
             log.warning("TLS files changed but cannot be used yet: %s", exc)
-            self._refused = stamp
+            self._refused = seen
             return False
         self._refused = None
-        if pair.cert_pem == self.current.cert_pem and pair.key_pem == self.current.key_pem:
-            self.current = pair  # touched, not changed
-            return False
-        self.current = pair
+        self.current = pair = ServedPair(*seen, certificate)
         log.info(
             "TLS certificate reloaded from %s: valid until %s",
             self.cert,
-            f"{pair.certificate.not_valid_after_utc:%Y-%m-%d}",
+            f"{certificate.not_valid_after_utc:%Y-%m-%d}",
         )
         for callback in self.on_change:
-            callback(pair)
+            try:
+                callback(pair)
+            except Exception:  # one listener failing must not stop the others or the thread
+                log.exception("TLS reload: %r failed; it keeps the previous certificate", callback)
         return True
 
 

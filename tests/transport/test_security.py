@@ -345,3 +345,27 @@ def test_strings_a_caller_chose_are_quoted_so_a_refusal_stays_one_line(wire: Wir
         client.stub.SubmitUpdate(iter([pb.UpdateChunk(header=header)]), timeout=10)
     assert refused.value.details().startswith("no open task 'x\\ny' for you")  # type: ignore[attr-defined]
     assert all("\n" not in reason for _, _, reason in wire.rows(me))
+
+
+def test_a_version_that_names_a_path_outside_the_models_is_not_served(
+    wire: Wire, tmp_path: Path
+) -> None:
+    # Prepare: a copy of a published version outside the registry's root, manifest and all
+    published = wire.co.registry.latest()
+    outside = tmp_path / "elsewhere" / "v9999"
+    outside.parent.mkdir()
+    import shutil
+
+    shutil.copytree(published.directory, outside)
+    [name, *_] = published.manifest.files
+    client = wire.client()
+    client.register("me")
+
+    # Execute + Assert: as an absolute path or climbing out of models/, it is not a version
+    for version in (str(outside), f"../../{outside.relative_to(tmp_path)}"):
+        with pytest.raises(TransportError, match=r"is not published here"):
+            client.fetch_model(version, tmp_path / "fetched", wire.co.signer.public_key)
+        with pytest.raises(TransportError, match=r"is not published here"):
+            client._download(version, name, tmp_path / "got")  # DownloadFile, no manifest first
+    assert not list((tmp_path / "fetched").iterdir())
+    assert (tmp_path / "got").read_bytes() == b""  # opened for appending; nothing came

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 import math
-import re
 import shutil
 import threading
 import time
@@ -43,7 +42,6 @@ from zoo_gym.core.protocol import (
 )
 
 log = logging.getLogger(__name__)
-_VERSION = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")  # a published version's directory name
 MAX_INT64 = 2**63 - 1  # a claimed size is recorded as at most this (the ledger's integer column)
 
 
@@ -173,11 +171,12 @@ class CoordinatorBackend:
             return ""
 
     def manifest(self, version: str) -> tuple[bytes, bytes]:
-        if not _VERSION.fullmatch(version):
-            raise RequestError("NOT_FOUND", f"model version {version[:64]!r} is not published here")
-        directory = self.registry.root / version
-        if not (directory / "manifest.json").exists():
-            raise RequestError("NOT_FOUND", f"model version {version!r} is not published here")
+        try:
+            directory = self.registry.directory(version)
+        except KeyError:
+            raise RequestError(
+                "NOT_FOUND", f"model version {version[:64]!r} is not published here"
+            ) from None
         return (directory / "manifest.json").read_bytes(), (directory / "manifest.sig").read_bytes()
 
     def model_file(self, version: str, name: str) -> Path:
@@ -185,7 +184,7 @@ class CoordinatorBackend:
             published = self.registry.get(version)
         except KeyError:
             raise RequestError(
-                "NOT_FOUND", f"model version {version!r} is not published here"
+                "NOT_FOUND", f"model version {version[:64]!r} is not published here"
             ) from None
         if name not in published.manifest.files:
             raise RequestError("NOT_FOUND", f"{name!r} is not a file of {version}")

@@ -7,6 +7,7 @@ directory (config, tokenizer, `model.safetensors`), so any tool loads it.
 
 from __future__ import annotations
 
+import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,6 +30,9 @@ WEIGHTS = "model.safetensors"
 
 def version_name(index: int) -> str:
     return f"v{index:04d}"
+
+
+VERSION_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")  # a version's directory name
 
 
 @dataclass(frozen=True)
@@ -55,10 +59,18 @@ class ModelRegistry:
             )
         return self.get(versions[-1])
 
-    def get(self, version: str) -> Published:
+    def directory(self, version: str) -> Path:
+        """The directory of published `version`; KeyError when there is none. `version` may come
+        from the network: only a plain directory name is looked up, so no path leaves the root."""
+        if not VERSION_NAME.fullmatch(version):
+            raise KeyError(version)
         directory = self.root / version
         if not (directory / MANIFEST).exists():
             raise KeyError(version)
+        return directory
+
+    def get(self, version: str) -> Published:
+        directory = self.directory(version)
         return Published(
             version, directory, ModelManifest.from_bytes((directory / MANIFEST).read_bytes())
         )

@@ -290,7 +290,7 @@ def test_renewal_keeps_the_ca_and_the_hosts(tmp_path: Path) -> None:
     assert (tmp_path / "tls/server.key.old").read_bytes() == old_key
     for key in ("server.key", "server.key.old"):
         assert stat.S_IMODE((tmp_path / "tls" / key).stat().st_mode) == 0o600
-    assert not list((tmp_path / "tls").glob(".*.new"))
+    assert not list((tmp_path / "tls").glob(".*.tmp"))
     # the renewed certificate chains to the CA contributors already pinned
     cert.verify_directly_issued_by(load_certificate(first.ca_cert))
 

@@ -24,15 +24,16 @@ a restart. ``enabled=False`` sends C(delta) and keeps nothing (for comparisons).
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Mapping
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
+from safetensors.torch import save as safetensors_bytes
 
 from zoo_gym.compression import CodecSpec, decode, encode
 from zoo_gym.core.delta import Delta
+from zoo_gym.core.files import write_atomic
 from zoo_gym.core.lora import LoraSpec, frozen_a
 
 SUFFIX = ".lora_B"
@@ -135,9 +136,7 @@ class FfaErrorFeedback:
         if not self.residual:
             path.unlink(missing_ok=True)
             return
-        staging = path.with_name(path.name + ".tmp")
-        save_file({k: v.contiguous() for k, v in self.residual.items()}, staging)
-        os.replace(staging, path)
+        write_atomic(path, safetensors_bytes({k: v.contiguous() for k, v in self.residual.items()}))
 
     @classmethod
     def load(cls, path: Path, *, enabled: bool = True) -> FfaErrorFeedback:

@@ -7,12 +7,12 @@ round submitted to, so a restarted client never submits twice for a round.
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from zoo_gym.client.privacy import PrivacyAccount
+from zoo_gym.core.files import write_atomic
 
 STATE_FORMAT = 1
 
@@ -65,9 +65,7 @@ class LocalState:
             "contributions": {k: asdict(v) for k, v in self.contributions.items()},
             "privacy": self.privacy.to_json(),
         }
-        tmp = self.path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(body, indent=1))
-        os.replace(tmp, self.path)
+        write_atomic(self.path, json.dumps(body, indent=1).encode())
 
     def submitted(self, round_number: int) -> bool:
         c = self.contributions.get(str(round_number))

@@ -29,9 +29,11 @@ from pathlib import Path
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.hazmat.primitives.asymmetric.types import PrivateKeyTypes
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from zoo_gym.coordinator.config import ConfigError
+from zoo_gym.core.files import write_atomic
 
 log = logging.getLogger(__name__)
 
@@ -226,6 +228,16 @@ def _parse_certificate(pem: bytes, path: Path) -> x509.Certificate:
         raise TlsError(f"{path} is not a PEM certificate; point tls_cert at one") from None
 
 
+def _is_key_of(private: PrivateKeyTypes, certificate: x509.Certificate) -> bool:
+    """Whether `private` is the key whose public half `certificate` carries."""
+    spki = serialization.PublicFormat.SubjectPublicKeyInfo
+    der = serialization.Encoding.DER
+    return bool(
+        private.public_key().public_bytes(der, spki)
+        == certificate.public_key().public_bytes(der, spki)
+    )
+
+
 def check_server_files(cert: Path, key: Path) -> x509.Certificate:
     """The server certificate, after refusing a key that is not its own or an expired one."""
     return check_server_pair(cert.read_bytes(), key.read_bytes(), cert=cert, key=key)
@@ -242,10 +254,7 @@ def check_server_pair(
         raise TlsError(
             f"{key} is not an unencrypted PEM private key; point tls_key at one"
         ) from None
-    public = serialization.PublicFormat.SubjectPublicKeyInfo
-    if private.public_key().public_bytes(serialization.Encoding.PEM, public) != (
-        certificate.public_key().public_bytes(serialization.Encoding.PEM, public)
-    ):
+    if not _is_key_of(private, certificate):
         raise TlsError(
             f"{key} is not the private key of {cert}; set tls_cert and tls_key to a matching pair"
         )
@@ -278,10 +287,7 @@ def _load_ca(ca_cert: Path, ca_key: Path) -> tuple[ec.EllipticCurvePrivateKey, x
         raise TlsError(
             f"{ca_key} is not an unencrypted PEM private key; pass the CA's key"
         ) from None
-    public = serialization.PublicFormat.SubjectPublicKeyInfo
-    if not isinstance(key, ec.EllipticCurvePrivateKey) or key.public_key().public_bytes(
-        serialization.Encoding.PEM, public
-    ) != cert.public_key().public_bytes(serialization.Encoding.PEM, public):
+    if not isinstance(key, ec.EllipticCurvePrivateKey) or not _is_key_of(key, cert):
         raise TlsError(f"{ca_key} is not the private key of {ca_cert}; pass the matching CA key")
     if cert.not_valid_after_utc < dt.datetime.now(dt.UTC):
         raise TlsError(
@@ -289,18 +295,6 @@ def _load_ca(ca_cert: Path, ca_key: Path) -> tuple[ec.EllipticCurvePrivateKey, x
             "(`gym-coordinator init --tls` in a new home) and hand contributors its certificate"
         )
     return key, cert
-
-
-def _replace(path: Path, data: bytes, mode: int) -> None:
-    """Write `data` next to `path` and rename it over `path` (never a half-written file)."""
-    tmp = path.with_name(f".{path.name}.new")
-    tmp.unlink(missing_ok=True)
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
-    with os.fdopen(fd, "wb") as fh:
-        fh.write(data)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
 
 
 def renew_server_certificate(
@@ -328,10 +322,10 @@ def renew_server_certificate(
     for current in (server_cert, server_key):
         if current.exists():
             old = current.with_name(current.name + ".old")
-            _replace(old, current.read_bytes(), 0o600)
+            write_atomic(old, current.read_bytes(), mode=0o600)
     # each file is swapped whole; `serve` checks that the pair on disk matches before using it
-    _replace(server_key, _key_pem(new_key), 0o600)
-    _replace(server_cert, new_cert.public_bytes(serialization.Encoding.PEM), 0o644)
+    write_atomic(server_key, _key_pem(new_key), mode=0o600)
+    write_atomic(server_cert, new_cert.public_bytes(serialization.Encoding.PEM))
     return TlsFiles(
         ca_cert=ca_cert,
         ca_key=ca_key,

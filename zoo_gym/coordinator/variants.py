@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -26,6 +25,7 @@ from zoo_gym.compression import CodecSpec, bitdelta, decode, encode, inspect_env
 from zoo_gym.compression.distill import distill_scales, expand_scales
 from zoo_gym.compression.envelope import bitdelta_parts
 from zoo_gym.coordinator.registry import ModelRegistry
+from zoo_gym.core.files import write_atomic
 from zoo_gym.core.hashing import sha256_bytes
 
 log = logging.getLogger(__name__)
@@ -167,15 +167,9 @@ def write_variant(
         size=len(payload),
         distilled=calibration is not None,
     )
-    _write_atomic(envelope, payload)
-    _write_atomic(record_path, json.dumps(asdict(record), sort_keys=True, indent=1).encode())
+    write_atomic(envelope, payload)
+    write_atomic(record_path, json.dumps(asdict(record), sort_keys=True, indent=1).encode())
     return record
-
-
-def _write_atomic(path: Path, data: bytes) -> None:
-    staging = path.with_name(path.name + ".tmp")
-    staging.write_bytes(data)
-    os.replace(staging, path)
 
 
 def read_variant(root: Path, version: str, parent: str) -> tuple[Variant, bytes]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal, get_args
 
 CODECS = ("bitdelta", "int8", "int4", "int2", "ternary", "fp16", "bf16", "none")
 """Codec names, in no particular order; their wire ids are `CODEC_IDS`."""
@@ -17,7 +18,8 @@ CODEC_IDS = {
     "int2": 6,
     "ternary": 7,
 }
-GRANULARITIES = ("group", "row", "matrix")
+Granularity = Literal["group", "row", "matrix"]
+GRANULARITIES: tuple[Granularity, ...] = get_args(Granularity)
 SCALE_DTYPES = ("float16", "bfloat16", "float32")
 SCALED_CODECS = frozenset({"bitdelta", "int8", "int4", "int2", "ternary"})
 MAX_GROUP_SIZE = 2**31 - 1

@@ -17,7 +17,8 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from zoo_gym.aggregation import RULES, aggregate, min_clients
 from zoo_gym.aggregation.dispatch import PRE_STEPS
 from zoo_gym.compression import CODECS
-from zoo_gym.core.protocol import BUILTIN_REWARDS, DEFAULT_TARGETS
+from zoo_gym.compression.spec import Granularity
+from zoo_gym.core.protocol import BUILTIN_REWARDS, DEFAULT_TARGETS, Adapter, Objective
 from zoo_gym.core.settings import HomeConfig, load_toml
 from zoo_gym.scoring import METHODS
 
@@ -32,10 +33,8 @@ class TrainingPolicy(BaseModel):
     """What every contributor runs each round; each field travels in the round's `TaskConfig`."""
 
     model_config = ConfigDict(extra="forbid")
-    method: Literal["sft", "grpo", "gspo"] = Field(
-        "sft", description="objective: sft, grpo or gspo"
-    )
-    adapter: Literal["ffa_lora", "lora", "dora", "qlora", "full"] = Field(
+    method: Objective = Field("sft", description="objective: sft, grpo or gspo")
+    adapter: Adapter = Field(
         "ffa_lora",
         description="ffa_lora sends B; lora, dora, qlora and full send dense weight deltas",
     )
@@ -49,7 +48,7 @@ class TrainingPolicy(BaseModel):
     clip_norm: float = Field(0.0, ge=0, description="clip each update to this L2 norm; 0 = off")
     codec: str = "bitdelta"
     group_size: int = Field(128, ge=8, le=1 << 20)
-    granularity: Literal["group", "row", "matrix"] = Field(
+    granularity: Granularity = Field(
         "group",
         description="one scale per group_size values, per row, or per matrix (the BitDelta paper)",
     )

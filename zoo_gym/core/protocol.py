@@ -9,7 +9,7 @@ another.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields
-from typing import Any
+from typing import Any, Literal, get_args
 
 from zoo_gym.core.hashing import canonical_json
 
@@ -116,15 +116,15 @@ class Outcome:
 _SCALARS: dict[str, type] = {"int": int, "float": float, "str": str}
 
 
-OBJECTIVES = ("sft", "grpo", "gspo")
+Objective = Literal["sft", "grpo", "gspo"]
+OBJECTIVES: tuple[Objective, ...] = get_args(Objective)
 """What a round optimises: supervised fine-tuning, or GRPO / GSPO on a reward."""
 
-ADAPTERS = ("ffa_lora", "lora", "dora", "qlora", "full")
+Adapter = Literal["ffa_lora", "lora", "dora", "qlora", "full"]
+ADAPTERS: tuple[Adapter, ...] = get_args(Adapter)
 """What a round trains. ``ffa_lora`` sends the B matrices (A frozen from the round's seed);
 ``lora``, ``dora`` and ``qlora`` train free factors and send the dense delta of the target
 modules' weights; ``full`` trains every weight and sends the dense delta of all of them."""
-
-DENSE_ADAPTERS = frozenset({"lora", "dora", "qlora", "full"})
 
 DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 """Linear layers LoRA adapts by default (attention and MLP projections of Llama/Qwen models)."""

@@ -27,7 +27,7 @@ WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY zoo_gym ./zoo_gym
 # the gpu extra: triton, bitsandbytes and flash-attn (built against the torch above)
-RUN pip install --no-build-isolation ".[gpu,rl]" \
+RUN pip install --no-build-isolation ".[gpu]" \
  && find /opt/zoo-gym -name '__pycache__' -prune -exec rm -rf {} +
 
 FROM ${CUDA_RUNTIME_IMAGE}

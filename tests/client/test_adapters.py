@@ -24,7 +24,6 @@ from zoo_gym.core import synthetic
 from zoo_gym.core.chat import collate, encode_conversation, pad_id_of, to_conversation, token_nll
 from zoo_gym.core.evaluate import validation_loss
 from zoo_gym.core.lora import LoraSpec, frozen_a, merge_update, update_shapes
-from zoo_gym.core.tiny import create_tiny_base
 from zoo_gym.simulation.inprocess import InProcessFederation
 
 SPEC = LoraSpec(rank=4, alpha=8.0)
@@ -35,10 +34,8 @@ DENSE = ("lora", "dora", "qlora", "full")
 
 
 @pytest.fixture(scope="module")
-def base_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    directory = tmp_path_factory.mktemp("tiny")
-    create_tiny_base(directory, seed=0)
-    return directory
+def base_dir(tiny_home_template: Path) -> Path:
+    return tiny_home_template / "base"  # the tiny base, seed 0; read only
 
 
 @pytest.fixture(scope="module")

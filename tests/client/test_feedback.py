@@ -107,8 +107,5 @@ def test_residual_of_another_shape_is_dropped() -> None:
 
     payload, sent = feedback.compress({DENSE: torch.randn(8, 24)}, SPEC)
 
-    assert payload == encode({DENSE: sent[DENSE]}, SPEC) or feedback.residual[DENSE].shape == (
-        8,
-        24,
-    )
+    assert payload == encode({DENSE: sent[DENSE]}, SPEC)
     assert feedback.residual[DENSE].shape == (8, 24)

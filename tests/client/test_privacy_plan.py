@@ -25,7 +25,6 @@ from zoo_gym.core.identity import Identity
 from zoo_gym.core.manifest import read_verified
 from zoo_gym.core.protocol import PAYLOAD, SUBMISSION, TASK_CONFIG, TRAIN_METRICS, TaskConfig
 from zoo_gym.core.synthetic import make_examples, shard
-from zoo_gym.core.tiny import create_tiny_base
 from zoo_gym.simulation.inprocess import InProcessFederation
 
 DELTA = 1e-5
@@ -199,10 +198,8 @@ def test_account_survives_a_restart(tmp_path: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def base_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    directory = tmp_path_factory.mktemp("tiny") / "v0000"
-    create_tiny_base(directory, seed=0)
-    return directory
+def base_dir(tiny_home_template: Path) -> Path:
+    return tiny_home_template / "base"  # the tiny base, seed 0; copied, never written
 
 
 def runtime(

@@ -163,6 +163,8 @@ def test_client_image_has_the_gpu_extra() -> None:
     ]
     assert re.search(r"nvidia/cuda:[\d.]+-cudnn-runtime-ubuntu", text)
     assert '".[gpu' in text
+    for named in re.findall(r'"\.\[([a-z,-]+)\]"', text):  # pip only warns about an unknown extra
+        assert set(named.split(",")) <= set(extras), f"client.Dockerfile installs .[{named}]"
     assert any(d.startswith("flash-attn") for d in extras["gpu"])
     assert any(d.startswith("bitsandbytes") for d in extras["gpu"])
 
@@ -415,7 +417,7 @@ def test_dashboard_queries_exported_metrics(tmp_path: Path) -> None:
     assert len(exprs) >= 10
     used = {name for e in exprs for name in re.findall(r"\bzoo_gym_[a-z_]+", e)}
     assert used <= exported, f"not exported by the coordinator: {sorted(used - exported)}"
-    # every family the coordinator exports is on the dashboard
+    # these families the coordinator exports are all on the dashboard
     assert {n.removesuffix("_total").removesuffix("_bucket") for n in used} >= {
         "zoo_gym_round",
         "zoo_gym_rounds",
@@ -499,7 +501,6 @@ def test_promtool_check_config(tmp_path: Path) -> None:
 
     # the full check opens the files it names: give it stand-ins for the secrets
     (tmp_path / "token").write_text("zg_example\n")
-    ca = tmp_path / "ca.pem"
     from zoo_gym.coordinator.tls import write_tls_material
 
     ca = write_tls_material(tmp_path / "tls", ["coordinator"]).ca_cert

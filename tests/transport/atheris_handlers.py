@@ -6,8 +6,8 @@ Run (a coordinator home is built in a temporary directory; the server listens on
     .venv/bin/python tests/transport/atheris_handlers.py -runs=20000
 
 Each input picks an RPC with its first byte; the rest is sent as that RPC's raw request bytes
-(half of the inputs are first wrapped as a correctly signed request whose fields come from the
-input, so they reach the handler's own checks). A status of UNKNOWN (an unhandled exception) or
+(for GetManifest and GetOutcome, half of the inputs are first wrapped as a correctly signed
+request whose fields come from the input, so they reach the handler's own checks). A status of UNKNOWN (an unhandled exception) or
 a message of more than one line stops the run with the input that caused it.
 """
 

@@ -40,9 +40,9 @@ from zoo_gym.core.protocol import (
     register_statement,
     request_statement,
 )
+from zoo_gym.ledger.models import MAX_INT64
 
 log = logging.getLogger(__name__)
-MAX_INT64 = 2**63 - 1  # a claimed size is recorded as at most this (the ledger's integer column)
 
 
 @dataclass
@@ -231,7 +231,7 @@ class CoordinatorBackend:
                     nonce=sub.nonce.hex()[:128],
                     base_version=sub.base_version[:64],
                     payload_sha256=sub.payload_sha256[:64],
-                    size_bytes=min(sub.payload_size, MAX_INT64),
+                    size_bytes=min(sub.payload_size, MAX_INT64),  # a claimed size, capped
                     decision="accepted" if accepted else "rejected",
                     reason=reason,
                     epsilon=epsilon,

@@ -186,30 +186,23 @@ def write_tls_material(
     Refuses to overwrite anything: TLS material that contributors already pinned must not change
     by accident.
     """
-    files = TlsFiles(
-        ca_cert=directory / "ca.pem",
-        ca_key=directory / "ca.key",
-        server_cert=directory / "server.pem",
-        server_key=directory / "server.key",
-        hosts=tuple(hosts),
-        fingerprint="",
-        not_after=dt.datetime.now(dt.UTC),
-    )
-    for existing in (files.ca_cert, files.ca_key, files.server_cert, files.server_key):
+    paths = [directory / name for name in ("ca.pem", "ca.key", "server.pem", "server.key")]
+    for existing in paths:
         if existing.exists():
             raise TlsError(f"{existing} exists; move the old TLS files away first")
+    ca_pem, ca_key_path, server_pem, server_key_path = paths
     ca_key, ca_cert = create_ca(common_name)
     server_key, server_cert = issue_server_certificate(ca_key, ca_cert, hosts)
     directory.mkdir(parents=True, exist_ok=True)
-    _write_key(files.ca_key, ca_key)
-    _write_key(files.server_key, server_key)
-    files.ca_cert.write_bytes(ca_cert.public_bytes(serialization.Encoding.PEM))
-    files.server_cert.write_bytes(server_cert.public_bytes(serialization.Encoding.PEM))
+    _write_key(ca_key_path, ca_key)
+    _write_key(server_key_path, server_key)
+    ca_pem.write_bytes(ca_cert.public_bytes(serialization.Encoding.PEM))
+    server_pem.write_bytes(server_cert.public_bytes(serialization.Encoding.PEM))
     return TlsFiles(
-        ca_cert=files.ca_cert,
-        ca_key=files.ca_key,
-        server_cert=files.server_cert,
-        server_key=files.server_key,
+        ca_cert=ca_pem,
+        ca_key=ca_key_path,
+        server_cert=server_pem,
+        server_key=server_key_path,
         hosts=tuple(hosts),
         fingerprint=fingerprint(ca_cert),
         not_after=server_cert.not_valid_after_utc,

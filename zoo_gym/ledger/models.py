@@ -30,6 +30,7 @@ DECISIONS: frozenset[str] = frozenset({"accepted", "rejected"})
 
 #: reward amounts are exact decimals with 9 places (the smallest unit a reward policy may pay)
 AMOUNT_DIGITS, AMOUNT_SCALE = 38, 9
+MAX_INT64 = 2**63 - 1  # the largest value of the ledger's integer columns
 
 
 def fixed_amount(amount: Decimal) -> str:

@@ -329,15 +329,15 @@ def start_server(
     *,
     address: str,
     spool: Path,
-    tls: tuple[bytes, bytes] | Callable[[], tuple[bytes, bytes]] | None = None,
+    tls: Callable[[], tuple[bytes, bytes]] | None = None,
     max_workers: int = 32,
     limits: RateLimits | None = None,
 ) -> ServerHandle:
     """Serve the federation on `address` ("host:port"; port 0 picks a free one).
 
-    `tls` is (certificate chain PEM, private key PEM), or a callable returning the pair to use
-    now: it is asked before every new connection's handshake, so a renewed certificate is served
-    without a restart. Without `tls` the port is plaintext.
+    `tls` returns the (certificate chain PEM, private key PEM) to use now: it is asked before
+    every new connection's handshake, so a renewed certificate is served without a restart.
+    Without `tls` the port is plaintext.
     `limits` caps request rates per peer and per contributor (defaults: `RateLimits()`).
     """
     limits = limits or RateLimits()
@@ -355,11 +355,8 @@ def start_server(
     )
     if tls is None:
         port = server.add_insecure_port(address)
-    elif callable(tls):
-        port = server.add_secure_port(address, following_credentials(tls))
     else:
-        creds = grpc.ssl_server_credentials([(tls[1], tls[0])])
-        port = server.add_secure_port(address, creds)
+        port = server.add_secure_port(address, following_credentials(tls))
     if port == 0:
         raise OSError(f"cannot listen on {address}: address in use or not local; pick another port")
     server.start()

@@ -27,11 +27,12 @@ from zoo_gym.coordinator.api.schemas import (
     LedgerPage,
 )
 from zoo_gym.ledger import AuditEvent, AuditEventPublic, Checkpoint, LogEntryPublic
+from zoo_gym.ledger.models import MAX_INT64
 
 router = APIRouter(tags=["ledger"])
 
 MAX_PAGE = 1000
-MAX_INDEX = 2**63 - 1  # the ledger's integer columns
+MAX_INDEX = MAX_INT64  # log indices and tree sizes are the ledger's integer columns
 
 
 def _signed(state: ApiState, head: Checkpoint) -> CheckpointSigned:

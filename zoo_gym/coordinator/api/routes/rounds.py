@@ -21,6 +21,7 @@ from zoo_gym.coordinator.api.schemas import (
 )
 from zoo_gym.coordinator.control import Request, RoundControl
 from zoo_gym.ledger import RewardPublic, Round, RoundPublic, SubmissionPublic
+from zoo_gym.ledger.models import MAX_INT64
 
 router = APIRouter(prefix="/rounds", tags=["rounds"])
 
@@ -45,7 +46,7 @@ def control_public(control: RoundControl) -> ControlPublic:
     )
 
 
-RoundNumber = Annotated[int, PathParam(ge=0, le=2**63 - 1, description="round number")]
+RoundNumber = Annotated[int, PathParam(ge=0, le=MAX_INT64, description="round number")]
 
 
 def _round(session: Session, number: int) -> Round:

@@ -10,11 +10,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
 from zoo_gym.client.trainers.grpo import (
-    completion_mask,
     group_advantages,
-    left_pad,
     policy_loss,
-    prompts_from_conversations,
     token_logprobs,
     train_grpo,
 )
@@ -22,7 +19,13 @@ from zoo_gym.client.trainers.reward_functions import load_reward_functions
 from zoo_gym.client.trainers.sft import FfaLoraTrainer, StepInfo
 from zoo_gym.compression import CodecSpec, decode, encode
 from zoo_gym.core import synthetic
-from zoo_gym.core.chat import encode_prompt, to_conversation
+from zoo_gym.core.chat import (
+    completion_mask,
+    encode_prompt,
+    left_pad,
+    prompts_from_conversations,
+    to_conversation,
+)
 from zoo_gym.core.lora import LoraSpec, frozen_a
 
 SPEC = LoraSpec(rank=4, alpha=8.0)

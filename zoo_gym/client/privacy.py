@@ -45,9 +45,8 @@ from zoo_gym.client.errors import RoundRefusal
 from zoo_gym.core.protocol import TaskConfig
 
 if TYPE_CHECKING:
-    from zoo_gym.privacy.accounting import Accountant
+    from zoo_gym.privacy.accounting import Accountant, Mechanism
 
-Mechanism = tuple[float, float, int]  # (sigma, q, steps); see zoo_gym.privacy.accounting
 DP_SGD_OBJECTIVES = ("sft",)
 
 
@@ -139,7 +138,6 @@ class PrivacyPlan:
     """How one round is privatized and what it costs (epsilons at `delta`; None: not private)."""
 
     round: int
-    objective: str
     delta: float
     accountant: str
     dp_noise_multiplier: float  # DP-SGD sigma; 0 = no DP-SGD
@@ -216,9 +214,13 @@ def plan_round(
 
     Raises `PrivacyRefusal` (one line) when the round must not run.
     """
-    from zoo_gym.privacy.accounting import gaussian_update_mechanism, noise_for_epsilon
+    from zoo_gym.privacy.accounting import (
+        ACCOUNTANTS,
+        gaussian_update_mechanism,
+        noise_for_epsilon,
+    )
 
-    if task.dp_accountant not in ("rdp", "prv"):
+    if task.dp_accountant not in ACCOUNTANTS:
         raise PrivacyRefusal(
             f"round {task.round}: unknown accountant {task.dp_accountant!r} in the task; "
             "the coordinator must set dp_accountant to rdp or prv"
@@ -240,7 +242,7 @@ def plan_round(
     accountant = task.dp_accountant
     sample_rate = min(1.0, task.batch_size / num_records)
     sigma = task.dp_noise_multiplier
-    if task.dp_target_epsilon > 0 and task.method in DP_SGD_OBJECTIVES:
+    if task.dp_target_epsilon > 0:  # DP-SGD: the method was checked above
         try:
             sigma = noise_for_epsilon(
                 task.dp_target_epsilon, sample_rate, task.steps, task.dp_delta, _name(accountant)
@@ -259,7 +261,6 @@ def plan_round(
     user_epsilon = _compose(user, not user, delta, accountant)
     plan = PrivacyPlan(
         round=task.round,
-        objective=task.method,
         delta=delta,
         accountant=accountant,
         dp_noise_multiplier=sigma,
@@ -302,8 +303,12 @@ def check_budget(plan: PrivacyPlan, account: PrivacyAccount, budget: PrivacyBudg
             f"privacy budget: round {plan.round} trains without differential privacy (no DP-SGD, no update "
             f"noise), which your budget of epsilon {budget.epsilon:g} does not allow; not training"
         )
-    total = _compose(
-        [*account.sample_history, *plan.sample_mechanisms], False, delta, plan.accountant
+    total = (
+        plan.epsilon_total  # the same composition, already done by plan_round
+        if delta == plan.delta
+        else _compose(
+            [*account.sample_history, *plan.sample_mechanisms], False, delta, plan.accountant
+        )
     )
     assert total is not None
     if total > budget.epsilon:
@@ -316,9 +321,7 @@ def check_budget(plan: PrivacyPlan, account: PrivacyAccount, budget: PrivacyBudg
 
 
 def _name(accountant: str) -> Accountant:
-    if accountant not in ("rdp", "prv"):
-        raise ValueError(f"unknown accountant {accountant!r}; choose 'rdp' or 'prv'")
-    return cast("Accountant", accountant)
+    return cast("Accountant", accountant)  # checked by plan_round; accounting refuses others
 
 
 def _compose(history: Any, unbounded: bool, delta: float, accountant: str) -> float | None:

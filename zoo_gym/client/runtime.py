@@ -269,8 +269,9 @@ class ClientRuntime:
             )
         if task.method not in ("grpo", "gspo"):
             raise ValueError(f"unknown training method {task.method!r}; update zoo-gym")
-        from zoo_gym.client.trainers.grpo import prompts_from_conversations, train_grpo
+        from zoo_gym.client.trainers.grpo import train_grpo
         from zoo_gym.client.trainers.reward_functions import load_reward_functions
+        from zoo_gym.core.chat import prompts_from_conversations
 
         rewards = load_reward_functions(task.reward_functions, self.reward_functions)
         return train_grpo(

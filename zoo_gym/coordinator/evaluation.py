@@ -17,9 +17,16 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from zoo_gym.core.chat import encode_prompt, pad_id_of, to_conversation
+from zoo_gym.core.chat import (
+    completion_mask,
+    encode_prompt,
+    left_pad,
+    pad_id_of,
+    prompts_from_conversations,
+    to_conversation,
+)
 from zoo_gym.core.evaluate import validation_loss
-from zoo_gym.core.rewards import BUILTIN
+from zoo_gym.core.rewards import BUILTIN, total_reward
 
 
 class Evaluator:
@@ -64,10 +71,10 @@ class Evaluator:
             raise ValueError(
                 f"reward_functions must name built-ins ({', '.join(BUILTIN)}), got {list(reward_functions)}"
             )
-        functions = [BUILTIN[name] for name in reward_functions]
+        functions = {name: BUILTIN[name] for name in reward_functions}
         pad_id = pad_id_of(self.tokenizer)
         eos_id = self.tokenizer.eos_token_id if self.tokenizer.eos_token_id is not None else pad_id
-        prompts = [(c[:-1], c[-1]["content"].strip()) for c in self.records]
+        prompts = prompts_from_conversations(self.records)
         room = max(1, self.max_length - max_new_tokens)
         encoded = [encode_prompt(self.tokenizer, prompt)[-room:] for prompt, _ in prompts]
         total = 0.0
@@ -76,13 +83,8 @@ class Evaluator:
             model.load_state_dict(state_dict, strict=False)
             model.eval()
             for start in range(0, len(encoded), batch_size):
-                rows = encoded[start : start + batch_size]
-                width = max(len(r) for r in rows)
-                ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-                mask = torch.zeros((len(rows), width), dtype=torch.long)
-                for i, row in enumerate(rows):  # left padding, as in generation on the clients
-                    ids[i, width - len(row) :] = torch.tensor(row, dtype=torch.long)
-                    mask[i, width - len(row) :] = 1
+                ids, mask = left_pad(encoded[start : start + batch_size], pad_id)  # as on clients
+                width = ids.shape[1]
                 out = model.generate(
                     input_ids=ids,
                     attention_mask=mask,
@@ -91,11 +93,11 @@ class Evaluator:
                     pad_token_id=pad_id,
                     eos_token_id=eos_id,
                 )
-                for row, (_, answer) in zip(
-                    out[:, width:], prompts[start : start + batch_size], strict=True
+                completions = out[:, width:]
+                kept = completion_mask(completions, eos_id)
+                for row, m, (_, answer) in zip(
+                    completions, kept, prompts[start : start + batch_size], strict=True
                 ):
-                    ends = (row == eos_id).nonzero()
-                    cut = row[: int(ends[0]) + 1] if len(ends) else row
-                    text = str(self.tokenizer.decode(cut.tolist(), skip_special_tokens=True))
-                    total += float(sum(f(text, answer) for f in functions))
+                    text = str(self.tokenizer.decode(row[m].tolist(), skip_special_tokens=True))
+                    total += total_reward(functions, text, answer)
         return total / len(prompts)

@@ -22,6 +22,7 @@ from torch import Tensor, nn
 
 Message = dict[str, str]
 Conversation = list[Message]
+Prompt = tuple[Conversation, str]  # (the conversation up to the answer, the reference answer)
 
 IGNORE_INDEX = -100
 _SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant"}
@@ -206,3 +207,43 @@ def pad_id_of(tokenizer: Any) -> int:
 def encode_prompt(tokenizer: Any, conversation: Conversation) -> list[int]:
     """Token ids of `conversation` followed by the generation prompt (for sampling a reply)."""
     return _tokens(tokenizer, _render(tokenizer, conversation, generation_prompt=True))
+
+
+# --- prompts and completions (GRPO on the clients, the reward of a model on the coordinator) ---
+
+
+def prompts_from_conversations(conversations: Sequence[Conversation]) -> list[Prompt]:
+    """(prompt, answer) pairs: the conversation up to its last assistant turn, and that turn.
+
+    >>> prompts_from_conversations([[{"role": "user", "content": "What is 1 + 2?"},
+    ...                               {"role": "assistant", "content": "3"}]])
+    [([{'role': 'user', 'content': 'What is 1 + 2?'}], '3')]
+    """
+    prompts: list[Prompt] = []
+    for conversation in conversations:
+        last = max(
+            (i for i, m in enumerate(conversation) if m["role"] == "assistant"), default=None
+        )
+        if last is None or last == 0:
+            continue  # nothing to answer, or nothing asked
+        prompts.append((conversation[:last], conversation[last]["content"].strip()))
+    return prompts
+
+
+def left_pad(rows: Sequence[Sequence[int]], pad_id: int) -> tuple[Tensor, Tensor]:
+    """Left-padded ids `(n, p)` and attention mask `(n, p)`."""
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, row in enumerate(rows):
+        if row:
+            ids[i, width - len(row) :] = torch.tensor(list(row), dtype=torch.long)
+            mask[i, width - len(row) :] = 1
+    return ids, mask
+
+
+def completion_mask(completions: Tensor, eos_id: int) -> Tensor:
+    """`(n, c)` mask of generated tokens up to and including the first EOS of each row."""
+    is_eos = completions == eos_id
+    after_eos = (is_eos.long().cumsum(dim=1) - is_eos.long()) > 0  # strictly after the first EOS
+    return ~after_eos

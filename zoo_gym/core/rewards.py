@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 from zoo_gym.core.synthetic import exact_match_reward
 
@@ -100,7 +100,7 @@ BUILTIN: dict[str, RewardFunction] = {
 """The reward functions a task may name, by name."""
 
 
-def total_reward(functions: dict[str, RewardFunction], completion: str, answer: str) -> float:
+def total_reward(functions: Mapping[str, RewardFunction], completion: str, answer: str) -> float:
     """Sum of `functions` on one completion.
 
     >>> total_reward(BUILTIN, "19", "19")

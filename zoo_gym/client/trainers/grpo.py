@@ -22,8 +22,8 @@ Everything runs in float32 on the CPU (no bf16 there). The round's update is wha
 trainer sends (`trainer.update()`, the B matrices for FFA-LoRA), so it goes through the
 same clipping, compression and signing as an SFT update. There is no DP-SGD variant:
 per-example DP-SGD applies to SFT on the contributor's records; update-level clipping and
-Gaussian noise still apply to this update after the round. TRL's ``GRPOTrainer`` (the
-optional ``rl`` extra) implements the same objective; this loop needs nothing beyond torch,
+Gaussian noise still apply to this update after the round. TRL's ``GRPOTrainer`` implements
+the same objective; TRL is not a dependency: this loop needs nothing beyond torch,
 transformers and peft.
 """
 
@@ -39,16 +39,21 @@ from typing import Any, Literal, Protocol
 import torch
 from torch import Tensor, nn
 
-from zoo_gym.client.trainers.sft import RoundResult, StepInfo
-from zoo_gym.core.chat import Conversation, encode_prompt, pad_id_of
+from zoo_gym.client.trainers.sft import RoundResult, StepInfo, mean_or_nan
+from zoo_gym.core.chat import (
+    Prompt,
+    completion_mask,
+    encode_prompt,
+    left_pad,
+    pad_id_of,
+)
 from zoo_gym.core.delta import Delta
-from zoo_gym.core.rewards import RewardFunction
+from zoo_gym.core.rewards import RewardFunction, total_reward
 
 logger = logging.getLogger(__name__)
 
 Objective = Literal["grpo", "gspo"]
 OBJECTIVES: tuple[Objective, ...] = ("grpo", "gspo")
-Prompt = tuple[Conversation, str]  # (the conversation up to the answer, the reference answer)
 ADVANTAGE_EPS = 1e-4
 
 
@@ -64,24 +69,6 @@ class PolicyTrainer(Protocol):
     def update(self) -> Delta: ...
 
     def reference(self) -> contextlib.AbstractContextManager[Any]: ...
-
-
-def prompts_from_conversations(conversations: Sequence[Conversation]) -> list[Prompt]:
-    """(prompt, answer) pairs: the conversation up to its last assistant turn, and that turn.
-
-    >>> prompts_from_conversations([[{"role": "user", "content": "What is 1 + 2?"},
-    ...                               {"role": "assistant", "content": "3"}]])
-    [([{'role': 'user', 'content': 'What is 1 + 2?'}], '3')]
-    """
-    prompts: list[Prompt] = []
-    for conversation in conversations:
-        last = max(
-            (i for i, m in enumerate(conversation) if m["role"] == "assistant"), default=None
-        )
-        if last is None or last == 0:
-            continue  # nothing to answer, or nothing asked
-        prompts.append((conversation[:last], conversation[last]["content"].strip()))
-    return prompts
 
 
 def group_advantages(rewards: Tensor, num_generations: int, eps: float = ADVANTAGE_EPS) -> Tensor:
@@ -141,14 +128,7 @@ def policy_loss(
     if ref_logp is not None:
         kl = (k3_kl(logp, ref_logp) * mask).sum(dim=1) / lengths  # (n,)
     loss = -(surrogate - kl_beta * kl).mean()
-    return loss, (kl.mean() if ref_logp is not None else kl.sum())
-
-
-def completion_mask(completions: Tensor, eos_id: int) -> Tensor:
-    """`(n, c)` mask of generated tokens up to and including the first EOS of each row."""
-    is_eos = completions == eos_id
-    after_eos = (is_eos.long().cumsum(dim=1) - is_eos.long()) > 0  # strictly after the first EOS
-    return ~after_eos
+    return loss, kl.mean()  # zeros without a reference
 
 
 def token_logprobs(
@@ -171,18 +151,6 @@ def token_logprobs(
     logits = logits[:, prompt_length - 1 : -1].float() / temperature  # (n, c, V)
     targets = input_ids[:, prompt_length:]  # (n, c)
     return torch.log_softmax(logits, dim=-1).gather(2, targets.unsqueeze(2)).squeeze(2)
-
-
-def left_pad(rows: Sequence[Sequence[int]], pad_id: int) -> tuple[Tensor, Tensor]:
-    """Left-padded ids `(n, p)` and attention mask `(n, p)`."""
-    width = max(len(r) for r in rows)
-    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(rows), width), dtype=torch.long)
-    for i, row in enumerate(rows):
-        if row:
-            ids[i, width - len(row) :] = torch.tensor(list(row), dtype=torch.long)
-            mask[i, width - len(row) :] = 1
-    return ids, mask
 
 
 def step_seed(seed: int, step: int) -> int:
@@ -280,10 +248,7 @@ def train_grpo(
             for row, m in zip(completions, mask, strict=True)
         ]
         scores = torch.tensor(
-            [
-                sum(f(text, answers[i]) for f in rewards.values())
-                for text, i in zip(texts, rows, strict=True)
-            ],
+            [total_reward(rewards, text, answers[i]) for text, i in zip(texts, rows, strict=True)],
             dtype=torch.float32,
         )
         advantages = group_advantages(scores, num_generations).to(device)  # (n,)
@@ -330,7 +295,7 @@ def train_grpo(
             )
     model.eval()
     seconds = time.perf_counter() - start
-    mean_reward = sum(step_rewards) / len(step_rewards) if step_rewards else float("nan")
+    mean_reward = mean_or_nan(step_rewards)
     logger.info(
         "%s round trained: %d steps, mean reward %.3f, %.1fs",
         objective,
@@ -341,7 +306,7 @@ def train_grpo(
     return RoundResult(
         update=trainer.update(),
         num_examples=len(prompts),
-        mean_loss=sum(losses) / len(losses) if losses else float("nan"),
+        mean_loss=mean_or_nan(losses),
         tokens=tokens,
         seconds=seconds,
         mean_reward=mean_reward,

@@ -214,11 +214,13 @@ class Trainer:
                 forward._close()
         self.model.eval()
         seconds = time.perf_counter() - start
-        logger.info("round trained: %d steps, mean loss %.4f, %.1fs", steps, _mean(losses), seconds)
+        logger.info(
+            "round trained: %d steps, mean loss %.4f, %.1fs", steps, mean_or_nan(losses), seconds
+        )
         return RoundResult(
             update=self.update(),
             num_examples=len(conversations),
-            mean_loss=_mean(losses),
+            mean_loss=mean_or_nan(losses),
             tokens=tokens,
             seconds=seconds,
             sample_rate=sample_rate,
@@ -354,5 +356,5 @@ def _lora(layer: LoraLayer, which: str) -> torch.nn.Parameter:
     return weight
 
 
-def _mean(values: Sequence[float]) -> float:
+def mean_or_nan(values: Sequence[float]) -> float:
     return sum(values) / len(values) if values else float("nan")

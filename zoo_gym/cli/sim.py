@@ -71,14 +71,15 @@ def demo(
     validation loss, mean reward (closeness + exact_answer) and exact-answer accuracy.
     """
     from zoo_gym.client.byzantine import BYZANTINE_ATTACKS
+    from zoo_gym.core.protocol import OBJECTIVES
     from zoo_gym.simulation.demo import GRPO_REWARDS, Federation
 
     if byzantine is not None and byzantine not in BYZANTINE_ATTACKS:
         raise typer.BadParameter(
             f"--byzantine must be one of {', '.join(BYZANTINE_ATTACKS)}, not {byzantine!r}"
         )
-    if method not in ("sft", "grpo", "gspo"):
-        raise typer.BadParameter(f"--method must be one of sft, grpo, gspo, not {method!r}")
+    if method not in OBJECTIVES:
+        raise typer.BadParameter(f"--method must be one of {', '.join(OBJECTIVES)}, not {method!r}")
     rl = method != "sft"
     warmup = warmup_rounds if rl else 0
     total = rounds if rounds is not None else (warmup + 5 if rl else 3)

@@ -25,7 +25,7 @@ from zoo_gym.client.errors import RoundRefusal
 from zoo_gym.client.feedback import FfaErrorFeedback
 from zoo_gym.client.privacy import PrivacyBudget, PrivacyPlan, PrivacyRefusal, plan_round
 from zoo_gym.client.state import LocalState
-from zoo_gym.client.trainers.adapters import make_trainer
+from zoo_gym.client.trainers.adapters import DEFAULT_MAX_FULL_PARAMS, make_trainer
 from zoo_gym.client.trainers.sft import DpConfig, RoundResult, StepInfo, Trainer
 from zoo_gym.compression import CodecSpec
 from zoo_gym.core.chat import Conversation
@@ -71,7 +71,7 @@ class ClientRuntime:
         reward_functions: Sequence[str] = (),
         error_feedback: bool = True,
         gradient_checkpointing: bool = False,
-        max_full_params: int = 1_000_000_000,
+        max_full_params: int = DEFAULT_MAX_FULL_PARAMS,
         privacy_budget: PrivacyBudget | None = None,
         method: str = "any",
     ) -> None:

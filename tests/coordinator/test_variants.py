@@ -55,11 +55,15 @@ def test_variant_round_trip_rebuilds_the_child_from_the_parent(tiny_home: Path) 
 def test_distilled_variant_is_recorded_and_applies(tiny_home: Path) -> None:
     registry = _publish_child(tiny_home)
     ids = calibration_ids(registry.root / "v0000", tiny_home / "validation.jsonl")
+    plain = write_variant(registry, "v0001")
 
     record = write_variant(registry, "v0001", calibration=ids[:16], steps=5)
 
     _, payload = read_variant(registry.root, "v0001", "v0000")
     assert record.distilled and ids.shape[1] == 32
+    assert (
+        record.size == plain.size and record.sha256 != plain.sha256
+    )  # the same signs, refit scales
     assert set(apply_variant(registry.load_state_dict("v0000"), payload)) == set(
         registry.load_state_dict("v0001")
     )

@@ -54,7 +54,7 @@ def data_nbytes(codec: str, n: int) -> int:
     return -(-n // _VALUES_PER_BYTE[codec])
 
 
-def _expand(scales: Tensor, n: int, group: int) -> Tensor:
+def expand(scales: Tensor, n: int, group: int) -> Tensor:
     """Per-value scale (n,) from per-group scales (G,)."""
     return scales.repeat_interleave(group)[:n] if group > 1 else scales[:n]
 
@@ -121,7 +121,7 @@ def encode_tensor(codec: str, x: Tensor, group: int, scale_dtype: str) -> tuple[
         raise ValueError(f"a scale overflows {scale_dtype}; use scale_dtype='float32'")
     if codec == "bitdelta":
         return stored, packed
-    codes = _quantise(x.cpu(), _expand(stored.float().cpu(), n, group), codec)
+    codes = _quantise(x.cpu(), expand(stored.float().cpu(), n, group), codec)
     if codec == "int8":
         return stored, codes.to(torch.int8).view(torch.uint8)
     if codec == "int4":
@@ -161,4 +161,4 @@ def decode_tensor(
         codes = _unpack_codes(data, n, 4, 2) * 2 - 3
     else:
         codes = _unpack_codes(data, n, 5, 0) - 1
-    torch.mul(codes.to(out.device), _expand(scales.to(out.device), n, group), out=out)
+    torch.mul(codes.to(out.device), expand(scales.to(out.device), n, group), out=out)

@@ -14,19 +14,19 @@ Only the scales train (Adam); the model itself is never modified: both forwards 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 
 import torch
 from torch import Tensor, nn
 from torch.func import functional_call
 
+from zoo_gym.compression.codecs import expand
+
 
 def expand_scales(scales: Tensor, group: int, shape: tuple[int, ...]) -> Tensor:
     """Per-value scales of `shape` from per-group scales (ceil(n / group),)."""
-    n = 1
-    for size in shape:
-        n *= size
-    return scales.repeat_interleave(group)[:n].view(shape)
+    return expand(scales, math.prod(shape), group).view(shape)
 
 
 def _logits(model: nn.Module, params: Mapping[str, Tensor], input_ids: Tensor) -> Tensor:
@@ -37,20 +37,9 @@ def _logits(model: nn.Module, params: Mapping[str, Tensor], input_ids: Tensor) -
     return logits.float()
 
 
-def logit_loss(student: Tensor, teacher: Tensor, kind: str) -> Tensor:
-    """``"mse"``: mean squared logit difference (the BitDelta objective); ``"kl"``: mean
-    KL(teacher || student) of the next-token distributions."""
-    if kind == "mse":
-        return torch.mean((student - teacher) ** 2)
-    if kind == "kl":
-        target = torch.log_softmax(teacher, dim=-1)
-        return torch.nn.functional.kl_div(
-            torch.log_softmax(student, dim=-1).flatten(0, -2),
-            target.flatten(0, -2),
-            log_target=True,
-            reduction="batchmean",
-        )
-    raise ValueError(f"unknown loss {kind!r}; choose 'mse' or 'kl'")
+def logit_loss(student: Tensor, teacher: Tensor) -> Tensor:
+    """Mean squared logit difference, the BitDelta objective."""
+    return torch.mean((student - teacher) ** 2)
 
 
 def compressed_params(
@@ -82,7 +71,6 @@ def distill_scales(
     *,
     steps: int = 100,
     lr: float = 1e-4,
-    loss: str = "mse",
     batch_size: int = 8,
 ) -> dict[str, Tensor]:
     """Scales that make ``base + scale * sign`` reproduce `finetuned`'s logits (Liu et al., 2024).
@@ -101,7 +89,8 @@ def distill_scales(
     groups
         name -> values per scale.
     input_ids
-        Calibration token ids (N, t), processed `batch_size` rows per Adam step.
+        Calibration token ids (N, t), processed `batch_size` rows per Adam step (the first
+        `steps` batches are used, cycling when there are fewer).
 
     Returns name -> fitted float32 scales (G,), detached.
     """
@@ -111,16 +100,16 @@ def distill_scales(
     frozen_signs = {name: s.detach().float() for name, s in signs.items()}
     fixed = {name: t.detach() for name, t in finetuned.items()}
     with torch.no_grad():
+        used = min(input_ids.shape[0], steps * batch_size)  # later batches are never reached
         teacher = [
-            _logits(model, fixed, input_ids[i : i + batch_size])
-            for i in range(0, input_ids.shape[0], batch_size)
+            _logits(model, fixed, input_ids[i : i + batch_size]) for i in range(0, used, batch_size)
         ]
     optimizer = torch.optim.Adam(list(fitted.values()), lr=lr)
     for step in range(steps):
         index = step % len(teacher)
         batch = input_ids[index * batch_size : (index + 1) * batch_size]
         params = compressed_params(base, fixed, frozen_signs, fitted, groups)
-        value = logit_loss(_logits(model, params, batch), teacher[index], loss)
+        value = logit_loss(_logits(model, params, batch), teacher[index])
         optimizer.zero_grad()
         value.backward()  # type: ignore[no-untyped-call]
         optimizer.step()
@@ -135,14 +124,10 @@ def logit_error(
     scales: Mapping[str, Tensor],
     groups: Mapping[str, int],
     input_ids: Tensor,
-    *,
-    loss: str = "mse",
 ) -> float:
     """`logit_loss` of the compressed model against `finetuned` on `input_ids` (no gradients)."""
     with torch.no_grad():
         params = compressed_params(base, finetuned, signs, scales, groups)
         return float(
-            logit_loss(
-                _logits(model, params, input_ids), _logits(model, finetuned, input_ids), loss
-            )
+            logit_loss(_logits(model, params, input_ids), _logits(model, finetuned, input_ids))
         )

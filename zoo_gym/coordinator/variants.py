@@ -1,8 +1,9 @@
 """Compressed variants of published versions: the full-weight delta to the parent as BitDelta.
 
-A contributor who already holds version P downloads ``models/variants/<V>-from-<P>.zgde``
-(about 1/14 of V's bf16 size) instead of V itself and rebuilds V's weights as
-``P + decode(variant)``. BitDelta [Liu et al., 2024] keeps one sign per weight and one
+The variant ``models/variants/<V>-from-<P>.zgde`` (about 1/14 of V's bf16 size) rebuilds V's
+weights as ``P + decode(variant)`` (`apply_variant`). It is written for an operator to hand
+out; the coordinator does not serve variants to contributors yet, and a variant's record is
+hashed, not signed. BitDelta [Liu et al., 2024] keeps one sign per weight and one
 scale per group; with ``distill=True`` the scales are refitted so that the variant's logits
 on the coordinator's validation prompts match V's (`zoo_gym.compression.distill`).
 
@@ -14,7 +15,6 @@ directories: `ModelRegistry.publish` copies a parent's extra files into the next
 from __future__ import annotations
 
 import json
-import logging
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -27,8 +27,6 @@ from zoo_gym.compression.envelope import bitdelta_parts
 from zoo_gym.coordinator.registry import ModelRegistry
 from zoo_gym.core.files import write_atomic
 from zoo_gym.core.hashing import sha256_bytes
-
-log = logging.getLogger(__name__)
 
 VARIANT_FORMAT = 1
 DIRECTORY = "variants"

@@ -177,17 +177,7 @@ class ZooStrategy(FedAvg):
         updates = updates[: len(rows)]
         weights = None
         if self.rule in WEIGHTED_RULES:  # weighted by the examples each contributor trained on
-            weights = torch.tensor(
-                [
-                    _number(
-                        r.content.metric_records.get(TRAIN_METRICS, MetricRecord()).get(
-                            "num_examples", 1.0
-                        )
-                    )
-                    for r in rows
-                ],
-                dtype=torch.float64,
-            )
+            weights = torch.tensor([_examples(r) for r in rows], dtype=torch.float64)
         result: Aggregate = aggregate(
             self.rule, updates, f=self.f, weights=weights, pre=self.pre, **self.params
         )
@@ -223,10 +213,9 @@ class ZooStrategy(FedAvg):
         Returns None, having recorded nothing, when an envelope fails to decode or the sum is not
         finite: the row-by-row path then finds and records the culprit.
         """
-        examples = []
-        for reply in accepted:
-            metrics = reply.content.metric_records.get(TRAIN_METRICS, MetricRecord())
-            examples.append(max(_number(metrics.get("num_examples", 1.0)), 0.0))
+        examples = [_examples(reply) for reply in accepted]
+        if any(e < 0 for e in examples):  # the row path refuses such weights and says why
+            return None
         needed = max(self.quorum, min_clients(self.rule, self.f))
         total = sum(examples)
         if len(accepted) < needed or total <= 0:
@@ -280,6 +269,12 @@ class ZooStrategy(FedAvg):
                 score=decision.score if decision else None,
                 reason=reason,
             )
+
+
+def _examples(reply: Message) -> float:
+    """How many examples a reply says it trained on (its FedAvg weight; 1 when unsaid)."""
+    metrics = reply.content.metric_records.get(TRAIN_METRICS, MetricRecord())
+    return _number(metrics.get("num_examples", 1.0))
 
 
 def _number(value: object) -> float:

@@ -21,3 +21,8 @@ def served_sha256(port: int, ca: Path, *, alpn: str | None = None) -> str:
         der = tls.getpeercert(binary_form=True)
     assert der is not None
     return hashlib.sha256(der).hexdigest()
+
+
+def file_sha256(path: Path) -> str:
+    """SHA-256 of the PEM certificate at `path`, as `served_sha256` reports a served one."""
+    return hashlib.sha256(ssl.PEM_cert_to_DER_cert(path.read_text())).hexdigest()

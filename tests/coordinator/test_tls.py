@@ -20,7 +20,7 @@ from cryptography import x509
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID
-from tls_probe import served_sha256
+from tls_probe import file_sha256, served_sha256
 
 from zoo_gym.coordinator.tls import (
     CertificateWatcher,
@@ -356,12 +356,6 @@ def test_tls_renew_command(tiny_home: Path) -> None:
 # --- serving a renewed certificate without a restart --------------------------------------------
 
 
-def _der_sha(path: Path) -> str:
-    return hashlib.sha256(
-        load_certificate(path).public_bytes(serialization.Encoding.DER)
-    ).hexdigest()
-
-
 def test_watcher_takes_a_renewed_pair_and_skips_a_broken_one(tmp_path: Path) -> None:
     files = write_tls_material(tmp_path / "tls", ["localhost"])
     watcher = CertificateWatcher(files.server_cert, files.server_key, interval_s=0)
@@ -435,14 +429,14 @@ def test_https_serves_the_renewed_certificate_to_new_connections(tmp_path: Path)
     thread = threading.Thread(target=serve, args=(2,), daemon=True)
     thread.start()
     before = served_sha256(port, files.ca_cert)
-    assert before == _der_sha(files.server_cert)
+    assert before == file_sha256(files.server_cert)
     watcher = CertificateWatcher(files.server_cert, files.server_key, interval_s=0)
     watcher.on_change.append(renewed)
     _renew(tmp_path / "tls")
     assert watcher.check()
 
     after = served_sha256(port, files.ca_cert)  # IP address: no SNI is sent, still switched
-    assert after == _der_sha(files.server_cert) != before
+    assert after == file_sha256(files.server_cert) != before
     thread.join(5)
     listener.close()
 
@@ -461,11 +455,11 @@ def test_grpc_serves_the_renewed_certificate_to_new_connections(tmp_path: Path) 
     server.start()
     try:
         before = served_sha256(port, files.ca_cert, alpn="h2")
-        assert before == _der_sha(files.server_cert)
+        assert before == file_sha256(files.server_cert)
         _renew(tmp_path / "tls")
         assert watcher.check()
 
-        assert served_sha256(port, files.ca_cert, alpn="h2") == _der_sha(files.server_cert)
+        assert served_sha256(port, files.ca_cert, alpn="h2") == file_sha256(files.server_cert)
         assert _echo(f"localhost:{port}", files.ca_cert.read_bytes()) == b"echo:hi"
     finally:
         server.stop(0).wait()

@@ -28,7 +28,7 @@ import pytest
 from cryptography import x509
 from cryptography.hazmat.primitives import serialization
 from prometheus_client.parser import text_string_to_metric_families
-from tls_probe import served_sha256
+from tls_probe import file_sha256, served_sha256
 
 from zoo_gym.core.synthetic import make_examples, write_jsonl
 from zoo_gym.simulation.demo import free_port
@@ -245,11 +245,7 @@ def test_tls_coordinator_from_the_guide(tmp_path: Path) -> None:
         renewed = _cli("coordinator", "tls", "renew", "-c", str(home / "coordinator.toml"))
         assert renewed.returncode == 0, renewed.stderr
         assert f"CA unchanged (SHA-256 {printed.group(1)})" in renewed.stdout
-        new = hashlib.sha256(
-            x509.load_pem_x509_certificate((home / "tls" / "server.pem").read_bytes()).public_bytes(
-                serialization.Encoding.DER
-            )
-        ).hexdigest()
+        new = file_sha256(home / "tls" / "server.pem")
         assert new != old
         deadline = time.monotonic() + 30
         while {served_sha256(rest_port, ca), served_sha256(port, ca, alpn="h2")} != {new}:

@@ -403,14 +403,12 @@ def _zero_update(task: object, home: Path) -> bytes:
     from safetensors.torch import load_file
 
     from zoo_gym.compression import CodecSpec, encode
-    from zoo_gym.core.lora import LoraSpec, target_weights, update_key
+    from zoo_gym.core.lora import LoraSpec, update_shapes
 
     state = load_file(home / "models" / "v0000" / "model.safetensors")
     spec = LoraSpec(rank=task.lora_rank, alpha=task.lora_alpha, target_modules=task.target_modules)  # type: ignore[attr-defined]
-    delta = {
-        update_key(m): torch.zeros(out, spec.rank)
-        for m, (out, _) in target_weights(state, spec).items()
-    }
+    shapes = update_shapes(state, adapter="ffa_lora", spec=spec)
+    delta = {key: torch.zeros(shape) for key, shape in shapes.items()}
     return encode(delta, CodecSpec(task.codec, task.group_size))  # type: ignore[attr-defined]
 
 

@@ -187,7 +187,7 @@ def round_shapes(home: Path, rank: int) -> dict[str, tuple[int, int]]:
     """The B matrices a round trains on the tiny base: update key -> (out, rank)."""
     from safetensors.torch import load_file
 
-    from zoo_gym.core.lora import LoraSpec, target_weights, update_key
+    from zoo_gym.core.lora import LoraSpec, update_shapes
 
     state = load_file(home / "models" / "v0000" / "model.safetensors")
     spec = LoraSpec(
@@ -195,7 +195,9 @@ def round_shapes(home: Path, rank: int) -> dict[str, tuple[int, int]]:
         alpha=16.0,
         target_modules=TaskConfig(round=1, base_version="", seed=0).target_modules,
     )
-    shapes = {update_key(m): (out, rank) for m, (out, _) in target_weights(state, spec).items()}
+    shapes = {
+        k: (s[0], s[1]) for k, s in update_shapes(state, adapter="ffa_lora", spec=spec).items()
+    }
     assert sum(out for out, _ in shapes.values()) == LAYOUT_ROWS
     return shapes
 

@@ -21,7 +21,7 @@ def world(tiny_home: Path) -> Iterator[World]:
 def shared_world(
     tiny_home_template: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[World]:
-    """One world for read-only tests of a module."""
+    """One world per module, for tests that do not mind what the others in it wrote."""
     home = tmp_path_factory.mktemp("api") / "coordinator"
     shutil.copytree(tiny_home_template, home)
     built = build_world(home)

@@ -12,15 +12,13 @@ The default suite draws `ZOO_SCHEMA_EXAMPLES` cases per operation (default 5); t
 from __future__ import annotations
 
 import os
-import shutil
 from collections import Counter
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
 import schemathesis
-from api_world import World, build_world
+from api_world import World
 from hypothesis import HealthCheck, given, settings
 from schemathesis.checks import not_a_server_error
 from schemathesis.specs.openapi.checks import response_schema_conformance
@@ -32,14 +30,8 @@ CASES: Counter[str] = Counter()
 
 
 @pytest.fixture(scope="module")
-def api_world(
-    tiny_home_template: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[World]:
-    home = tmp_path_factory.mktemp("schema") / "coordinator"
-    shutil.copytree(tiny_home_template, home)
-    world = build_world(home)
-    yield world
-    world.co.engine.dispose()
+def api_world(shared_world: World) -> Iterator[World]:
+    yield shared_world
     print("\nschemathesis cases:", dict(CASES), "total", sum(CASES.values()))
 
 

@@ -38,7 +38,7 @@ later round would only add to the total).
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import TYPE_CHECKING, Any, cast
 
 from zoo_gym.client.errors import RoundRefusal
@@ -164,22 +164,8 @@ class PrivacyPlan:
 
     @property
     def spend(self) -> RoundSpend:
-        return RoundSpend(
-            round=self.round,
-            base_version=self.base_version,
-            delta=self.delta,
-            accountant=self.accountant,
-            dp_noise_multiplier=self.dp_noise_multiplier,
-            dp_max_grad_norm=self.dp_max_grad_norm,
-            sample_rate=self.sample_rate,
-            steps=self.steps,
-            update_noise_multiplier=self.update_noise_multiplier,
-            clip_norm=self.clip_norm,
-            epsilon=self.epsilon,
-            epsilon_total=self.epsilon_total,
-            user_epsilon=self.user_epsilon,
-            user_epsilon_total=self.user_epsilon_total,
-        )
+        """What the state file keeps of this plan: every `RoundSpend` field, read off the plan."""
+        return RoundSpend(**{f.name: getattr(self, f.name) for f in fields(RoundSpend)})
 
     def metrics(self) -> dict[str, float]:
         """The submission's privacy metrics; an epsilon is absent when the round is not private."""

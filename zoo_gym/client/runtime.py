@@ -217,27 +217,7 @@ class ClientRuntime:
 
     def _dp_config(self, plan: PrivacyPlan, trainer: Trainer) -> DpConfig | None:
         """DP-SGD settings for the trainer (None: no DP-SGD); tells the front end what was planned."""
-        self.on_event(
-            RoundEvent(
-                "privacy",
-                plan.round,
-                {
-                    k: v
-                    for k, v in plan.metrics().items()
-                    if k
-                    in (
-                        "dp_noise_multiplier",
-                        "dp_sample_rate",
-                        "update_noise_multiplier",
-                        "epsilon",
-                        "epsilon_total",
-                        "user_epsilon",
-                        "user_epsilon_total",
-                        "dp_delta",
-                    )
-                },
-            )
-        )
+        self.on_event(RoundEvent("privacy", plan.round, dict(plan.metrics())))
         if not plan.dp_sgd:
             return None
         try:

@@ -140,6 +140,13 @@ def _group_offsets(ns: Sequence[int], group: int) -> list[int]:
     return offsets
 
 
+def _aligned(ns: Sequence[int], group: int) -> bool:
+    """Whether an update of tensors of `ns` values packs as one flat vector: it fits one chunk
+    and every tensor holds whole groups and whole bytes."""
+    unit = math.lcm(group, 8)
+    return sum(ns) <= _chunk_len(group) and all(n % unit == 0 for n in ns)
+
+
 def _pack_aligned(xs: Sequence[Tensor], ns: list[int], group: int) -> tuple[list[Tensor], Tensor]:
     """`pack_many` of a short update whose tensors all hold whole groups and whole bytes:
     concatenated, such tensors pack exactly as they do one by one, in a few calls."""
@@ -168,7 +175,7 @@ def pack_many(xs: Sequence[Tensor], group: int) -> tuple[list[Tensor], Tensor]:
         signs = [pack_signs(x) for x in xs]
         return signs, torch.cat([group_reduce(x.reshape(-1), group, ord=1) for x in xs])
     unit = math.lcm(group, 8)
-    if sum(ns) <= _chunk_len(group) and all(n % unit == 0 for n in ns):
+    if _aligned(ns, group):
         return _pack_aligned(xs, ns, group)
     flats = [x.detach().reshape(-1).contiguous() for x in xs]
     goff = _group_offsets(ns, group)
@@ -255,7 +262,7 @@ def unpack_many(
             offset += n
         return
     unit = math.lcm(group, 8)
-    if sum(ns) <= _chunk_len(group) and all(n % unit == 0 for n in ns):
+    if _aligned(ns, group):
         index = torch.cat(list(packed)).long() if packed else torch.empty(0, dtype=torch.long)
         dest = out if weight is None else torch.empty_like(out)
         torch.index_select(_SIGN_TABLE, 0, index, out=dest.view(-1, 8))

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import math
+import re
 import shutil
 import threading
 import time
@@ -27,7 +28,7 @@ from zoo_gym.coordinator.metrics import CoordinatorMetrics
 from zoo_gym.coordinator.registry import ModelRegistry
 from zoo_gym.core.delta import Layout
 from zoo_gym.core.hashing import sha256_bytes
-from zoo_gym.core.identity import Identity, contributor_id, node_id, verify
+from zoo_gym.core.identity import CONTRIBUTOR_ID, Identity, contributor_id, node_id, verify
 from zoo_gym.core.protocol import (
     SUBMISSION,
     TRAIN_METRICS,
@@ -121,7 +122,7 @@ class CoordinatorBackend:
         )
 
     def _contributor(self, cid: str) -> tuple[bytes, str, str]:
-        if len(cid) != 32 or any(c not in "0123456789abcdef" for c in cid):
+        if not re.fullmatch(CONTRIBUTOR_ID, cid):
             raise RequestError(
                 "UNAUTHENTICATED",
                 "contributor id must be the 32 hex digits derived from your key; use the id `gym-client init` printed",

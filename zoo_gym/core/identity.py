@@ -21,6 +21,10 @@ class IdentityError(ValueError):
     """A key file is missing, unreadable or not an Ed25519 key."""
 
 
+CONTRIBUTOR_ID = r"^[0-9a-f]{32}$"
+"""What `contributor_id` returns: 32 lowercase hex digits."""
+
+
 def contributor_id(public_key: bytes) -> str:
     """Stable contributor id for a raw 32-byte Ed25519 public key."""
     return hashlib.sha256(public_key).hexdigest()[:32]

@@ -12,6 +12,7 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, Field, PlainSerializer
 
+from zoo_gym.core.identity import CONTRIBUTOR_ID
 from zoo_gym.ledger import (
     CheckpointPublic,
     LogEntryPublic,
@@ -20,8 +21,6 @@ from zoo_gym.ledger import (
     SubmissionPublic,
 )
 from zoo_gym.ledger.models import AMOUNT_SCALE
-
-CONTRIBUTOR_ID = r"^[0-9a-f]{32}$"
 
 # --- contributor sign-in ------------------------------------------------------------------------
 

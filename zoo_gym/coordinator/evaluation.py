@@ -26,7 +26,7 @@ from zoo_gym.core.chat import (
     to_conversation,
 )
 from zoo_gym.core.evaluate import validation_loss
-from zoo_gym.core.rewards import BUILTIN, total_reward
+from zoo_gym.core.rewards import BUILTIN
 
 
 class Evaluator:
@@ -66,6 +66,23 @@ class Evaluator:
         Each record's prompt is its conversation up to the last assistant turn and its answer
         that turn, as on the contributors. Greedy decoding makes the score deterministic.
         """
+        means = self.mean_rewards(
+            state_dict,
+            reward_functions=reward_functions,
+            max_new_tokens=max_new_tokens,
+            batch_size=batch_size,
+        )
+        return sum(means.values())
+
+    def mean_rewards(
+        self,
+        state_dict: dict[str, torch.Tensor],
+        *,
+        reward_functions: Sequence[str],
+        max_new_tokens: int,
+        batch_size: int = 64,
+    ) -> dict[str, float]:
+        """`mean_reward` of each function on its own, from one greedy generation."""
         unknown = [name for name in reward_functions if name not in BUILTIN]
         if unknown or not reward_functions:
             raise ValueError(
@@ -77,7 +94,7 @@ class Evaluator:
         prompts = prompts_from_conversations(self.records)
         room = max(1, self.max_length - max_new_tokens)
         encoded = [encode_prompt(self.tokenizer, prompt)[-room:] for prompt, _ in prompts]
-        total = 0.0
+        totals = dict.fromkeys(functions, 0.0)
         model: Any = self.model
         with self.lock, torch.no_grad():
             model.load_state_dict(state_dict, strict=False)
@@ -99,5 +116,6 @@ class Evaluator:
                     completions, kept, prompts[start : start + batch_size], strict=True
                 ):
                     text = str(self.tokenizer.decode(row[m].tolist(), skip_special_tokens=True))
-                    total += total_reward(functions, text, answer)
-        return total / len(prompts)
+                    for name, function in functions.items():
+                        totals[name] += function(text, answer)
+        return {name: total / len(prompts) for name, total in totals.items()}

@@ -334,10 +334,10 @@ class Federation:
         scores: dict[str, tuple[float, float]] = {}
         for version in dict.fromkeys(versions):
             state = load_file(models / version / "model.safetensors")
-            scores[version] = (
-                evaluator.mean_reward(state, reward_functions=["closeness"], max_new_tokens=8),
-                evaluator.mean_reward(state, reward_functions=["exact_answer"], max_new_tokens=8),
+            means = evaluator.mean_rewards(
+                state, reward_functions=["closeness", "exact_answer"], max_new_tokens=8
             )
+            scores[version] = (means["closeness"], means["exact_answer"])
         return scores
 
     def wait_clients(self, timeout_s: float = 60.0) -> None:

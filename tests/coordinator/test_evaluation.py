@@ -1,0 +1,39 @@
+"""The coordinator's reward of a model: greedy completions of the validation prompts, scored by
+the built-in reward functions."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file
+
+from zoo_gym.coordinator.evaluation import Evaluator
+
+
+@pytest.fixture(scope="module")
+def evaluator(tiny_home_template: Path) -> Evaluator:
+    return Evaluator(
+        tiny_home_template / "models" / "v0000", tiny_home_template / "validation.jsonl"
+    )
+
+
+def test_batches_score_as_prompts_one_by_one(
+    evaluator: Evaluator, tiny_home_template: Path
+) -> None:
+    # left padding must not change a greedy completion: batch 64 equals batch 1
+    state = load_file(tiny_home_template / "models" / "v0000" / "model.safetensors")
+    names = ["closeness", "exact_answer", "format"]
+
+    batched = evaluator.mean_rewards(state, reward_functions=names, max_new_tokens=8)
+    single = evaluator.mean_rewards(state, reward_functions=names, max_new_tokens=8, batch_size=1)
+
+    assert batched == pytest.approx(single, abs=1e-12)
+    assert set(batched) == set(names) and all(0.0 <= v <= 1.0 for v in batched.values())
+    total = evaluator.mean_reward(state, reward_functions=names, max_new_tokens=8)
+    assert total == pytest.approx(sum(batched.values()))
+
+
+def test_only_builtin_reward_functions(evaluator: Evaluator) -> None:
+    with pytest.raises(ValueError, match="reward_functions must name built-ins"):
+        evaluator.mean_rewards({}, reward_functions=["mymodule:reward"], max_new_tokens=8)

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from zoo_gym.compression import CodecSpec, bitdelta, decode, encode, inspect_envelope
+from zoo_gym.compression import CodecSpec, apply_update_, bitdelta, encode, inspect_envelope
 from zoo_gym.compression.distill import distill_scales, expand_scales
 from zoo_gym.compression.envelope import bitdelta_parts
 from zoo_gym.coordinator.registry import ModelRegistry
@@ -54,12 +54,14 @@ def variant_paths(root: Path, version: str, parent: str) -> tuple[Path, Path]:
     return stem.with_suffix(".zgde"), stem.with_suffix(".json")
 
 
-def full_delta(registry: ModelRegistry, version: str, parent: str) -> dict[str, Tensor]:
-    """float32 ``weights(version) - weights(parent)``; both must hold the same tensors."""
+def float_weights(
+    registry: ModelRegistry, version: str, parent: str
+) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
+    """float32 weights of `version` and of `parent`; both must hold the same tensors."""
     new, old = registry.load_state_dict(version), registry.load_state_dict(parent)
     if {k: tuple(v.shape) for k, v in new.items()} != {k: tuple(v.shape) for k, v in old.items()}:
         raise VariantError(f"{version} and {parent} hold different tensors; no delta variant")
-    return {name: new[name].float() - old[name].float() for name in sorted(new)}
+    return {k: v.float() for k, v in new.items()}, {k: v.float() for k, v in old.items()}
 
 
 def calibration_ids(tokenizer_dir: Path, validation: Path, *, length: int = 32) -> Tensor:
@@ -80,20 +82,19 @@ def calibration_ids(tokenizer_dir: Path, validation: Path, *, length: int = 32) 
 
 
 def _distilled_delta(
-    registry: ModelRegistry,
-    version: str,
-    parent: str,
+    parent_dir: Path,
+    base: dict[str, Tensor],
+    finetuned: dict[str, Tensor],
     delta: dict[str, Tensor],
     spec: CodecSpec,
     input_ids: Tensor,
     steps: int,
 ) -> dict[str, Tensor]:
-    """``scale * sign`` per tensor with the scales fitted to `version`'s logits."""
+    """``scale * sign`` per tensor with the scales fitted to `finetuned`'s logits (`base` is the
+    parent's weights, loaded as a model from `parent_dir`)."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(registry.root / parent, dtype=torch.float32)
-    base = {k: v.float() for k, v in registry.load_state_dict(parent).items()}
-    finetuned = {k: v.float() for k, v in registry.load_state_dict(version).items()}
+    model = AutoModelForCausalLM.from_pretrained(parent_dir, dtype=torch.float32)
     payload = encode(delta, spec)
     header = inspect_envelope(payload, max_elements=sum(t.numel() for t in delta.values()))
     packed, scales = bitdelta_parts(payload, header)
@@ -148,10 +149,11 @@ def write_variant(
         ) from None
     if manifest.parent is None:
         raise VariantError(f"{version} is the first version; it has no parent to be a delta of")
-    delta = full_delta(registry, version, manifest.parent)
+    finetuned, base = float_weights(registry, version, manifest.parent)
+    delta = {name: finetuned[name] - base[name] for name in sorted(finetuned)}
     if calibration is not None:
         delta = _distilled_delta(
-            registry, version, manifest.parent, delta, spec, calibration, steps
+            registry.root / manifest.parent, base, finetuned, delta, spec, calibration, steps
         )
     payload = encode(delta, spec)
     envelope, record_path = variant_paths(registry.root, version, manifest.parent)
@@ -190,9 +192,11 @@ def read_variant(root: Path, version: str, parent: str) -> tuple[Variant, bytes]
 def apply_variant(parent_weights: dict[str, Tensor], payload: bytes) -> dict[str, Tensor]:
     """``parent + decode(payload)`` per tensor, in the parent's dtypes (a new dict)."""
     limit = sum(t.numel() for t in parent_weights.values())
-    delta = decode(payload, max_elements=limit)
-    if {k: tuple(v.shape) for k, v in delta.items()} != {
+    header = inspect_envelope(payload, max_elements=limit)
+    if {ts.name: ts.shape for ts in header.layout} != {
         k: tuple(v.shape) for k, v in parent_weights.items()
     }:
         raise VariantError("the variant's tensors differ from the parent's weights")
-    return {name: (w.float() + delta[name]).to(w.dtype) for name, w in parent_weights.items()}
+    rebuilt = {name: w.clone() for name, w in parent_weights.items()}
+    apply_update_(rebuilt, payload, max_elements=limit)  # float32 sums, rounded once
+    return rebuilt

@@ -131,6 +131,13 @@ def encode_tensor(codec: str, x: Tensor, group: int, scale_dtype: str) -> tuple[
     return stored, _pack_codes(codes + 1, 5, 0)
 
 
+def check_padding(data: Tensor, n: int, name: str = "") -> None:
+    """Refuse sign bits (`n` values packed in `data`) whose last byte has bits set past the end."""
+    if n % 8 and int(data[-1]) & ((1 << (8 - n % 8)) - 1):
+        where = f"{name}: " if name else ""
+        raise EnvelopeError(f"{where}non-zero padding after the last value of a tensor")
+
+
 def decode_tensor(
     codec: str, scales: Tensor, data: Tensor, group: int, out: Tensor, *, triton: bool = False
 ) -> None:
@@ -146,8 +153,7 @@ def decode_tensor(
             raise EnvelopeError(f"non-finite value in a {codec} tensor")
         return
     if codec == "bitdelta":
-        if n % 8 and int(data[-1]) & ((1 << (8 - n % 8)) - 1):
-            raise EnvelopeError("non-zero padding after the last value of a tensor")
+        check_padding(data, n)
         unpack = kernels.unpack if triton else bitdelta.unpack
         unpack(data.to(out.device), scales.to(out.device), group, out)
         return

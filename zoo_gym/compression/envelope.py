@@ -317,8 +317,20 @@ def section_tensors(
     return scales, data
 
 
-def _unpacks_together(header: EnvelopeHeader, triton: bool) -> bool:
+def unpacks_together(header: EnvelopeHeader, triton: bool) -> bool:
+    """Whether the whole payload unpacks in one `unpack_bitdelta` call (BitDelta, one group
+    size for every tensor, on the CPU path)."""
     return header.codec == "bitdelta" and header.spec.granularity == "group" and not triton
+
+
+def unpack_bitdelta(
+    payload: bytes, header: EnvelopeHeader, out: Tensor, *, weight: float | None = None
+) -> None:
+    """Write (or, with `weight`, add `weight` times) every tensor of a BitDelta payload into the
+    flat `out`, through `bitdelta.unpack_many`; see `unpacks_together`."""
+    packed, scales = bitdelta_parts(payload, header)
+    ns = [section.spec.numel for section in header.sections]
+    bitdelta.unpack_many(packed, scales, ns, header.spec.group_size, out, weight=weight)
 
 
 def bitdelta_parts(payload: bytes, header: EnvelopeHeader) -> tuple[list[Tensor], Tensor]:
@@ -340,12 +352,9 @@ def bitdelta_parts(payload: bytes, header: EnvelopeHeader) -> tuple[list[Tensor]
             first -= section.n_groups
     packed = []
     for section in header.sections:
-        n, end = section.spec.numel, section.data_offset + section.data_nbytes
-        if n % 8 and payload[end - 1] & ((1 << (8 - n % 8)) - 1):
-            raise EnvelopeError(
-                f"{section.spec.name}: non-zero padding after the last value of a tensor"
-            )
-        packed.append(raw[section.data_offset : end])
+        bits = raw[section.data_offset : section.data_offset + section.data_nbytes]
+        codecs.check_padding(bits, section.spec.numel, section.spec.name)
+        packed.append(bits)
     return packed, scales
 
 
@@ -388,10 +397,8 @@ def decode_into(
     header = inspect_envelope(payload, max_elements=max_elements)
     check_layout(header, layout)
     triton = use_triton(out, backend)
-    if _unpacks_together(header, triton):
-        packed, scales = bitdelta_parts(payload, header)
-        ns = [section.spec.numel for section in header.sections]
-        bitdelta.unpack_many(packed, scales, ns, header.spec.group_size, out)
+    if unpacks_together(header, triton):
+        unpack_bitdelta(payload, header, out)
         return
     offset = 0
     for section in header.sections:

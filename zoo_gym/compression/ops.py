@@ -13,10 +13,11 @@ from torch import Tensor
 
 from zoo_gym.compression import bitdelta, codecs, kernels
 from zoo_gym.compression.envelope import (
-    bitdelta_parts,
     check_layout,
     inspect_envelope,
     section_tensors,
+    unpack_bitdelta,
+    unpacks_together,
     use_triton,
 )
 from zoo_gym.compression.errors import EnvelopeError
@@ -46,11 +47,8 @@ def decode_accumulate(
     for payload, weight in zip(payloads, weights, strict=True):
         header = inspect_envelope(payload, max_elements=max_elements)
         check_layout(header, layout)
-        if header.codec == "bitdelta" and header.spec.granularity == "group" and not triton:
-            packed, scales = bitdelta_parts(payload, header)
-            ns = [section.spec.numel for section in header.sections]
-            group = header.spec.group_size
-            bitdelta.unpack_many(packed, scales, ns, group, out, weight=float(weight))
+        if unpacks_together(header, triton):
+            unpack_bitdelta(payload, header, out, weight=float(weight))
             continue
         parts = [section_tensors(payload, header, s) for s in header.sections]
         offset = 0
@@ -59,7 +57,7 @@ def decode_accumulate(
             target = out[offset : offset + n]
             offset += n
             if header.codec == "bitdelta":
-                _check_padding(data, n)
+                codecs.check_padding(data, n)
                 add = kernels.accumulate if triton else bitdelta.accumulate
                 add(
                     data.to(out.device), scales.to(out.device), section.group, target, float(weight)
@@ -68,11 +66,6 @@ def decode_accumulate(
                 step = torch.empty(n, dtype=torch.float32, device=out.device)
                 codecs.decode_tensor(header.codec, scales, data, section.group, step)
                 target.add_(step, alpha=float(weight))
-
-
-def _check_padding(data: Tensor, n: int) -> None:
-    if n % 8 and int(data[-1]) & ((1 << (8 - n % 8)) - 1):
-        raise EnvelopeError("non-zero padding after the last value of a tensor")
 
 
 def apply_update_(
@@ -99,7 +92,7 @@ def apply_update_(
         weights = params[section.spec.name]
         triton = use_triton(weights, backend)
         if header.codec == "bitdelta" and (weights.is_contiguous() or not triton):
-            _check_padding(data, section.spec.numel)
+            codecs.check_padding(data, section.spec.numel)
             apply = kernels.apply_ if triton else bitdelta.apply_
             apply(weights, data.to(weights.device), scales.to(weights.device), section.group, alpha)
             continue

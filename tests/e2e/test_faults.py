@@ -2,15 +2,17 @@
 
 - a contributor killed (SIGKILL) mid-upload: the round completes without it, nothing half-written
   stays in the spool, and the restarted contributor takes part in the next round;
-- the coordinator killed (SIGKILL) mid-round and restarted: the accepted submission and the ledger
+- the coordinator killed (SIGKILL) mid-round and restarted: the accepted submissions and the ledger
   survive, `gym-coordinator ledger verify` passes, the interrupted round is recorded aborted and the
-  next round completes;
+  next round completes with every contributor, a real `gym-client join` among them, reconnecting
+  on its own;
 - a contributor whose clock is off: beyond `clock_skew_s` it is refused with one clear line,
   within it the round works (`clock_offset_s` in the client config shifts its clock);
 - a corrupt model file on a contributor: detected by its hash, downloaded again, the round proceeds.
 
-The first two use simulated contributors (this file run as a script: the real transport client,
-no training) so the kill lands at a known point; the last two run the real `gym-client join`.
+The first two use simulated contributors (this file run as a script: the real transport client and
+the client's reconnecting `Link`, no training) so the kill lands at a known point; the last two,
+and one contributor of the restart, run the real `gym-client join`.
 """
 
 from __future__ import annotations
@@ -181,60 +183,44 @@ def test_contributor_killed_mid_upload(tiny_home: Path, tmp_path: Path, procs: P
 def test_coordinator_killed_mid_round_and_restarted(
     tiny_home: Path, tmp_path: Path, procs: Procs
 ) -> None:
-    # Prepare: a submits in round 1, b holds its round-1 task; the coordinator dies before the round closes
+    # Prepare: a (simulated) and c (a real `gym-client join`) submit in round 1, b holds its
+    # round-1 task; the coordinator dies before the round closes
     address, rest = configure(
-        tiny_home, "rounds = 1\nmin_clients = 2\nround_timeout_s = 120\nwait_for_clients_s = 60"
+        tiny_home,
+        "rounds = 1\nmin_clients = 3\nround_timeout_s = 120\nwait_for_clients_s = 60",
+        "steps = 2\nbatch_size = 4\nmax_length = 48",
     )
     serve(procs, tiny_home, rest, "coordinator-1")
     a = simulated(procs, "a", address, tiny_home, tmp_path / "a.key", "--rounds", "2")
     b = simulated(
         procs, "b", address, tiny_home, tmp_path / "b.key", "--rounds", "1", "--skip-round", "1"
     )
+    c_home = _client_home(tmp_path, "c", address)
+    c = procs.spawn("c", _join_argv(c_home, address, rounds=2))
     wait_for(
-        lambda: bool(
-            ledger_rows(tiny_home, "SELECT id FROM submissions WHERE decision = 'accepted'")
+        lambda: (
+            len(ledger_rows(tiny_home, "SELECT id FROM submissions WHERE decision = 'accepted'"))
+            == 2
         ),
-        "a's round-1 submission",
+        "a's and c's round-1 submissions",
+        180,
     )
     procs.wait_log("b", "holding round 1")
 
     # Execute: SIGKILL mid-round, verify the ledger, restart
     os.killpg(procs.running["coordinator-1"].pid, signal.SIGKILL)
     procs.running["coordinator-1"].wait()
-    verify_dead = subprocess.run(
-        [
-            PY,
-            "-m",
-            "zoo_gym.cli.coordinator",
-            "ledger",
-            "verify",
-            "-c",
-            str(tiny_home / "coordinator.toml"),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    verify_dead = _verify_ledger(tiny_home)
     restarted = serve(procs, tiny_home, rest, "coordinator-2")
     restarted.wait(timeout=240)
-    a.wait(timeout=60)
-    b.wait(timeout=60)
-    verify_after = subprocess.run(
-        [
-            PY,
-            "-m",
-            "zoo_gym.cli.coordinator",
-            "ledger",
-            "verify",
-            "-c",
-            str(tiny_home / "coordinator.toml"),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    for name, proc in (("a", a), ("b", b), ("c", c)):
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"{name} did not finish round 2:\n{procs.log(name)[-3000:]}")
+    verify_after = _verify_ledger(tiny_home)
 
-    # Assert
+    # Assert: the ledger survived and verifies, round 1 is aborted, round 2 had all three
     assert verify_dead.returncode == 0, verify_dead.stdout + verify_dead.stderr
     assert verify_after.returncode == 0, verify_after.stdout + verify_after.stderr
     assert restarted.returncode == 0, procs.log("coordinator-2")[-3000:]
@@ -245,9 +231,33 @@ def test_coordinator_killed_mid_round_and_restarted(
         and rounds[1][1] in ("published", "rolled_back")
     )
     subs = ledger_rows(tiny_home, "SELECT round_number, decision FROM submissions ORDER BY id")
-    assert sorted(subs) == [(1, "accepted"), (2, "accepted"), (2, "accepted")]
+    assert sorted(subs) == [(1, "accepted")] * 2 + [(2, "accepted")] * 3
     reason = ledger_rows(tiny_home, "SELECT metrics FROM rounds WHERE number = 1")[0][0]
     assert "coordinator restarted during the round" in str(reason)
+    # the real client rode out the restart: it lost the coordinator, found it again, and
+    # contributed to the next round without being started again
+    assert c.returncode == 0, procs.log("c")[-3000:]
+    log = procs.log("c")
+    assert "lost the coordinator" in log and f"reconnected to {address}" in log
+    assert "round 2: uploaded" in log
+    assert log.index("reconnected") < log.index("round 2: training")
+
+
+def _verify_ledger(home: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [
+            PY,
+            "-m",
+            "zoo_gym.cli.coordinator",
+            "ledger",
+            "verify",
+            "-c",
+            str(home / "coordinator.toml"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def _client_home(tmp_path: Path, name: str, address: str, extra: str = "") -> Path:
@@ -266,25 +276,24 @@ def _client_home(tmp_path: Path, name: str, address: str, extra: str = "") -> Pa
     return home
 
 
+def _join_argv(home: Path, address: str, *, rounds: int = 1) -> list[str]:
+    return [
+        PY,
+        "-m",
+        "zoo_gym.cli.client",
+        "join",
+        address,
+        "--home",
+        str(home),
+        "--data",
+        str(home / "data.jsonl"),
+        "--max-rounds",
+        str(rounds),
+    ]
+
+
 def _join(home: Path, address: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [
-            PY,
-            "-m",
-            "zoo_gym.cli.client",
-            "join",
-            address,
-            "--home",
-            str(home),
-            "--data",
-            str(home / "data.jsonl"),
-            "--max-rounds",
-            "1",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    return subprocess.run(_join_argv(home, address), capture_output=True, text=True, timeout=300)
 
 
 def test_skewed_clock_and_corrupt_model_file(tiny_home: Path, tmp_path: Path, procs: Procs) -> None:
@@ -340,6 +349,7 @@ def _contributor(argv: list[str]) -> int:
 
     import grpc
 
+    from zoo_gym.client.link import Link
     from zoo_gym.client.runtime import signed_reply
     from zoo_gym.core.identity import Identity
     from zoo_gym.core.protocol import TASK_CONFIG, TaskConfig
@@ -360,15 +370,17 @@ def _contributor(argv: list[str]) -> int:
         me = Identity.generate()
         me.save(args.key)
     client = FederationClient(args.address, me, timeout_s=10)
-    done, skipped = 0, False
-    while done < args.rounds:
+    link = Link(client, args.key.stem, reconnect_for_s=600)
+    while True:  # first contact: the coordinator may still be starting
         try:
-            client.register(args.key.stem)
-            task = client.poll(1.0)
-        except TransportError as exc:  # coordinator down or restarting
+            link.register()
+            break
+        except TransportError as exc:
             print("waiting:", exc, flush=True)
             time.sleep(0.5)
-            continue
+    done, skipped = 0, False
+    while done < args.rounds:
+        task = link.call(lambda: client.poll(1.0))
         if task is None:
             continue
         config = TaskConfig.from_record(task.message.content.config_records[TASK_CONFIG])
@@ -388,7 +400,8 @@ def _contributor(argv: list[str]) -> int:
         if args.slow_upload:
             print(f"uploading round {config.round} slowly", flush=True)
             _slow_submit(client, task, reply, grpc, split_payload)
-        result = client.submit(task, reply)
+        result = link.submit(task, reply)
+        assert result is not None
         print(
             f"round {config.round}: {'accepted' if result.accepted else 'rejected'}: {result.reason}",
             flush=True,

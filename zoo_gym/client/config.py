@@ -37,6 +37,12 @@ class ClientConfig(HomeConfig):
     device: str = "cpu"
     poll_wait_s: float = Field(10.0, gt=0, le=30)
     max_rounds: int = Field(0, ge=0, description="leave after this many submissions; 0 = stay")
+    reconnect_for_s: float = Field(
+        600.0,
+        ge=0,
+        description="how long `join` keeps trying to reach a coordinator it lost (a restart, a "
+        "network outage) before it gives up; 0 = give up at once",
+    )
     byzantine: str = Field(
         "", description="attack the federation on purpose (demos and drills); empty = honest"
     )

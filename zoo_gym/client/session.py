@@ -19,6 +19,7 @@ from zoo_gym.client.app import make_client_app
 from zoo_gym.client.byzantine import Misbehaviour
 from zoo_gym.client.config import ClientConfig
 from zoo_gym.client.data import load_records
+from zoo_gym.client.link import Link
 from zoo_gym.client.runtime import ClientRuntime, RoundEvent
 from zoo_gym.client.state import Contribution
 from zoo_gym.core.identity import Identity
@@ -57,20 +58,28 @@ def join(
         plaintext=True if config.plaintext else None,
         clock=(lambda: time.time() + offset) if offset else time.time,
     )
+    link = Link(client, config.name, reconnect_for_s=config.reconnect_for_s, stop=stop, say=say)
     try:
-        reg = client.register(config.name)
+        reg = link.register()
         home = config.home
         runtime_home = home / "state"
         runtime_home.mkdir(parents=True, exist_ok=True)
+
+        def fetch(version: str, directory: Path) -> None:
+            if (
+                link.call(lambda: client.fetch_model(version, directory, reg.coordinator_key))
+                is None
+            ):
+                raise JoinError(f"stopped before {version} was downloaded")
 
         def source(version: str, directory: Path) -> None:
             try:
                 read_verified(directory, reg.coordinator_key)
             except FileNotFoundError:
-                client.fetch_model(version, directory, reg.coordinator_key)
+                fetch(version, directory)
             except (OSError, ValueError) as exc:
                 say(f"model {version} on disk failed its check ({exc}); downloading it again")
-                client.fetch_model(version, directory, reg.coordinator_key)
+                fetch(version, directory)
 
         runtime = ClientRuntime(
             identity=identity,
@@ -111,7 +120,7 @@ def join(
         made = 0
         while not stop.is_set() and (config.max_rounds == 0 or made < config.max_rounds):
             _report_outcomes(client, runtime, say)
-            task = client.poll(config.poll_wait_s)
+            task = link.call(lambda: client.poll(config.poll_wait_s))
             if task is None:
                 continue
             if runtime.state.submitted(task.round):
@@ -122,7 +131,10 @@ def join(
                 continue
             say(f"round {task.round}: training on {task.base_version}")
             reply = app(task.message, context)
-            result = client.submit(task, reply)
+            result = link.submit(task, reply)
+            if result is None:  # stopped while the coordinator was out of reach
+                runtime.revert_feedback()
+                break
             metrics = reply.content.metric_records["metrics"]
             done = result.accepted or already_accepted(result.reason)
             if done:  # the coordinator holds the update: what compression dropped carries over

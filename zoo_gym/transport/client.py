@@ -32,13 +32,17 @@ from zoo_gym.proto.v1 import federation_pb2_grpc as pb_grpc
 from zoo_gym.transport.records import split_payload
 from zoo_gym.transport.server import CHUNK_BYTES, MAX_HEADER_BYTES, parse_message, serialize_message
 
+RECONNECT_BACKOFF_MAX_MS = 5_000
+
 
 class TransportError(RuntimeError):
     """The coordinator refused a call or could not be reached; the message says what to do."""
 
-    def __init__(self, message: str, *, code: str = "") -> None:
+    def __init__(self, message: str, *, code: str = "", transient: bool = False) -> None:
         super().__init__(message)
         self.code = code
+        # the coordinator could not be reached: the same call may work later
+        self.transient = transient
 
 
 @dataclass(frozen=True)
@@ -73,10 +77,13 @@ def _describe(err: grpc.RpcError, target: str) -> TransportError:
         return TransportError(
             f"cannot reach the coordinator at {target} ({err.details()}); check the address and that it is running",
             code=code.name,
+            transient=True,
         )
     if code == grpc.StatusCode.DEADLINE_EXCEEDED:
         return TransportError(
-            f"the coordinator at {target} did not answer in time; try again", code=code.name
+            f"the coordinator at {target} did not answer in time; try again",
+            code=code.name,
+            transient=True,
         )
     return TransportError(str(err.details()), code=code.name)
 
@@ -120,6 +127,9 @@ class FederationClient:
         options = [
             ("grpc.max_receive_message_length", CHUNK_BYTES * 4 + MAX_HEADER_BYTES),
             ("grpc.max_send_message_length", CHUNK_BYTES * 4 + MAX_HEADER_BYTES),
+            # gRPC's default backoff grows to 120 s between connection attempts: a coordinator
+            # that restarted would see its contributors only minutes later
+            ("grpc.max_reconnect_backoff_ms", RECONNECT_BACKOFF_MAX_MS),
         ]
         if plaintext is None:
             plaintext = root_certificates is None and is_loopback(target)

@@ -101,3 +101,23 @@ def test_abort_only_an_open_round(world: World) -> None:
     assert event.action == "round.abort" and event.detail == {"reason": "bad data"}
     state = world.client.get("/rounds/control", headers=world.as_viewer).json()
     assert state["aborts"]["2"]["reason"] == "bad data"
+
+
+def test_round_numbers_beyond_the_ledgers_range_are_refused(shared_world: World) -> None:
+    # a round filter past the ledger's 64-bit columns reached SQLite and failed there (a 500)
+    w = shared_world
+    alice = w.alice.contributor_id
+    paths = [
+        "/rounds/9223372036854775808",
+        "/rewards?round=9223372036854775808",
+        "/rewards?round=-1",
+        f"/contributors/{alice}/submissions?round=9223372036854775808",
+        f"/contributors/{alice}/rewards?round=9223372036854775808",
+        f"/contributors/{alice}/report?round=9223372036854775808",
+    ]
+
+    answers = {p: w.client.get(p, headers=w.as_viewer) for p in paths}
+    largest = w.client.get("/rewards?round=9223372036854775807", headers=w.as_viewer)
+
+    assert {p: a.status_code for p, a in answers.items()} == dict.fromkeys(paths, 422)
+    assert largest.status_code == 200 and largest.json() == []

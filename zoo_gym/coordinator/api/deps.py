@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
-from fastapi import Depends, HTTPException, Request, status
+from fastapi import Depends, HTTPException, Query, Request, status
 from fastapi.routing import APIRoute
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from sqlmodel import Session
@@ -29,6 +29,7 @@ from zoo_gym.coordinator.api.auth import TOKEN_SCHEME, ContributorAuth
 from zoo_gym.coordinator.api.limits import ApiGuard, client_address, refuse_if_locked
 from zoo_gym.coordinator.control import RoundControl
 from zoo_gym.coordinator.metrics import CoordinatorMetrics
+from zoo_gym.ledger.models import MAX_INT64
 
 if TYPE_CHECKING:
     from zoo_gym.coordinator.service import Coordinator
@@ -78,6 +79,11 @@ def get_session(state: StateDep) -> Iterator[Session]:
 
 
 SessionDep = Annotated[Session, Depends(get_session)]
+
+# `?round=N` filters; bounded like the ledger's integer columns, so a larger N is a 422, not a 500
+RoundQuery = Annotated[
+    int | None, Query(alias="round", ge=0, le=MAX_INT64, description="only this round")
+]
 
 bearer = HTTPBearer(
     auto_error=False,

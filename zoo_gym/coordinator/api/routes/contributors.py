@@ -12,7 +12,7 @@ from sqlalchemy import ColumnElement, LargeBinary, func, literal
 from sqlmodel import Session, col, select
 
 from zoo_gym import ledger
-from zoo_gym.coordinator.api.deps import AdminDep, SelfDep, SessionDep, ViewerDep
+from zoo_gym.coordinator.api.deps import AdminDep, RoundQuery, SelfDep, SessionDep, ViewerDep
 from zoo_gym.coordinator.api.schemas import (
     BanCreate,
     ContributorReport,
@@ -35,8 +35,6 @@ from zoo_gym.ledger import (
 router = APIRouter(prefix="/contributors", tags=["contributors"])
 
 ZERO = Decimal(0)
-
-RoundQuery = Annotated[int | None, Query(alias="round", description="only this round")]
 
 
 def _contributor(session: Session, contributor_id: str) -> Contributor:

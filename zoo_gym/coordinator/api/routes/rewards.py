@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Annotated
-
-from fastapi import APIRouter, Query
+from fastapi import APIRouter
 
 from zoo_gym import ledger
-from zoo_gym.coordinator.api.deps import SessionDep, ViewerDep
+from zoo_gym.coordinator.api.deps import RoundQuery, SessionDep, ViewerDep
 from zoo_gym.ledger import Reward, RewardPublic
 
 router = APIRouter(prefix="/rewards", tags=["rewards"])
@@ -17,7 +15,7 @@ router = APIRouter(prefix="/rewards", tags=["rewards"])
 def list_rewards(
     session: SessionDep,
     viewer: ViewerDep,
-    round_number: Annotated[int | None, Query(alias="round")] = None,
+    round_number: RoundQuery = None,
     contributor_id: str | None = None,
 ) -> list[Reward]:
     """Rewards, oldest first, optionally of one round and/or one contributor."""

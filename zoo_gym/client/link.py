@@ -1,8 +1,9 @@
 """A contributor's connection to its coordinator, kept across the coordinator's restarts.
 
 `gym-client join` runs for days, and the coordinator behind it is upgraded, restarted or briefly
-out of reach. A call that cannot reach it waits (1 s, doubling to 30 s, for up to
-`reconnect_for_s` in all), registers again, checks that the coordinator still signs with the key
+out of reach. A call that cannot reach it waits (1 s, doubling to 30 s, each wait jittered by
+±20% so that a restarted coordinator's contributors do not all return in the same instant; for up
+to `reconnect_for_s` in all), registers again, checks that the coordinator still signs with the key
 it had, and is made again. A refusal (the coordinator answered, and said no) is never retried.
 
 A submission whose connection dropped may or may not have landed. Before sending it again, the
@@ -12,6 +13,7 @@ holds is not sent twice.
 
 from __future__ import annotations
 
+import random
 import threading
 import time
 from collections.abc import Callable
@@ -27,6 +29,7 @@ T = TypeVar("T")
 
 RETRY_FIRST_S = 1.0
 RETRY_MAX_S = 30.0
+JITTER = 0.2
 
 
 class Link:
@@ -108,7 +111,7 @@ class Link:
                     "again once it is back, or raise reconnect_for_s",
                     code=lost.code,
                 )
-            if self.stop.wait(min(delay, remaining)):
+            if self.stop.wait(min(delay * random.uniform(1 - JITTER, 1 + JITTER), remaining)):
                 return False
             try:
                 registration = self.client.register(self.name)

@@ -16,12 +16,11 @@ from typing import Any
 
 import grpc
 import pytest
-from wire import Wire, build_wire
+from wire import Wire, build_wire, config_of
 
 from zoo_gym.client.link import Link
 from zoo_gym.client.runtime import signed_reply
 from zoo_gym.core.identity import Identity
-from zoo_gym.core.protocol import TASK_CONFIG, TaskConfig
 from zoo_gym.proto.v1 import federation_pb2_grpc as pb_grpc
 from zoo_gym.transport.client import FederationClient, TransportError
 from zoo_gym.transport.server import start_server
@@ -63,9 +62,16 @@ class DropFirstSubmit(grpc.StreamUnaryClientInterceptor):  # type: ignore[misc]
         return continuation(details, requests)
 
 
-def joined(wire: Wire, me: Identity, said: list[str], **kw: Any) -> tuple[FederationClient, Link]:
+def joined(
+    wire: Wire,
+    me: Identity,
+    said: list[str],
+    *,
+    reconnect_for_s: float = 30.0,
+    stop: threading.Event | None = None,
+) -> tuple[FederationClient, Link]:
     client = wire.client(me)
-    link = Link(client, "me", say=said.append, **{"reconnect_for_s": 30.0, **kw})
+    link = Link(client, "me", reconnect_for_s=reconnect_for_s, stop=stop, say=said.append)
     link.register()
     return client, link
 
@@ -73,8 +79,10 @@ def joined(wire: Wire, me: Identity, said: list[str], **kw: Any) -> tuple[Federa
 def reply_for(wire: Wire, me: Identity, client: FederationClient) -> tuple[Any, Any]:
     task = client.poll(2.0)
     assert task is not None
-    config = TaskConfig.from_record(task.message.content.config_records[TASK_CONFIG])
-    return task, signed_reply(me, task.message, config, wire.payload(task), {"num_examples": 1.0})
+    reply = signed_reply(
+        me, task.message, config_of(task), wire.payload(task), {"num_examples": 1.0}
+    )
+    return task, reply
 
 
 def restart_server(wire: Wire, after_s: float) -> threading.Thread:

@@ -16,13 +16,12 @@ import grpc
 import pytest
 import torch
 from sqlmodel import Session
-from wire import Wire, build_wire, take_task
+from wire import Wire, build_wire, config_of, take_task
 
 from zoo_gym import ledger
 from zoo_gym.client.runtime import signed_reply
 from zoo_gym.compression import CodecSpec, encode
 from zoo_gym.core.identity import Identity
-from zoo_gym.core.protocol import TASK_CONFIG, TaskConfig
 from zoo_gym.proto.v1 import federation_pb2 as pb
 from zoo_gym.transport.client import TransportError
 from zoo_gym.transport.limits import RateLimits, TokenBuckets, peer_host
@@ -35,16 +34,9 @@ def wire(tiny_home: Path) -> Iterator[Wire]:
     built.close()
 
 
-def config_of(task: object) -> TaskConfig:
-    return TaskConfig.from_record(task.message.content.config_records[TASK_CONFIG])  # type: ignore[attr-defined]
-
-
 def test_a_reused_nonce_is_refused_as_a_replay(wire: Wire) -> None:
     me = Identity.generate()
-    client = wire.client(me)
-    client.register("me")
-    wire.open_round(1, [me])
-    task = take_task(client)
+    client, task = wire.handed_task(me)
     config = config_of(task)
     first = signed_reply(me, task.message, config, b"x" * 70_000, {})
     with pytest.raises(TransportError, match="exceeds the 65536-byte limit"):
@@ -74,10 +66,7 @@ def test_a_reused_nonce_is_refused_as_a_replay(wire: Wire) -> None:
 
 def test_a_captured_accepted_upload_replayed_verbatim_is_refused(wire: Wire) -> None:
     me = Identity.generate()
-    client = wire.client(me)
-    client.register("me")
-    wire.open_round(1, [me])
-    task = take_task(client)
+    client, task = wire.handed_task(me)
     reply = signed_reply(
         me, task.message, config_of(task), wire.payload(task), {"num_examples": 1.0}
     )
@@ -185,10 +174,7 @@ def test_approval_mode_holds_new_keys_until_an_operator_approves(wire: Wire) -> 
 
 def test_an_envelope_claiming_more_elements_than_the_round_is_refused(wire: Wire) -> None:
     me = Identity.generate()
-    client = wire.client(me)
-    client.register("me")
-    wire.open_round(1, [me])
-    task = take_task(client)
+    client, task = wire.handed_task(me)
     first = wire.layout[0]
     # right names, a first tensor 40x the allowed size, sent with the 1-bit codec so it fits the upload limit
     delta = {s.name: torch.zeros(s.shape) for s in wire.layout}
@@ -205,10 +191,7 @@ def test_an_envelope_claiming_more_elements_than_the_round_is_refused(wire: Wire
 
 def test_submissions_per_round_are_capped_and_the_cap_is_recorded_once(wire: Wire) -> None:
     me = Identity.generate()
-    client = wire.client(me)
-    client.register("me")
-    wire.open_round(1, [me])
-    task = take_task(client)
+    client, task = wire.handed_task(me)
     errors = []
     for _ in range(5):  # oversized: refused before the payload, so the task stays open
         with pytest.raises(TransportError) as err:
@@ -322,10 +305,7 @@ def test_token_bucket_refills_at_its_rate() -> None:
 
 def test_strings_a_caller_chose_are_quoted_so_a_refusal_stays_one_line(wire: Wire) -> None:
     me = Identity.generate()
-    client = wire.client(me)
-    client.register("me")
-    wire.open_round(1, [me])
-    task = take_task(client)
+    client, task = wire.handed_task(me)
     forged = "v9\nINFO round 1 accepted"
     reply = signed_reply(
         me,

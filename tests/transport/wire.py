@@ -52,6 +52,13 @@ class Wire:
         self.clients.append(c)
         return c
 
+    def handed_task(self, me: Identity, number: int = 1) -> tuple[FederationClient, ReceivedTask]:
+        """A client of `me`, registered, holding its task of round `number` (opened for it alone)."""
+        client = self.client(me)
+        client.register("me")
+        self.open_round(number, [me])
+        return client, take_task(client)
+
     def open_round(self, number: int, identities: list[Identity], *, base: str = "v0000") -> None:
         if self.co.backend.open_round is not None:
             self.co.backend.open_round.accepting = False
@@ -113,6 +120,10 @@ def build_wire(home: Path, *, limits: RateLimits = UNLIMITED, settings: str = ""
     state = co.registry.load_state_dict(co.registry.latest().version)
     layout = update_layout(state, lora_spec(co))  # type: ignore[arg-type]
     return Wire(co, server, mailbox, GrpcGrid(mailbox), layout)
+
+
+def config_of(task: ReceivedTask) -> TaskConfig:
+    return TaskConfig.from_record(task.message.content.config_records[TASK_CONFIG])
 
 
 def take_task(client: FederationClient) -> ReceivedTask:

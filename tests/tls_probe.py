@@ -8,15 +8,16 @@ import ssl
 from pathlib import Path
 
 
-def served_sha256(port: int, ca: Path, *, alpn: str | None = None) -> str:
-    """SHA-256 of the certificate 127.0.0.1:`port` presents for "localhost", checked against
-    `ca`. gRPC servers need `alpn="h2"` to finish the handshake."""
+def served_sha256(port: int, ca: Path, *, host: str = "localhost", alpn: str | None = None) -> str:
+    """SHA-256 of the certificate 127.0.0.1:`port` presents for `host`, checked against `ca`.
+    An IP address as `host` sends no server name (SNI). gRPC servers need `alpn="h2"` to
+    finish the handshake."""
     context = ssl.create_default_context(cafile=str(ca))
     if alpn:
         context.set_alpn_protocols([alpn])
     with (
         socket.create_connection(("127.0.0.1", port), timeout=10) as raw,
-        context.wrap_socket(raw, server_hostname="localhost") as tls,
+        context.wrap_socket(raw, server_hostname=host) as tls,
     ):
         der = tls.getpeercert(binary_form=True)
     assert der is not None

@@ -27,12 +27,12 @@ from zoo_gym.coordinator.tls import (
     TlsError,
     TlsFiles,
     certificate_hosts,
-    check_server_files,
     create_ca,
     expiry_warning,
     follow_in_ssl_context,
     issue_server_certificate,
     load_certificate,
+    read_served_pair,
     renew_server_certificate,
     write_tls_material,
 )
@@ -135,10 +135,10 @@ def test_mismatched_key_refused(material: Path, tmp_path: Path) -> None:
     other = write_tls_material(tmp_path / "other", ["localhost"])
 
     with pytest.raises(TlsError, match="is not the private key of"):
-        check_server_files(material / "server.pem", other.server_key)
+        read_served_pair(material / "server.pem", other.server_key)
     with pytest.raises(TlsError, match="is not a PEM certificate"):
-        check_server_files(material / "server.key", material / "server.key")
-    check_server_files(material / "server.pem", material / "server.key")  # the pair is fine
+        read_served_pair(material / "server.key", material / "server.key")
+    read_served_pair(material / "server.pem", material / "server.key")  # the pair is fine
 
 
 def test_expired_certificate_refused(tmp_path: Path) -> None:
@@ -156,7 +156,7 @@ def test_expired_certificate_refused(tmp_path: Path) -> None:
     )
 
     with pytest.raises(TlsError, match="expired on"):
-        check_server_files(tmp_path / "s.pem", tmp_path / "s.key")
+        read_served_pair(tmp_path / "s.pem", tmp_path / "s.key")
 
 
 # --- the certificates in real TLS stacks ---------------------------------------------------------
@@ -281,7 +281,7 @@ def test_renewal_keeps_the_ca_and_the_hosts(tmp_path: Path) -> None:
 
     assert renewed.fingerprint == first.fingerprint
     assert first.ca_cert.read_bytes() == ca_before
-    cert = check_server_files(first.server_cert, first.server_key)  # a matching pair
+    cert = read_served_pair(first.server_cert, first.server_key).certificate  # a matching pair
     assert first.server_key.read_bytes() != old_key  # a new key, not only a new date
     assert certificate_hosts(cert) == list(HOSTS)
     left = cert.not_valid_after_utc - dt.datetime.now(dt.UTC)
@@ -407,7 +407,7 @@ def test_watcher_thread_follows_the_files(tmp_path: Path) -> None:
 
 
 def test_https_serves_the_renewed_certificate_to_new_connections(tmp_path: Path) -> None:
-    files = write_tls_material(tmp_path / "tls", ["localhost"])
+    files = write_tls_material(tmp_path / "tls", ["localhost", "127.0.0.1"])
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     context.load_cert_chain(files.server_cert, files.server_key)
 
@@ -417,6 +417,15 @@ def test_https_serves_the_renewed_certificate_to_new_connections(tmp_path: Path)
         return made
 
     renewed = follow_in_ssl_context(context, fresh)
+    names: list[str | None] = []  # the server name each client sent
+    switch = context.sni_callback
+    assert switch is not None
+
+    def spy(sock: ssl.SSLObject, name: str | None, ctx: ssl.SSLContext) -> int | None:
+        names.append(name)
+        return switch(sock, name, ctx)  # type: ignore[arg-type]
+
+    context.sni_callback = spy  # type: ignore[assignment]
     listener = socket.create_server(("127.0.0.1", 0))
     port = listener.getsockname()[1]
 
@@ -435,8 +444,9 @@ def test_https_serves_the_renewed_certificate_to_new_connections(tmp_path: Path)
     _renew(tmp_path / "tls")
     assert watcher.check()
 
-    after = served_sha256(port, files.ca_cert)  # IP address: no SNI is sent, still switched
+    after = served_sha256(port, files.ca_cert, host="127.0.0.1")  # an IP address: no SNI
     assert after == file_sha256(files.server_cert) != before
+    assert names == ["localhost", None]
     thread.join(5)
     listener.close()
 

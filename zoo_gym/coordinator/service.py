@@ -125,10 +125,10 @@ class Coordinator:
             return create_ssl_context(
                 certfile=cert,
                 keyfile=key,
-                password=None,
+                password=config.ssl_keyfile_password,
                 ssl_version=config.ssl_version,
                 cert_reqs=config.ssl_cert_reqs,
-                ca_certs=None,
+                ca_certs=config.ssl_ca_certs,
                 ciphers=config.ssl_ciphers,
             )
 

@@ -39,7 +39,7 @@ log = logging.getLogger(__name__)
 
 CA_DAYS = 3650
 SERVER_DAYS = 825  # the longest validity Apple's TLS clients accept, also for private CAs
-RENEW_WITHIN_DAYS = 30  # `serve` warns once less than this is left
+RENEW_WITHIN_DAYS = 30  # `serve` warns, at start and on each reload, when less than this is left
 CA_NAME = "zoo-gym coordinator CA"
 _DNS_LABEL = re.compile(r"^(?!-)[a-z0-9-]{1,63}(?<!-)$", re.IGNORECASE)
 
@@ -231,15 +231,11 @@ def _is_key_of(private: PrivateKeyTypes, certificate: x509.Certificate) -> bool:
     )
 
 
-def check_server_files(cert: Path, key: Path) -> x509.Certificate:
-    """The server certificate, after refusing a key that is not its own or an expired one."""
-    return check_server_pair(cert.read_bytes(), key.read_bytes(), cert=cert, key=key)
-
-
 def check_server_pair(
     cert_pem: bytes, key_pem: bytes, *, cert: Path, key: Path
 ) -> x509.Certificate:
-    """`check_server_files` of contents already read (`cert` and `key` name them in errors)."""
+    """The server certificate, after refusing a key that is not its own or an expired one
+    (`cert` and `key` name the files the PEM bytes came from, in errors)."""
     certificate = _parse_certificate(cert_pem, cert)
     try:
         private = serialization.load_pem_private_key(key_pem, password=None)
@@ -351,7 +347,7 @@ class ServedPair:
 
 
 def read_served_pair(cert: Path, key: Path) -> ServedPair:
-    """The pair at `cert`/`key`, checked like `check_server_files` (TlsError when unusable)."""
+    """The pair at `cert`/`key`, checked by `check_server_pair` (TlsError when unusable)."""
     cert_pem, key_pem = cert.read_bytes(), key.read_bytes()
     return ServedPair(cert_pem, key_pem, check_server_pair(cert_pem, key_pem, cert=cert, key=key))
 

@@ -175,18 +175,14 @@ class CoordinatorBackend:
         try:
             directory = self.registry.directory(version)
         except KeyError:
-            raise RequestError(
-                "NOT_FOUND", f"model version {version[:64]!r} is not published here"
-            ) from None
+            raise _not_published(version) from None
         return (directory / "manifest.json").read_bytes(), (directory / "manifest.sig").read_bytes()
 
     def model_file(self, version: str, name: str) -> Path:
         try:
             published = self.registry.get(version)
         except KeyError:
-            raise RequestError(
-                "NOT_FOUND", f"model version {version[:64]!r} is not published here"
-            ) from None
+            raise _not_published(version) from None
         if name not in published.manifest.files:
             raise RequestError("NOT_FOUND", f"{name!r} is not a file of {version}")
         return published.directory / name
@@ -354,6 +350,10 @@ class CoordinatorBackend:
                 rnd.status,
                 rnd.new_version or "",
             )
+
+
+def _not_published(version: str) -> RequestError:
+    return RequestError("NOT_FOUND", f"model version {version[:64]!r} is not published here")
 
 
 def stated_mechanism(content: RecordDict) -> ledger.DpMechanism | None:

@@ -81,19 +81,19 @@ def epsilon_of_history(
             return math.inf
     if not entries:
         return 0.0
-    acc = _accountant(accountant)
-    acc.history = entries
     # PRV at q = 1 takes log(0) on a branch np.where discards; the result is finite. RDP warns
     # when the best order is its largest one: the bound is then looser, still valid.
     with warnings.catch_warnings(), np.errstate(divide="ignore", invalid="ignore"):
         warnings.simplefilter("ignore", RuntimeWarning)
         warnings.filterwarnings("ignore", message="Optimal order is the largest alpha")
-        if isinstance(acc, RDPAccountant):
+        if accountant == "rdp":
             # what RDPAccountant.get_epsilon computes, with the RDP curve of each (sigma, q)
             # computed once: a contributor's many rounds usually repeat a few mechanisms
             curve = sum(t * _rdp_curve(sigma, q) for sigma, q, t in entries)
             eps, _ = rdp_analysis.get_privacy_spent(orders=RDP_ORDERS, rdp=curve, delta=delta)
             return float(eps)
+        acc = _accountant(accountant)
+        acc.history = entries
         return float(acc.get_epsilon(delta=delta))
 
 

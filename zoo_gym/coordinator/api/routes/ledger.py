@@ -32,7 +32,6 @@ from zoo_gym.ledger.models import MAX_INT64
 router = APIRouter(tags=["ledger"])
 
 MAX_PAGE = 1000
-MAX_INDEX = MAX_INT64  # log indices and tree sizes are the ledger's integer columns
 
 
 def _signed(state: ApiState, head: Checkpoint) -> CheckpointSigned:
@@ -43,7 +42,7 @@ def _signed(state: ApiState, head: Checkpoint) -> CheckpointSigned:
 def list_ledger_entries(
     session: SessionDep,
     viewer: ViewerDep,
-    start: Annotated[int, Query(ge=0, le=MAX_INDEX)] = 0,
+    start: Annotated[int, Query(ge=0, le=MAX_INT64)] = 0,
     limit: Annotated[int, Query(ge=1, le=MAX_PAGE)] = 100,
 ) -> LedgerPage:
     """Log entries `start`..`start + limit - 1` (canonical JSON records and their leaf hashes)."""
@@ -93,9 +92,9 @@ def _default_size(session: Session, tree_size: int | None) -> int:
 def get_inclusion_proof(
     session: SessionDep,
     reader: ReaderDep,
-    index: Annotated[int, Query(ge=0, le=MAX_INDEX, description="log entry index")],
+    index: Annotated[int, Query(ge=0, le=MAX_INT64, description="log entry index")],
     tree_size: Annotated[
-        int | None, Query(ge=1, le=MAX_INDEX, description="default: the latest checkpoint's size")
+        int | None, Query(ge=1, le=MAX_INT64, description="default: the latest checkpoint's size")
     ] = None,
 ) -> InclusionProofPublic:
     """Audit path of entry `index` in the tree of the first `tree_size` entries."""
@@ -127,9 +126,9 @@ def get_inclusion_proof(
 def get_consistency_proof(
     session: SessionDep,
     reader: ReaderDep,
-    old_size: Annotated[int, Query(ge=0, le=MAX_INDEX)],
+    old_size: Annotated[int, Query(ge=0, le=MAX_INT64)],
     new_size: Annotated[
-        int | None, Query(ge=0, le=MAX_INDEX, description="default: the latest checkpoint's size")
+        int | None, Query(ge=0, le=MAX_INT64, description="default: the latest checkpoint's size")
     ] = None,
 ) -> ConsistencyProofPublic:
     """Proof that the tree of `old_size` entries is a prefix of the tree of `new_size`."""

@@ -1,5 +1,6 @@
 """The DP-SGD mechanism each submission states (sigma, sample rate, steps, delta, accountant), so a
-contributor's privacy over many rounds is composed by an accountant instead of summed.
+contributor's privacy over many rounds is composed by an accountant instead of summed (when every
+one of its private rounds states its mechanism).
 
 Revision ID: 0004
 Revises: 0003

@@ -25,9 +25,15 @@ def test_batches_score_as_prompts_one_by_one(
     state = load_file(tiny_home_template / "models" / "v0000" / "model.safetensors")
     names = ["closeness", "exact_answer", "format"]
 
+    texts = evaluator.completions(state, max_new_tokens=8)
+    texts_one_by_one = evaluator.completions(state, max_new_tokens=8, batch_size=1)
     batched = evaluator.mean_rewards(state, reward_functions=names, max_new_tokens=8)
     single = evaluator.mean_rewards(state, reward_functions=names, max_new_tokens=8, batch_size=1)
 
+    # the texts themselves (the untrained base scores 0 on every reward, so scores alone could
+    # not tell a broken padding from a working one)
+    assert len(texts) == len(evaluator.prompts) > 1 and len(set(texts)) > 1
+    assert texts == texts_one_by_one
     assert batched == pytest.approx(single, abs=1e-12)
     assert set(batched) == set(names) and all(0.0 <= v <= 1.0 for v in batched.values())
     total = evaluator.mean_reward(state, reward_functions=names, max_new_tokens=8)

@@ -33,6 +33,7 @@ from zoo_gym.core.identity import Identity
 from zoo_gym.core.lora import LoraSpec
 from zoo_gym.core.protocol import (
     PAYLOAD,
+    POLICY_OBJECTIVES,
     SUBMISSION,
     TASK_CONFIG,
     TRAIN_METRICS,
@@ -247,7 +248,7 @@ class ClientRuntime:
                 on_step=on_step,
                 dp=dp,
             )
-        if task.method not in ("grpo", "gspo"):
+        if task.method not in POLICY_OBJECTIVES:
             raise ValueError(f"unknown training method {task.method!r}; update zoo-gym")
         from zoo_gym.client.trainers.grpo import train_grpo
         from zoo_gym.client.trainers.reward_functions import load_reward_functions

@@ -8,6 +8,7 @@ GRPO / GSPO (DESIGN "Quality and rewards").
 
 from __future__ import annotations
 
+import functools
 import json
 import threading
 from collections.abc import Sequence
@@ -18,6 +19,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from zoo_gym.core.chat import (
+    Prompt,
     completion_mask,
     encode_prompt,
     left_pad,
@@ -89,18 +91,41 @@ class Evaluator:
                 f"reward_functions must name built-ins ({', '.join(BUILTIN)}), got {list(reward_functions)}"
             )
         functions = {name: BUILTIN[name] for name in reward_functions}
+        texts = self.completions(state_dict, max_new_tokens=max_new_tokens, batch_size=batch_size)
+        totals = dict.fromkeys(functions, 0.0)
+        for text, (_, answer) in zip(texts, self.prompts, strict=True):
+            for name, function in functions.items():
+                totals[name] += function(text, answer)
+        return {name: total / len(texts) for name, total in totals.items()}
+
+    @functools.cached_property
+    def prompts(self) -> list[Prompt]:
+        """(conversation up to the last assistant turn, that turn) of each validation record."""
+        return prompts_from_conversations(self.records)
+
+    @functools.cached_property
+    def _encoded_prompts(self) -> list[list[int]]:
+        return [encode_prompt(self.tokenizer, prompt) for prompt, _ in self.prompts]
+
+    def completions(
+        self, state_dict: dict[str, torch.Tensor], *, max_new_tokens: int, batch_size: int = 64
+    ) -> list[str]:
+        """The greedy completion of each validation prompt, in batches left-padded as on clients."""
+        if not self.prompts:
+            raise ValueError(
+                "no validation record has an assistant turn to score; rewards need answers"
+            )
         pad_id = pad_id_of(self.tokenizer)
         eos_id = self.tokenizer.eos_token_id if self.tokenizer.eos_token_id is not None else pad_id
-        prompts = prompts_from_conversations(self.records)
         room = max(1, self.max_length - max_new_tokens)
-        encoded = [encode_prompt(self.tokenizer, prompt)[-room:] for prompt, _ in prompts]
-        totals = dict.fromkeys(functions, 0.0)
+        encoded = [ids[-room:] for ids in self._encoded_prompts]
+        texts: list[str] = []
         model: Any = self.model
         with self.lock, torch.no_grad():
             model.load_state_dict(state_dict, strict=False)
             model.eval()
             for start in range(0, len(encoded), batch_size):
-                ids, mask = left_pad(encoded[start : start + batch_size], pad_id)  # as on clients
+                ids, mask = left_pad(encoded[start : start + batch_size], pad_id)
                 width = ids.shape[1]
                 out = model.generate(
                     input_ids=ids,
@@ -112,10 +137,8 @@ class Evaluator:
                 )
                 completions = out[:, width:]
                 kept = completion_mask(completions, eos_id)
-                for row, m, (_, answer) in zip(
-                    completions, kept, prompts[start : start + batch_size], strict=True
-                ):
-                    text = str(self.tokenizer.decode(row[m].tolist(), skip_special_tokens=True))
-                    for name, function in functions.items():
-                        totals[name] += function(text, answer)
-        return {name: total / len(prompts) for name, total in totals.items()}
+                texts += [
+                    str(self.tokenizer.decode(row[m].tolist(), skip_special_tokens=True))
+                    for row, m in zip(completions, kept, strict=True)
+                ]
+        return texts

@@ -28,7 +28,7 @@ from zoo_gym.coordinator.rewards import pay_round
 from zoo_gym.coordinator.service import Coordinator
 from zoo_gym.core.delta import Layout, TensorSpec, unflatten
 from zoo_gym.core.lora import LoraSpec, merge_update, update_shapes
-from zoo_gym.core.protocol import TASK_CONFIG, TaskConfig
+from zoo_gym.core.protocol import POLICY_OBJECTIVES, TASK_CONFIG, TaskConfig
 
 log = logging.getLogger(__name__)
 
@@ -88,7 +88,7 @@ def validation_utility(
 def validation_reward(co: Coordinator, state: dict[str, torch.Tensor]) -> float | None:
     """Mean reward of greedy completions on the validation prompts for GRPO / GSPO; None for SFT."""
     t = co.config.training
-    if t.method not in ("grpo", "gspo"):
+    if t.method not in POLICY_OBJECTIVES:
         return None
     return co.evaluator.mean_reward(
         state, reward_functions=t.reward_functions, max_new_tokens=t.max_new_tokens

@@ -155,6 +155,7 @@ def write_variant(
         delta = _distilled_delta(
             registry.root / manifest.parent, base, finetuned, delta, spec, calibration, steps
         )
+    del finetuned, base  # only the delta is needed from here: two float32 models fewer in memory
     payload = encode(delta, spec)
     envelope, record_path = variant_paths(registry.root, version, manifest.parent)
     envelope.parent.mkdir(parents=True, exist_ok=True)

@@ -119,6 +119,9 @@ _SCALARS: dict[str, type] = {"int": int, "float": float, "str": str}
 Objective = Literal["sft", "grpo", "gspo"]
 OBJECTIVES: tuple[Objective, ...] = get_args(Objective)
 """What a round optimises: supervised fine-tuning, or GRPO / GSPO on a reward."""
+PolicyObjective = Literal["grpo", "gspo"]
+POLICY_OBJECTIVES: tuple[PolicyObjective, ...] = get_args(PolicyObjective)
+"""The objectives that train a policy on a reward (the rest is supervised)."""
 
 Adapter = Literal["ffa_lora", "lora", "dora", "qlora", "full"]
 ADAPTERS: tuple[Adapter, ...] = get_args(Adapter)

@@ -22,6 +22,7 @@ from typing import IO, Any
 
 import httpx
 
+from zoo_gym.core.protocol import POLICY_OBJECTIVES
 from zoo_gym.core.synthetic import make_examples, shard, write_jsonl
 
 # GRPO / GSPO on the synthetic task: closeness (partial credit, exp(-|error| / 10)) + exact_answer.
@@ -137,7 +138,7 @@ class Federation:
             f"steps = {self.steps}",
             "learning_rate = 0.005",
             f'codec = "{self.codec}"',
-            *(GRPO_TRAINING if self.method in ("grpo", "gspo") else ()),
+            *(GRPO_TRAINING if self.method in POLICY_OBJECTIVES else ()),
             f'method = "{self.first_method}"',
         ]
         config.write_text("\n".join(lines) + "\n")

@@ -34,7 +34,7 @@ import hashlib
 import logging
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any, Literal, Protocol
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor, nn
@@ -48,12 +48,11 @@ from zoo_gym.core.chat import (
     pad_id_of,
 )
 from zoo_gym.core.delta import Delta
+from zoo_gym.core.protocol import POLICY_OBJECTIVES, PolicyObjective
 from zoo_gym.core.rewards import RewardFunction, total_reward
 
 logger = logging.getLogger(__name__)
 
-Objective = Literal["grpo", "gspo"]
-OBJECTIVES: tuple[Objective, ...] = ("grpo", "gspo")
 ADVANTAGE_EPS = 1e-4
 
 
@@ -96,7 +95,7 @@ def policy_loss(
     mask: Tensor,
     advantages: Tensor,
     *,
-    objective: Objective,
+    objective: PolicyObjective,
     clip_epsilon: float,
     kl_beta: float,
 ) -> tuple[Tensor, Tensor]:
@@ -123,7 +122,9 @@ def policy_loss(
         clipped = ratio.clamp(1 - clip_epsilon, 1 + clip_epsilon)
         surrogate = torch.minimum(ratio * advantages, clipped * advantages)
     else:
-        raise ValueError(f"objective must be one of {', '.join(OBJECTIVES)}, not {objective!r}")
+        raise ValueError(
+            f"objective must be one of {', '.join(POLICY_OBJECTIVES)}, not {objective!r}"
+        )
     kl = torch.zeros_like(lengths)
     if ref_logp is not None:
         kl = (k3_kl(logp, ref_logp) * mask).sum(dim=1) / lengths  # (n,)
@@ -193,8 +194,10 @@ def train_grpo(
     ``batch_size * num_generations`` sequences. Prompts are cut on the left to leave
     `max_new_tokens` within `max_length`. Deterministic under `seed` on one device.
     """
-    if objective not in OBJECTIVES:
-        raise ValueError(f"objective must be one of {', '.join(OBJECTIVES)}, not {objective!r}")
+    if objective not in POLICY_OBJECTIVES:
+        raise ValueError(
+            f"objective must be one of {', '.join(POLICY_OBJECTIVES)}, not {objective!r}"
+        )
     if not prompts:
         raise ValueError("GRPO needs at least one prompt (a conversation ending in an answer)")
     if num_generations < 2:
@@ -203,7 +206,7 @@ def train_grpo(
         raise ValueError("GRPO needs at least one reward function")
     if iterations < 1:
         raise ValueError("iterations must be at least 1")
-    mode: Objective = "gspo" if objective == "gspo" else "grpo"
+    mode: PolicyObjective = "gspo" if objective == "gspo" else "grpo"
     start = time.perf_counter()
     model, tokenizer, device = trainer.model, trainer.tokenizer, trainer.device
     pad_id = pad_id_of(tokenizer)

@@ -179,14 +179,15 @@ class Federation:
                 *(("--stay",) if self.stay else ()),
             ),
         )
+        # contributors start once it answers: `join` does not retry its first contact
+        self.wait_until_serving()
         if self.warmup_rounds:  # before any contributor joins, so that no round starts without it
             self.create_admin_key()
         for i in range(self.total_clients):
             self.start_client(i, *(("--byzantine", self.byzantine) if i >= self.clients else ()))
 
-    def create_admin_key(self, timeout_s: float = 120.0) -> None:
-        """An admin API key for the operator's policy change (`apikey create` needs the ledger,
-        which the coordinator makes on start: wait until its REST API answers)."""
+    def wait_until_serving(self, timeout_s: float = 120.0) -> None:
+        """Wait until the coordinator's REST API answers (it starts after the gRPC service)."""
         deadline = time.monotonic() + timeout_s
         while True:
             with contextlib.suppress(httpx.HTTPError):
@@ -200,6 +201,10 @@ class Federation:
                     f"the coordinator's REST API did not come up; see {self.workdir / 'coordinator.log'}"
                 )
             time.sleep(0.5)
+
+    def create_admin_key(self) -> None:
+        """An admin API key for the operator's policy change (`apikey create` needs the ledger,
+        which the coordinator has made once it serves)."""
         issued = subprocess.run(
             _python(
                 "zoo_gym.cli.coordinator",

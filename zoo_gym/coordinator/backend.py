@@ -54,6 +54,8 @@ class OpenRound:
     base_version: str
     layout: Layout
     deadline_ms: int
+    codec: str = ""  # the codec the round's task names; "" accepts any
+    max_update_norm: float = 0.0  # the largest L2 norm an update may have; 0.0 = no bound
     accepting: bool = True
     accepted: set[str] = field(default_factory=set)
 
@@ -97,7 +99,7 @@ class CoordinatorBackend:
             )
 
     def register(
-        self, *, public_key: bytes, name: str, timestamp_ms: int, signature: bytes
+        self, *, public_key: bytes, name: str, timestamp_ms: int, signature: bytes, invite: str = ""
     ) -> Registration:
         if len(public_key) != 32:
             raise RequestError("INVALID_ARGUMENT", "public key must be a raw 32-byte Ed25519 key")

@@ -155,6 +155,7 @@ class CoordinatorConfig(HomeConfig):
         0, ge=0, description="Byzantine updates per round the rule must tolerate"
     )
     quality_gate_tolerance: float = Field(0.02, ge=0)
+    # -- admission and intake (who may take part; what a submission must satisfy) --
     max_upload_bytes: int = Field(64 << 20, ge=1024)
     require_approval: bool = False
     clock_skew_s: float = Field(300.0, gt=0)
@@ -163,6 +164,7 @@ class CoordinatorConfig(HomeConfig):
         ge=1,
         description="submissions a contributor may make per round; the first one over is recorded, later ones not",
     )
+    # -- gRPC service limits (every resource a caller can hold is bounded) --
     grpc_rate_per_s: float = Field(
         50.0, ge=0, description="gRPC calls per second per peer address; 0 = unlimited"
     )
@@ -176,6 +178,7 @@ class CoordinatorConfig(HomeConfig):
     max_concurrent_per_peer: int = Field(
         64, ge=0, description="open gRPC calls per peer address; 0 = unlimited"
     )
+    # -- REST API limits --
     api_auth_rate_per_s: float = Field(
         2.0, ge=0, description="REST sign-in calls per second per client address; 0 = unlimited"
     )
@@ -186,6 +189,7 @@ class CoordinatorConfig(HomeConfig):
     api_lockout_s: float = Field(
         300.0, gt=0, description="how long a locked-out client address is refused"
     )
+    # -- the rest --
     seed: int = 0
     tls_cert: Path | None = None
     tls_key: Path | None = None

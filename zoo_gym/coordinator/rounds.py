@@ -192,7 +192,9 @@ def run_rounds(
         deadline_ms = int((time.time() + config.round_timeout_s) * 1000)
         for message in messages:
             message.content.config_records[TASK_CONFIG]["deadline_ms"] = deadline_ms
-        co.backend.open_round = OpenRound(round_number, base.version, layout, deadline_ms)
+        co.backend.open_round = OpenRound(
+            round_number, base.version, layout, deadline_ms, codec=t.codec
+        )
         replies = list(grid.send_and_receive(messages, timeout=config.round_timeout_s))
         co.backend.open_round.accepting = False
 

@@ -19,7 +19,7 @@ class FederationBackend(Protocol):
     max_upload_bytes: int
 
     def register(
-        self, *, public_key: bytes, name: str, timestamp_ms: int, signature: bytes
+        self, *, public_key: bytes, name: str, timestamp_ms: int, signature: bytes, invite: str = ""
     ) -> Registration:
         """Register a key (idempotent). Raises RequestError."""
 

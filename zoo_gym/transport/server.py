@@ -103,6 +103,7 @@ class FederationServicer(pb_grpc.FederationServicer):
                 name=request.name,
                 timestamp_ms=request.timestamp_ms,
                 signature=request.signature,
+                invite=request.invite,
             )
         except RequestError as exc:
             _abort(context, exc)

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bzoo_gym/v1/federation.proto\x12\nzoo_gym.v1\"G\n\x04\x41uth\x12\x16\n\x0e\x63ontributor_id\x18\x01 \x01(\t\x12\x14\n\x0ctimestamp_ms\x18\x02 \x01(\x03\x12\x11\n\tsignature\x18\x03 \x01(\x0c\"v\n\x0fRegisterRequest\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x12\n\npublic_key\x18\x02 \x01(\x0c\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\x14\n\x0ctimestamp_ms\x18\x04 \x01(\x03\x12\x11\n\tsignature\x18\x05 \x01(\x0c\"z\n\rRegisterReply\x12\x16\n\x0e\x63ontributor_id\x18\x01 \x01(\t\x12\x0f\n\x07node_id\x18\x02 \x01(\x04\x12\x0e\n\x06status\x18\x03 \x01(\t\x12\x17\n\x0f\x63urrent_version\x18\x04 \x01(\t\x12\x17\n\x0f\x63oordinator_key\x18\x05 \x01(\x0c\"=\n\x0bPollRequest\x12\x1e\n\x04\x61uth\x18\x01 \x01(\x0b\x32\x10.zoo_gym.v1.Auth\x12\x0e\n\x06wait_s\x18\x02 \x01(\x02\"X\n\tPollReply\x12 \n\x04task\x18\x01 \x01(\x0b\x32\x10.zoo_gym.v1.TaskH\x00\x12 \n\x04idle\x18\x02 \x01(\x0b\x32\x10.zoo_gym.v1.IdleH\x00\x42\x07\n\x05reply\"F\n\x04Idle\x12\x15\n\rretry_after_s\x18\x01 \x01(\x02\x12\x17\n\x0f\x63urrent_version\x18\x02 \x01(\t\x12\x0e\n\x06reason\x18\x03 \x01(\t\"\x86\x01\n\x04Task\x12\x12\n\nmessage_id\x18\x01 \x01(\t\x12\r\n\x05round\x18\x02 \x01(\r\x12\x14\n\x0c\x62\x61se_version\x18\x03 \x01(\t\x12\x13\n\x0b\x64\x65\x61\x64line_ms\x18\x04 \x01(\x03\x12\x18\n\x10max_upload_bytes\x18\x05 \x01(\x04\x12\x16\n\x0e\x66lower_message\x18\x06 \x01(\x0c\"B\n\x0fManifestRequest\x12\x1e\n\x04\x61uth\x18\x01 \x01(\x0b\x32\x10.zoo_gym.v1.Auth\x12\x0f\n\x07version\x18\x02 \x01(\t\"4\n\rManifestReply\x12\x10\n\x08manifest\x18\x01 \x01(\x0c\x12\x11\n\tsignature\x18\x02 \x01(\x0c\"`\n\x0f\x44ownloadRequest\x12\x1e\n\x04\x61uth\x18\x01 \x01(\x0b\x32\x10.zoo_gym.v1.Auth\x12\x0f\n\x07version\x18\x02 \x01(\t\x12\x0c\n\x04\x66ile\x18\x03 \x01(\t\x12\x0e\n\x06offset\x18\x04 \x01(\x04\"=\n\tFileChunk\x12\x0e\n\x06offset\x18\x01 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\x12\x12\n\ntotal_size\x18\x03 \x01(\x04\"\xd1\x01\n\x10SubmissionHeader\x12\x1e\n\x04\x61uth\x18\x01 \x01(\x0b\x32\x10.zoo_gym.v1.Auth\x12\x12\n\nmessage_id\x18\x02 \x01(\t\x12\r\n\x05round\x18\x03 \x01(\r\x12\x14\n\x0c\x62\x61se_version\x18\x04 \x01(\t\x12\r\n\x05nonce\x18\x05 \x01(\x0c\x12\x16\n\x0epayload_sha256\x18\x06 \x01(\t\x12\x14\n\x0cpayload_size\x18\x07 \x01(\x04\x12\x11\n\tsignature\x18\x08 \x01(\x0c\x12\x14\n\x0c\x66lower_reply\x18\t \x01(\x0c\"U\n\x0bUpdateChunk\x12.\n\x06header\x18\x01 \x01(\x0b\x32\x1c.zoo_gym.v1.SubmissionHeaderH\x00\x12\x0e\n\x04\x64\x61ta\x18\x02 \x01(\x0cH\x00\x42\x06\n\x04part\"F\n\x0bSubmitReply\x12\x10\n\x08\x64\x65\x63ision\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x15\n\rsubmission_id\x18\x03 \x01(\x03\"?\n\x0eOutcomeRequest\x12\x1e\n\x04\x61uth\x18\x01 \x01(\x0b\x32\x10.zoo_gym.v1.Auth\x12\r\n\x05round\x18\x02 \x01(\r\"\x82\x01\n\x0cOutcomeReply\x12\x10\n\x08\x64\x65\x63ision\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x0f\n\x07quality\x18\x03 \x01(\x01\x12\x0e\n\x06reward\x18\x04 \x01(\x01\x12\x14\n\x0cround_status\x18\x05 \x01(\t\x12\x19\n\x11published_version\x18\x06 \x01(\t2\xa1\x03\n\nFederation\x12\x42\n\x08Register\x12\x1b.zoo_gym.v1.RegisterRequest\x1a\x19.zoo_gym.v1.RegisterReply\x12:\n\x08PollTask\x12\x17.zoo_gym.v1.PollRequest\x1a\x15.zoo_gym.v1.PollReply\x12\x45\n\x0bGetManifest\x12\x1b.zoo_gym.v1.ManifestRequest\x1a\x19.zoo_gym.v1.ManifestReply\x12\x44\n\x0c\x44ownloadFile\x12\x1b.zoo_gym.v1.DownloadRequest\x1a\x15.zoo_gym.v1.FileChunk0\x01\x12\x42\n\x0cSubmitUpdate\x12\x17.zoo_gym.v1.UpdateChunk\x1a\x17.zoo_gym.v1.SubmitReply(\x01\x12\x42\n\nGetOutcome\x12\x1a.zoo_gym.v1.OutcomeRequest\x1a\x18.zoo_gym.v1.OutcomeReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bzoo_gym/v1/federation.proto\x12\nzoo_gym.v1\"V\n\x04\x41uth\x12\x16\n\x0e\x63ontributor_id\x18\x01 \x01(\t\x12\x14\n\x0ctimestamp_ms\x18\x02 \x01(\x03\x12\x11\n\tsignature\x18\x03 \x01(\x0c\x12\r\n\x05nonce\x18\x04 \x01(\x0c\"\x86\x01\n\x0fRegisterRequest\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x12\n\npublic_key\x18\x02 \x01(\x0c\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\x14\n\x0ctimestamp_ms\x18\x04 \x01(\x03\x12\x11\n\tsignature\x18\x05 \x01(\x0c\x12\x0e\n\x06invite\x18\x06 \x01(\t\"z\n\rRegisterReply\x12\x16\n\x0e\x63ontributor_id\x18\x01 \x01(\t\x12\x0f\n\x07node_id\x18\x02 \x01(\x04\x12\x0e\n\x06status\x18\x03 \x01(\t\x12\x17\n\x0f\x63urrent_version\x18\x04 \x01(\t\x12\x17\n\x0f\x63oordinator_key\x18\x05 \x01(\x0c\"=\n\x0bPollRequest\x12\x1e\n\x04\x61uth\x18\x01 \x01(\x0b\x32\x10.zoo_gym.v1.Auth\x12\x0e\n\x06wait_s\x18\x02 \x01(\x02\"X\n\tPollReply\x12 \n\x04task\x18\x01 \x01(\x0b\x32\x10.zoo_gym.v1.TaskH\x00\x12 \n\x04idle\x18\x02 \x01(\x0b\x32\x10.zoo_gym.v1.IdleH\x00\x42\x07\n\x05reply\"F\n\x04Idle\x12\x15\n\rretry_after_s\x18\x01 \x01(\x02\x12\x17\n\x0f\x63urrent_version\x18\x02 \x01(\t\x12\x0e\n\x06reason\x18\x03 \x01(\t\"\x86\x01\n\x04Task\x12\x12\n\nmessage_id\x18\x01 \x01(\t\x12\r\n\x05round\x18\x02 \x01(\r\x12\x14\n\x0c\x62\x61se_version\x18\x03 \x01(\t\x12\x13\n\x0b\x64\x65\x61\x64line_ms\x18\x04 \x01(\x03\x12\x18\n\x10max_upload_bytes\x18\x05 \x01(\x04\x12\x16\n\x0e\x66lower_message\x18\x06 \x01(\x0c\"B\n\x0fManifestRequest\x12\x1e\n\x04\x61uth\x18\x01 \x01(\x0b\x32\x10.zoo_gym.v1.Auth\x12\x0f\n\x07version\x18\x02 \x01(\t\"4\n\rManifestReply\x12\x10\n\x08manifest\x18\x01 \x01(\x0c\x12\x11\n\tsignature\x18\x02 \x01(\x0c\"`\n\x0f\x44ownloadRequest\x12\x1e\n\x04\x61uth\x18\x01 \x01(\x0b\x32\x10.zoo_gym.v1.Auth\x12\x0f\n\x07version\x18\x02 \x01(\t\x12\x0c\n\x04\x66ile\x18\x03 \x01(\t\x12\x0e\n\x06offset\x18\x04 \x01(\x04\"=\n\tFileChunk\x12\x0e\n\x06offset\x18\x01 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\x12\x12\n\ntotal_size\x18\x03 \x01(\x04\"\xd1\x01\n\x10SubmissionHeader\x12\x1e\n\x04\x61uth\x18\x01 \x01(\x0b\x32\x10.zoo_gym.v1.Auth\x12\x12\n\nmessage_id\x18\x02 \x01(\t\x12\r\n\x05round\x18\x03 \x01(\r\x12\x14\n\x0c\x62\x61se_version\x18\x04 \x01(\t\x12\r\n\x05nonce\x18\x05 \x01(\x0c\x12\x16\n\x0epayload_sha256\x18\x06 \x01(\t\x12\x14\n\x0cpayload_size\x18\x07 \x01(\x04\x12\x11\n\tsignature\x18\x08 \x01(\x0c\x12\x14\n\x0c\x66lower_reply\x18\t \x01(\x0c\"U\n\x0bUpdateChunk\x12.\n\x06header\x18\x01 \x01(\x0b\x32\x1c.zoo_gym.v1.SubmissionHeaderH\x00\x12\x0e\n\x04\x64\x61ta\x18\x02 \x01(\x0cH\x00\x42\x06\n\x04part\"F\n\x0bSubmitReply\x12\x10\n\x08\x64\x65\x63ision\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x15\n\rsubmission_id\x18\x03 \x01(\x03\"?\n\x0eOutcomeRequest\x12\x1e\n\x04\x61uth\x18\x01 \x01(\x0b\x32\x10.zoo_gym.v1.Auth\x12\r\n\x05round\x18\x02 \x01(\r\"\x82\x01\n\x0cOutcomeReply\x12\x10\n\x08\x64\x65\x63ision\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x0f\n\x07quality\x18\x03 \x01(\x01\x12\x0e\n\x06reward\x18\x04 \x01(\x01\x12\x14\n\x0cround_status\x18\x05 \x01(\t\x12\x19\n\x11published_version\x18\x06 \x01(\t2\xa1\x03\n\nFederation\x12\x42\n\x08Register\x12\x1b.zoo_gym.v1.RegisterRequest\x1a\x19.zoo_gym.v1.RegisterReply\x12:\n\x08PollTask\x12\x17.zoo_gym.v1.PollRequest\x1a\x15.zoo_gym.v1.PollReply\x12\x45\n\x0bGetManifest\x12\x1b.zoo_gym.v1.ManifestRequest\x1a\x19.zoo_gym.v1.ManifestReply\x12\x44\n\x0c\x44ownloadFile\x12\x1b.zoo_gym.v1.DownloadRequest\x1a\x15.zoo_gym.v1.FileChunk0\x01\x12\x42\n\x0cSubmitUpdate\x12\x17.zoo_gym.v1.UpdateChunk\x1a\x17.zoo_gym.v1.SubmitReply(\x01\x12\x42\n\nGetOutcome\x12\x1a.zoo_gym.v1.OutcomeRequest\x1a\x18.zoo_gym.v1.OutcomeReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,37 +33,37 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'zoo_gym.v1.federation_pb2',
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_AUTH']._serialized_start=43
-  _globals['_AUTH']._serialized_end=114
-  _globals['_REGISTERREQUEST']._serialized_start=116
-  _globals['_REGISTERREQUEST']._serialized_end=234
-  _globals['_REGISTERREPLY']._serialized_start=236
-  _globals['_REGISTERREPLY']._serialized_end=358
-  _globals['_POLLREQUEST']._serialized_start=360
-  _globals['_POLLREQUEST']._serialized_end=421
-  _globals['_POLLREPLY']._serialized_start=423
-  _globals['_POLLREPLY']._serialized_end=511
-  _globals['_IDLE']._serialized_start=513
-  _globals['_IDLE']._serialized_end=583
-  _globals['_TASK']._serialized_start=586
-  _globals['_TASK']._serialized_end=720
-  _globals['_MANIFESTREQUEST']._serialized_start=722
-  _globals['_MANIFESTREQUEST']._serialized_end=788
-  _globals['_MANIFESTREPLY']._serialized_start=790
-  _globals['_MANIFESTREPLY']._serialized_end=842
-  _globals['_DOWNLOADREQUEST']._serialized_start=844
-  _globals['_DOWNLOADREQUEST']._serialized_end=940
-  _globals['_FILECHUNK']._serialized_start=942
-  _globals['_FILECHUNK']._serialized_end=1003
-  _globals['_SUBMISSIONHEADER']._serialized_start=1006
-  _globals['_SUBMISSIONHEADER']._serialized_end=1215
-  _globals['_UPDATECHUNK']._serialized_start=1217
-  _globals['_UPDATECHUNK']._serialized_end=1302
-  _globals['_SUBMITREPLY']._serialized_start=1304
-  _globals['_SUBMITREPLY']._serialized_end=1374
-  _globals['_OUTCOMEREQUEST']._serialized_start=1376
-  _globals['_OUTCOMEREQUEST']._serialized_end=1439
-  _globals['_OUTCOMEREPLY']._serialized_start=1442
-  _globals['_OUTCOMEREPLY']._serialized_end=1572
-  _globals['_FEDERATION']._serialized_start=1575
-  _globals['_FEDERATION']._serialized_end=1992
+  _globals['_AUTH']._serialized_end=129
+  _globals['_REGISTERREQUEST']._serialized_start=132
+  _globals['_REGISTERREQUEST']._serialized_end=266
+  _globals['_REGISTERREPLY']._serialized_start=268
+  _globals['_REGISTERREPLY']._serialized_end=390
+  _globals['_POLLREQUEST']._serialized_start=392
+  _globals['_POLLREQUEST']._serialized_end=453
+  _globals['_POLLREPLY']._serialized_start=455
+  _globals['_POLLREPLY']._serialized_end=543
+  _globals['_IDLE']._serialized_start=545
+  _globals['_IDLE']._serialized_end=615
+  _globals['_TASK']._serialized_start=618
+  _globals['_TASK']._serialized_end=752
+  _globals['_MANIFESTREQUEST']._serialized_start=754
+  _globals['_MANIFESTREQUEST']._serialized_end=820
+  _globals['_MANIFESTREPLY']._serialized_start=822
+  _globals['_MANIFESTREPLY']._serialized_end=874
+  _globals['_DOWNLOADREQUEST']._serialized_start=876
+  _globals['_DOWNLOADREQUEST']._serialized_end=972
+  _globals['_FILECHUNK']._serialized_start=974
+  _globals['_FILECHUNK']._serialized_end=1035
+  _globals['_SUBMISSIONHEADER']._serialized_start=1038
+  _globals['_SUBMISSIONHEADER']._serialized_end=1247
+  _globals['_UPDATECHUNK']._serialized_start=1249
+  _globals['_UPDATECHUNK']._serialized_end=1334
+  _globals['_SUBMITREPLY']._serialized_start=1336
+  _globals['_SUBMITREPLY']._serialized_end=1406
+  _globals['_OUTCOMEREQUEST']._serialized_start=1408
+  _globals['_OUTCOMEREQUEST']._serialized_end=1471
+  _globals['_OUTCOMEREPLY']._serialized_start=1474
+  _globals['_OUTCOMEREPLY']._serialized_end=1604
+  _globals['_FEDERATION']._serialized_start=1607
+  _globals['_FEDERATION']._serialized_end=2024
 # @@protoc_insertion_point(module_scope)

@@ -35,17 +35,21 @@ class Auth(google.protobuf.message.Message):
     CONTRIBUTOR_ID_FIELD_NUMBER: builtins.int
     TIMESTAMP_MS_FIELD_NUMBER: builtins.int
     SIGNATURE_FIELD_NUMBER: builtins.int
+    NONCE_FIELD_NUMBER: builtins.int
     contributor_id: builtins.str
     timestamp_ms: builtins.int
     signature: builtins.bytes
+    nonce: builtins.bytes
+    """16 random bytes, fresh per call, signed with it: a call is never replayed"""
     def __init__(
         self,
         *,
         contributor_id: builtins.str = ...,
         timestamp_ms: builtins.int = ...,
         signature: builtins.bytes = ...,
+        nonce: builtins.bytes = ...,
     ) -> None: ...
-    _ClearFieldArgType: typing_extensions.TypeAlias = typing.Literal["contributor_id", b"contributor_id", "signature", b"signature", "timestamp_ms", b"timestamp_ms"]
+    _ClearFieldArgType: typing_extensions.TypeAlias = typing.Literal["contributor_id", b"contributor_id", "nonce", b"nonce", "signature", b"signature", "timestamp_ms", b"timestamp_ms"]
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
 
 Global___Auth: typing_extensions.TypeAlias = Auth
@@ -59,6 +63,7 @@ class RegisterRequest(google.protobuf.message.Message):
     NAME_FIELD_NUMBER: builtins.int
     TIMESTAMP_MS_FIELD_NUMBER: builtins.int
     SIGNATURE_FIELD_NUMBER: builtins.int
+    INVITE_FIELD_NUMBER: builtins.int
     protocol_version: builtins.int
     public_key: builtins.bytes
     """raw 32-byte Ed25519 key"""
@@ -66,6 +71,8 @@ class RegisterRequest(google.protobuf.message.Message):
     timestamp_ms: builtins.int
     signature: builtins.bytes
     """over "zoo-gym/v1|register|<hex key>|<name>|<timestamp_ms>" """
+    invite: builtins.str
+    """the operator's invitation code, where admission = "invite" """
     def __init__(
         self,
         *,
@@ -74,8 +81,9 @@ class RegisterRequest(google.protobuf.message.Message):
         name: builtins.str = ...,
         timestamp_ms: builtins.int = ...,
         signature: builtins.bytes = ...,
+        invite: builtins.str = ...,
     ) -> None: ...
-    _ClearFieldArgType: typing_extensions.TypeAlias = typing.Literal["name", b"name", "protocol_version", b"protocol_version", "public_key", b"public_key", "signature", b"signature", "timestamp_ms", b"timestamp_ms"]
+    _ClearFieldArgType: typing_extensions.TypeAlias = typing.Literal["invite", b"invite", "name", b"name", "protocol_version", b"protocol_version", "public_key", b"public_key", "signature", b"signature", "timestamp_ms", b"timestamp_ms"]
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
 
 Global___RegisterRequest: typing_extensions.TypeAlias = RegisterRequest

@@ -159,7 +159,9 @@ def serve(
     }
     if overrides:
         cfg = CoordinatorConfig.model_validate({**cfg.model_dump(), **overrides})
-    Coordinator(cfg).serve(stay=stay)
+    ended = Coordinator(cfg).serve(stay=stay)
+    if ended.state in ("stopped", "crashed", "stuck"):
+        _fail(ended.reason)
 
 
 @app.command()

@@ -17,6 +17,7 @@ and never drift from the ledger.
     zoo_gym_ledger_rounds                       gauge      scrape: rounds in the ledger
     zoo_gym_contributors{status}                gauge      scrape: contributors per status
     zoo_gym_rounds_paused                       gauge      scrape: 1 while an operator paused rounds
+    zoo_gym_round_loop_up                       gauge      scrape: 1 while the round loop runs or waits
     zoo_gym_tls_certificate_expiry_timestamp_seconds
                                                 gauge      serve: the served certificate's notAfter
 
@@ -37,6 +38,7 @@ from sqlmodel import Session
 
 from zoo_gym import ledger
 from zoo_gym.coordinator.control import RoundControl
+from zoo_gym.coordinator.liveness import LoopHealth
 
 log = logging.getLogger(__name__)
 
@@ -140,6 +142,18 @@ class _ControlCollector(Collector):
         )
 
 
+class _LoopCollector(Collector):
+    def __init__(self, health: LoopHealth) -> None:
+        self.health = health
+
+    def collect(self) -> Iterator[Metric]:
+        yield GaugeMetricFamily(
+            "zoo_gym_round_loop_up",
+            "1 while the round loop runs or waits for contributors; 0 once it stopped or crashed",
+            int(self.health.status().healthy),
+        )
+
+
 class CoordinatorMetrics:
     """One coordinator's metrics. Thread-safe; every method is cheap and does no I/O."""
 
@@ -215,6 +229,12 @@ class CoordinatorMetrics:
         if "control" not in self._watched:
             self.registry.register(_ControlCollector(control))
             self._watched.add("control")
+
+    def watch_loop(self, health: LoopHealth) -> None:
+        """Report whether the round loop behind `health` is up (once per registry)."""
+        if "loop" not in self._watched:
+            self.registry.register(_LoopCollector(health))
+            self._watched.add("loop")
 
     def exposition(self) -> bytes:
         """The registry in Prometheus text format."""

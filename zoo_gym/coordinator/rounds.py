@@ -24,6 +24,7 @@ from sqlmodel import Session
 
 from zoo_gym import ledger
 from zoo_gym.coordinator.backend import OpenRound
+from zoo_gym.coordinator.control import Request
 from zoo_gym.coordinator.rewards import pay_round
 from zoo_gym.coordinator.service import Coordinator
 from zoo_gym.core.delta import Layout, TensorSpec, unflatten
@@ -31,6 +32,8 @@ from zoo_gym.core.lora import LoraSpec, merge_update, update_shapes
 from zoo_gym.core.protocol import POLICY_OBJECTIVES, TASK_CONFIG, TaskConfig
 
 log = logging.getLogger(__name__)
+STOPPING = "coordinator stopping"
+"""The reason recorded on a round that was open when serve was asked to stop."""
 
 
 @dataclass(frozen=True)
@@ -117,6 +120,39 @@ def _same(layout: Layout) -> Layout:
     return layout
 
 
+def abort_request(co: Coordinator, round_number: int) -> Request | None:
+    """An operator's abort of round `round_number`, or the coordinator's own while it stops."""
+    request = co.control.abort_requested(round_number)
+    if request is None and co.stop.is_set():
+        request = Request("coordinator", STOPPING)
+    return request
+
+
+def nobody_came(co: Coordinator, done: int) -> bool:
+    """No contributors connected in time: True when the loop ends for it.
+
+    With `rounds = 0` (run until stopped) the loop waits again; with `rounds = N` it ends, and
+    says so in the log and on `/health`.
+    """
+    c = co.config
+    if co.stop.is_set():
+        return True
+    waited = (
+        f"no contributors connected within {c.wait_for_clients_s:.0f} s "
+        f"(min_clients = {c.min_clients})"
+    )
+    if c.rounds == 0:
+        log.warning("%s; waiting again", waited)
+        return False
+    reason = (
+        f"{waited}; {done} of {c.rounds} rounds ran "
+        "(start contributors sooner or raise wait_for_clients_s)"
+    )
+    log.warning("%s; stopping", reason)
+    co.health.set("stopped", reason)
+    return True
+
+
 def run_rounds(
     co: Coordinator, grid: Grid, *, on_round: Callable[[RoundSummary], None] | None = None
 ) -> None:
@@ -159,6 +195,7 @@ def run_rounds(
             )  # the method (and so the utility) may have changed
             log.info("policy changed by %s: %s", change.by, ", ".join(sorted(change.changes)))
         started = time.perf_counter()
+        co.health.set("waiting")
         seed = round_seed(config.seed, round_number)
         deadline_ms = int((time.time() + config.round_timeout_s) * 1000)
         t = config.training
@@ -175,8 +212,10 @@ def run_rounds(
             )
         )
         if not messages:
-            log.warning("no contributors connected; stopping")
-            break
+            if nobody_came(co, done):
+                break
+            continue
+        co.health.set("running")
         with Session(co.engine) as session:
             ledger.open_round(
                 session,
@@ -198,17 +237,18 @@ def run_rounds(
         replies = list(grid.send_and_receive(messages, timeout=config.round_timeout_s))
         co.backend.open_round.accepting = False
 
-        abort = co.control.abort_requested(round_number)
+        abort = abort_request(co, round_number)
         aggregation_started = time.perf_counter()
         arrays, _ = (None, None) if abort else strategy.aggregate_train(round_number, replies)
         if not abort:
             co.metrics.observe_aggregation(time.perf_counter() - aggregation_started)
         agg = None if abort else strategy.last
+        abort = abort or abort_request(co, round_number)  # a stop while aggregating
         received = agg.received if agg else 0
         accepted = agg.accepted if agg else 0
         new_loss, new_reward = loss, reward
         published = ""
-        if arrays is None or agg is None:
+        if abort or arrays is None or agg is None:
             status = "aborted"
         else:
             utility = validation_utility(co, state, layout, spec, seed)
@@ -308,6 +348,8 @@ def run_rounds(
             on_round(summary)
         done += 1
         round_number += 1
+    if not co.stop.is_set() and config.rounds > 0 and done >= config.rounds:
+        co.health.set("finished", f"{done} rounds done")
 
 
 def make_server_app(

@@ -3,25 +3,36 @@
 It wires the ledger, the model registry, intake, the strategy and the round
 loop, then serves gRPC (contributors), REST (operators) and runs the ServerApp
 over the gRPC Grid until the configured rounds are done or it is stopped.
+
+Stopping: the round loop runs in a thread of its own and the main thread handles SIGINT and
+SIGTERM. The first signal ends `serve` within `STOP_WITHIN_S` in any state: the Grid's wait for
+replies wakes (`Mailbox.close`), the open round is recorded aborted ("coordinator stopping"), the
+gRPC and REST servers stop and the ledger gets a signed checkpoint. A second signal ends the
+process at once.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import threading
+import time
 from collections.abc import Callable
+from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING
 
 from flwr.app import Context, RecordDict
 from flwr.supercore.task_identity import TaskIdentity
+from sqlmodel import Session
 
 from zoo_gym import ledger
 from zoo_gym.coordinator.backend import CoordinatorBackend
 from zoo_gym.coordinator.config import CoordinatorConfig
 from zoo_gym.coordinator.control import RoundControl
 from zoo_gym.coordinator.evaluation import Evaluator
+from zoo_gym.coordinator.liveness import LoopHealth, LoopStatus
 from zoo_gym.coordinator.metrics import CoordinatorMetrics
 from zoo_gym.coordinator.registry import ModelRegistry
 from zoo_gym.coordinator.strategy import ZooStrategy
@@ -34,9 +45,27 @@ if TYPE_CHECKING:
     from zoo_gym.coordinator.api.app import RestServer
     from zoo_gym.coordinator.rounds import RoundSummary
     from zoo_gym.coordinator.tls import CertificateWatcher, ServedPair
+    from zoo_gym.transport.mailbox import Mailbox
+    from zoo_gym.transport.server import ServerHandle
 
 log = logging.getLogger(__name__)
 SERVERAPP_NODE_ID = 0
+STOP_WITHIN_S = 30.0
+"""A signal ends `serve` within this many seconds (deploy/ gives it 45 before killing it)."""
+LOOP_STOP_S = 20.0
+"""Of that, how long `serve` waits for the round loop to close its open round."""
+
+
+def clear_spool(spool: Path) -> int:
+    """Remove the `*.part` files in `spool`: uploads a stopped or killed coordinator never
+    finished (nothing reads them again). Returns how many there were."""
+    removed = 0
+    for part in spool.glob("*.part"):
+        part.unlink(missing_ok=True)
+        removed += 1
+    if removed:
+        log.info("removed %d unfinished upload(s) left in %s", removed, spool)
+    return removed
 
 
 class Coordinator:
@@ -64,6 +93,7 @@ class Coordinator:
             max_length=config.training.max_length,
         )
         self.stop = threading.Event()
+        self.health = LoopHealth()  # what the round loop is doing, for /health and metrics
 
     def apply_policy(self, config: CoordinatorConfig) -> None:
         """Use `config` from the next round on (a policy change staged through the REST API)."""
@@ -102,6 +132,15 @@ class Coordinator:
             run_id=1, node_id=SERVERAPP_NODE_ID, node_config={}, state=RecordDict(), run_config={}
         )
         make_server_app(self, on_round=on_round)(grid, context)  # type: ignore[arg-type]
+
+    def run_loop(self, grid: object) -> None:
+        """`run`, with a crash recorded in `self.health` (serve runs this in a thread of its own)."""
+        try:
+            self.run(grid)
+        except Exception as exc:
+            log.exception("the round loop crashed")
+            message = (str(exc).splitlines() or [""])[0]
+            self.health.set("crashed", f"round loop crashed: {type(exc).__name__}: {message}")
 
     def _serve_tls(self, rest: RestServer) -> CertificateWatcher:
         """The served certificate for gRPC and REST, followed through renewals on disk."""
@@ -144,15 +183,21 @@ class Coordinator:
         if warning := expiry_warning(self.config.path(self.config.tls_cert), pair.certificate):
             log.warning("%s", warning)
 
-    def serve(self, *, stay: bool = False) -> None:
-        """gRPC + REST + the round loop, until done or SIGINT/SIGTERM."""
+    def serve(self, *, stay: bool = False) -> LoopStatus:
+        """gRPC + REST + the round loop, until done or SIGINT/SIGTERM; returns how the loop ended.
+
+        With `rounds = 0`, or `stay`, it keeps answering (outcomes, downloads, REST) after the loop
+        ended, until a signal; `/health` then says why the loop ended.
+        """
         from zoo_gym.coordinator.api.app import RestServer
         from zoo_gym.transport.grid import GrpcGrid
         from zoo_gym.transport.limits import RateLimits
         from zoo_gym.transport.mailbox import Mailbox
         from zoo_gym.transport.server import start_server
 
+        signals = self._catch_signals()
         c = self.config
+        clear_spool(c.path("spool"))
         rest = RestServer(self, c.rest_listen, control=self.control, metrics=self.metrics)
         watcher = self._serve_tls(rest) if c.tls_cert is not None else None
         mailbox = Mailbox()
@@ -175,21 +220,76 @@ class Coordinator:
         rest.start()
         if watcher is not None:
             watcher.start()
-
-        def _stop(signum: int, frame: FrameType | None) -> None:
-            log.info("stopping (signal %d)", signum)
-            self.stop.set()
-
-        signal.signal(signal.SIGINT, _stop)
-        signal.signal(signal.SIGTERM, _stop)
+        loop = threading.Thread(
+            target=self.run_loop, args=(GrpcGrid(mailbox),), name="rounds", daemon=True
+        )
         try:
-            self.run(GrpcGrid(mailbox))
-            log.info("round loop finished")
-            if c.rounds > 0 and not stay:
-                return
-            self.stop.wait()  # keep answering outcome, download and REST calls until stopped
+            loop.start()
+            self._wait_for(lambda: not loop.is_alive() or self.stop.is_set(), signals, mailbox)
+            if not self.stop.is_set() and (c.rounds == 0 or stay):
+                ended = self.health.status()
+                log.info("round loop %s; serving until stopped", ended.reason or ended.state)
+                self._wait_for(self.stop.is_set, signals, mailbox)
         finally:
-            if watcher is not None:
-                watcher.stop()
-            grpc_server.stop()
-            rest.stop()
+            self._shut_down(loop, mailbox, grpc_server, rest, watcher)
+        return self.health.status()
+
+    def _catch_signals(self) -> list[int]:
+        """Note SIGINT / SIGTERM for the main thread to act on (`_wait_for`); a second one ends
+        the process at once. The handler takes no lock, so it cannot deadlock what it interrupts."""
+        caught: list[int] = []
+
+        def on_signal(signum: int, frame: FrameType | None) -> None:
+            if caught:
+                os.write(2, b"second signal: stopping at once\n")
+                os._exit(128 + signum)
+            caught.append(signum)
+
+        signal.signal(signal.SIGINT, on_signal)
+        signal.signal(signal.SIGTERM, on_signal)
+        return caught
+
+    def _wait_for(self, done: Callable[[], bool], signals: list[int], mailbox: Mailbox) -> None:
+        """Sleep in short steps until `done()`; a signal caught meanwhile starts the stop."""
+        while not done():
+            if signals and not self.stop.is_set():
+                name = signal.Signals(signals[0]).name
+                log.info("stopping (%s): closing the open round, then the servers", name)
+                self.health.set("stopping", "coordinator stopping")
+                self.stop.set()
+                mailbox.close()
+            time.sleep(0.1)
+
+    def _shut_down(
+        self,
+        loop: threading.Thread,
+        mailbox: Mailbox,
+        grpc_server: ServerHandle,
+        rest: RestServer,
+        watcher: CertificateWatcher | None,
+    ) -> None:
+        """Let the loop close its round (up to `LOOP_STOP_S`), stop the servers, sign the log."""
+        self.stop.set()
+        mailbox.close()
+        loop.join(LOOP_STOP_S)
+        if loop.is_alive():
+            reason = (
+                f"the round loop did not stop within {LOOP_STOP_S:.0f} s; its open round is "
+                "recorded aborted at the next start"
+            )
+            log.error("%s", reason)
+            self.health.set("stuck", reason)
+        if watcher is not None:
+            watcher.stop()
+        grpc_server.stop()
+        rest.stop()
+        if not loop.is_alive():
+            self._sign_checkpoint()
+
+    def _sign_checkpoint(self) -> None:
+        """Sign the log's head unless the latest checkpoint already covers every entry."""
+        with Session(self.engine) as session:
+            stats = ledger.ledger_stats(session)
+            if stats.entries > stats.checkpoint_size:
+                head = ledger.checkpoint(session, signer=self.signer)
+                log.info("signed checkpoint at log size %d", head.size)

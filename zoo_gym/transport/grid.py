@@ -71,6 +71,8 @@ class GrpcGrid(RunGrid):
     def send_and_receive(
         self, messages: Iterable[Message], *, timeout: float | None = None
     ) -> Iterable[Message]:
+        """Push `messages` and wait up to `timeout` for their replies, or until the mailbox is
+        closed (the coordinator is stopping); what did not arrive is withdrawn."""
         ids = set(self.push_messages(messages))
         self.mailbox.wait_replies(ids, timeout)
         replies = self.mailbox.collect(ids)

@@ -3,7 +3,8 @@
 The ServerApp pushes instruction Messages; contributors pull them when they
 poll (they sit behind NAT, so the coordinator never dials out). A task stays
 assigned to its node until a reply arrives or the Grid withdraws it, so a
-contributor that restarts mid-round is handed the same task again.
+contributor that restarts mid-round is handed the same task again. `close` wakes every waiter
+for good when the coordinator stops.
 """
 
 from __future__ import annotations
@@ -29,7 +30,15 @@ class Mailbox:
         self._pending: dict[int, dict[str, PendingTask]] = {}
         self._replies: dict[str, Message] = {}
         self._last_seen: dict[int, float] = {}
+        self._closed = False
         self.online_window_s = online_window_s
+
+    def close(self) -> None:
+        """Stop waiting, for good: `take` hands out nothing more and `wait_replies` returns at
+        once, so neither the round loop nor a long poll holds a stopping coordinator up."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
 
     def put(self, node_id: int, task: PendingTask) -> None:
         with self._cond:
@@ -41,9 +50,9 @@ class Mailbox:
         deadline = time.monotonic() + max(0.0, wait_s)
         with self._cond:
             self._last_seen[node_id] = time.monotonic()
-            while not self._pending.get(node_id):
+            while not self._pending.get(node_id) or self._closed:
                 remaining = deadline - time.monotonic()
-                if remaining <= 0:
+                if remaining <= 0 or self._closed:
                     return None
                 self._cond.wait(remaining)
             self._last_seen[node_id] = time.monotonic()
@@ -73,7 +82,7 @@ class Mailbox:
     def wait_replies(self, message_ids: set[str], timeout: float | None) -> None:
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
-            while not message_ids <= self._replies.keys():
+            while not self._closed and not message_ids <= self._replies.keys():
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:
                     return

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import fastapi.routing
 import uvicorn
-from fastapi import FastAPI, Request, status
+from fastapi import FastAPI, Request, Response, status
 from fastapi.responses import JSONResponse
 from fastapi.routing import APIRoute
 
@@ -26,6 +26,7 @@ from zoo_gym.coordinator.api.routes import auth, contributors, models, policy, r
 from zoo_gym.coordinator.api.routes import ledger as ledger_routes
 from zoo_gym.coordinator.api.routes import metrics as metrics_routes
 from zoo_gym.coordinator.control import PolicyError, RoundControl
+from zoo_gym.coordinator.liveness import LoopHealth
 from zoo_gym.coordinator.metrics import CoordinatorMetrics
 
 if TYPE_CHECKING:
@@ -88,9 +89,10 @@ def create_app(
     metrics: CoordinatorMetrics | None = None,
     contributor_auth: ContributorAuth | None = None,
     guard: ApiGuard | None = None,
+    health: LoopHealth | None = None,
 ) -> FastAPI:
-    """The REST API of `co`. `control` and `metrics` are the ones the round loop uses (fresh
-    ones when not given)."""
+    """The REST API of `co`. `control`, `metrics` and `health` are the ones the round loop uses
+    (fresh ones when not given)."""
     app = FastAPI(
         title="zoo-gym coordinator",
         version="1",
@@ -105,15 +107,30 @@ def create_app(
     )
     state.metrics.watch_ledger(co.engine)
     state.metrics.watch_control(state.control)
+    loop_health = health if health is not None else LoopHealth()
+    state.metrics.watch_loop(loop_health)
     app.state.zoo = state
 
-    @app.get("/health", operation_id="health", tags=["health"])
-    def health() -> dict[str, Any]:
+    @app.get(
+        "/health",
+        operation_id="health",
+        tags=["health"],
+        responses={503: {"description": "the round loop stopped or crashed, or serve is stopping"}},
+    )
+    def health_route(response: Response) -> dict[str, Any]:
+        """`status` "ok" while rounds run or wait (also while paused); otherwise a 503 whose
+        `reason` says why the round loop ended."""
+        loop = loop_health.status()
+        if not loop.healthy:
+            response.status_code = status.HTTP_503_SERVICE_UNAVAILABLE
         current = co.backend.open_round
         return {
-            "status": "ok",
-            "model_version": co.backend.current_version(),
+            "status": "ok" if loop.healthy else "unavailable",
+            "round_loop": loop.state,
+            "reason": loop.reason,
+            "paused": state.control.paused,
             "open_round": current.number if current else None,
+            "model_version": co.backend.current_version(),
         }
 
     for module in (
@@ -146,7 +163,7 @@ class RestServer:
         metrics: CoordinatorMetrics | None = None,
     ) -> None:
         host, port = listen.rsplit(":", 1)
-        self.app = create_app(co, control=control, metrics=metrics)
+        self.app = create_app(co, control=control, metrics=metrics, health=co.health)
         config = uvicorn.Config(self.app, host=host, port=int(port), log_level="warning")
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, name="rest", daemon=True)

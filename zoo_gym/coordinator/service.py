@@ -269,6 +269,7 @@ class Coordinator:
         watcher: CertificateWatcher | None,
     ) -> None:
         """Let the loop close its round (up to `LOOP_STOP_S`), stop the servers, sign the log."""
+        began = time.monotonic()
         self.stop.set()
         mailbox.close()
         loop.join(LOOP_STOP_S)
@@ -285,6 +286,7 @@ class Coordinator:
         rest.stop()
         if not loop.is_alive():
             self._sign_checkpoint()
+        log.info("stopped in %.1f s", time.monotonic() - began)
 
     def _sign_checkpoint(self) -> None:
         """Sign the log's head unless the latest checkpoint already covers every entry."""

@@ -170,7 +170,8 @@ def test_client_image_has_the_gpu_extra() -> None:
 
 
 def test_healthcheck_probe_against_a_real_server(tmp_path: Path) -> None:
-    """deploy/healthcheck.py against a tiny HTTP server: exit 0 on "ok", 1 otherwise."""
+    """deploy/healthcheck.py against a tiny HTTP server: exit 0 on "ok", 1 otherwise (a 503
+    printing the reason it carries)."""
     import http.server
     import threading
 
@@ -178,8 +179,9 @@ def test_healthcheck_probe_against_a_real_server(tmp_path: Path) -> None:
 
     class Handler(http.server.BaseHTTPRequestHandler):
         def do_GET(self) -> None:
-            body = json.dumps({"status": status["value"]}).encode()
-            self.send_response(200)
+            ok = status["value"] == "ok"
+            body = json.dumps({"status": status["value"], "reason": "round loop crashed"}).encode()
+            self.send_response(200 if ok or status["value"] == "starting" else 503)
             self.send_header("Content-Length", str(len(body)))
             self.end_headers()
             self.wfile.write(body)
@@ -195,6 +197,9 @@ def test_healthcheck_probe_against_a_real_server(tmp_path: Path) -> None:
         assert subprocess.run(probe, env=env, timeout=20).returncode == 0
         status["value"] = "starting"
         assert subprocess.run(probe, env=env, timeout=20).returncode == 1
+        status["value"] = "unavailable"  # what a coordinator whose round loop ended answers
+        down = subprocess.run(probe, env=env, timeout=20, capture_output=True, text=True)
+        assert down.returncode == 1 and "503: round loop crashed" in down.stderr
     finally:
         server.shutdown()
     gone = subprocess.run(probe, env=env, timeout=20, capture_output=True, text=True)
@@ -381,6 +386,31 @@ def test_systemd_analyze_verify(tmp_path: Path) -> None:
     )
 
 
+# --- stopping ---------------------------------------------------------------------------------------
+
+
+def test_every_deployment_waits_longer_than_serve_takes_to_stop() -> None:
+    """systemd, compose and Kubernetes give serve the same grace after SIGTERM, with a margin
+    over the bound serve keeps (`STOP_WITHIN_S`) before they kill it."""
+    from zoo_gym.coordinator.service import STOP_WITHIN_S
+
+    unit = _unit(DEPLOY / "systemd" / "gym-coordinator.service")["Service"]
+    compose = _compose()["services"]["coordinator"]
+    deployment = (CHART / "templates" / "deployment.yaml").read_text()
+    [helm] = re.findall(r"^\s+terminationGracePeriodSeconds: (\d+)$", deployment, re.MULTILINE)
+
+    graces = {
+        "systemd": int(unit["TimeoutStopSec"]),
+        "compose": int(compose["stop_grace_period"].removesuffix("s")),
+        "helm": int(helm),
+    }
+    assert unit.get("KillSignal", "SIGTERM") == "SIGTERM"
+    assert len(set(graces.values())) == 1, graces
+    assert min(graces.values()) >= STOP_WITHIN_S + 10, graces
+    # the pod spec, not a container's, carries the grace period
+    assert deployment.index("terminationGracePeriodSeconds") < deployment.index("containers:")
+
+
 # --- Prometheus and Grafana ----------------------------------------------------------------------
 
 
@@ -388,11 +418,13 @@ def exported_samples(workdir: Path) -> set[str]:
     """Every sample name the coordinator's /metrics can carry, read from its real registry."""
     from zoo_gym import ledger
     from zoo_gym.coordinator.control import RoundControl
+    from zoo_gym.coordinator.liveness import LoopHealth
     from zoo_gym.coordinator.metrics import CoordinatorMetrics
 
     metrics = CoordinatorMetrics()
     metrics.watch_ledger(ledger.open_database(f"sqlite:///{workdir / 'ledger.db'}"))
     metrics.watch_control(RoundControl())
+    metrics.watch_loop(LoopHealth())
     suffixes = {
         "counter": ("_total", "_created"),
         "histogram": ("_bucket", "_count", "_sum", "_created"),
@@ -476,9 +508,11 @@ def test_alerts_use_exported_metrics(tmp_path: Path) -> None:
 
     assert {r["alert"] for r in rules} >= {
         "ZooGymCoordinatorDown",
+        "ZooGymRoundLoopStopped",
         "ZooGymTlsCertificateExpiresSoon",
     }
     assert "zoo_gym_tls_certificate_expiry_timestamp_seconds" in used
+    assert "zoo_gym_round_loop_up" in used
     assert used <= exported, f"not exported by the coordinator: {sorted(used - exported)}"
     for rule in rules:
         assert rule["labels"]["severity"] in ("warning", "critical")

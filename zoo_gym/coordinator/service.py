@@ -275,8 +275,8 @@ class Coordinator:
         loop.join(LOOP_STOP_S)
         if loop.is_alive():
             reason = (
-                f"the round loop did not stop within {LOOP_STOP_S:.0f} s; its open round is "
-                "recorded aborted at the next start"
+                f"the round loop did not stop within {LOOP_STOP_S:.0f} s (busy evaluating or "
+                "aggregating); a round it left open is recorded aborted at the next start"
             )
             log.error("%s", reason)
             self.health.set("stuck", reason)

@@ -4,8 +4,9 @@ processes on 127.0.0.1 and the default limits and timeouts unless a test names o
 - SIGTERM with a round open (round_timeout_s = 600), one contributor holding its task and one
   mid-upload: serve exits 0 well within 30 s, the round is recorded aborted with its reason,
   the log is signed up to its last entry and the half upload is gone from the spool;
+- a second SIGTERM while the first is being handled ends serve at once (slow-marked);
 - a `spool/*.part` left by an earlier process is removed at start; with rounds = 0 and nobody
-  connecting the loop waits again and again, `/health` stays ok, and SIGTERM stops it while
+  connecting the loop waits again and again, `/health` stays ok, and SIGINT stops it while
   it waits;
 - with rounds = N and nobody connecting the loop ends: `serve --stay` answers `/health` with a
   503 and the reason, plain `serve` exits 1 with one line (slow-marked: one more start).
@@ -21,6 +22,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import grpc
@@ -65,14 +67,20 @@ def take_task(client: FederationClient, timeout_s: float = 90) -> ReceivedTask:
     pytest.fail("no task was handed out")
 
 
-def terminate(served: ServeProcess) -> tuple[int, float]:
-    """SIGTERM `served`; its exit status and how many seconds it took to exit."""
+def terminate(
+    served: ServeProcess, sig: int = signal.SIGTERM, *, again_after_s: float | None = None
+) -> tuple[int, float]:
+    """Signal `served` (`sig` once more after `again_after_s`); its exit status and how many
+    seconds it took to exit."""
     began = time.monotonic()
-    served.proc.send_signal(signal.SIGTERM)
+    served.proc.send_signal(sig)
+    if again_after_s is not None:
+        time.sleep(again_after_s)
+        served.proc.send_signal(sig)
     try:
         code = served.proc.wait(timeout=STOP_WITHIN_S + 30)
     except subprocess.TimeoutExpired:
-        pytest.fail(f"serve did not exit after SIGTERM:\n{served.log[-3000:]}")
+        pytest.fail(f"serve did not exit after {signal.Signals(sig).name}:\n{served.log[-3000:]}")
     return code, time.monotonic() - began
 
 
@@ -135,34 +143,41 @@ def log_and_checkpoint_sizes(home: Path) -> tuple[int, int]:
         engine.dispose()
 
 
+@contextmanager
+def round_one_held(served: ServeProcess) -> Iterator[grpc.Future]:
+    """Two contributors in round 1: a holds its task, b is uploading its update and holds the
+    stream after a few bytes. Yields b's upload."""
+    hold = threading.Event()
+    a_id, b_id = Identity.generate(), Identity.generate()
+    a = FederationClient(served.address, a_id, timeout_s=10)
+    b = FederationClient(served.address, b_id, timeout_s=10)
+    try:
+        a.register("a")
+        b.register("b")
+        tasks: dict[str, ReceivedTask] = {}
+        taking = threading.Thread(target=lambda: tasks.update(a=take_task(a)))
+        taking.start()
+        task_b = take_task(b)
+        taking.join(timeout=100)
+        assert "a" in tasks and tasks["a"].round == task_b.round == 1
+        upload = stalled_upload(b, b_id, task_b, served.home, hold)
+        wait_for(lambda: list((served.home / "spool").glob("*.part")), "b's upload to start")
+        yield upload
+    finally:
+        hold.set()
+        a.close()
+        b.close()
+
+
 def test_sigterm_with_a_round_open_stops_promptly_and_aborts_it(tiny_home: Path) -> None:
     # Prepare: default settings (min_clients = 2, round_timeout_s = 600); a holds its task, b is
     # uploading its update when the signal comes
-    hold = threading.Event()
-    with serve(tiny_home) as coordinator:
-        a_id, b_id = Identity.generate(), Identity.generate()
-        a = FederationClient(coordinator.address, a_id, timeout_s=10)
-        b = FederationClient(coordinator.address, b_id, timeout_s=10)
-        try:
-            a.register("a")
-            b.register("b")
-            tasks: dict[str, ReceivedTask] = {}
-            taking = threading.Thread(target=lambda: tasks.update(a=take_task(a)))
-            taking.start()
-            task_b = take_task(b)
-            taking.join(timeout=100)
-            assert "a" in tasks and tasks["a"].round == task_b.round == 1
-            upload = stalled_upload(b, b_id, task_b, tiny_home, hold)
-            wait_for(lambda: list((tiny_home / "spool").glob("*.part")), "b's upload to start")
-            health = httpx.get(f"{coordinator.rest}/health", timeout=5).json()
-            assert health["open_round"] == 1 and health["round_loop"] == "running"
+    with serve(tiny_home) as coordinator, round_one_held(coordinator) as upload:
+        health = httpx.get(f"{coordinator.rest}/health", timeout=5).json()
+        assert health["open_round"] == 1 and health["round_loop"] == "running"
 
-            # Execute
-            code, took = terminate(coordinator)
-        finally:
-            hold.set()
-            a.close()
-            b.close()
+        # Execute
+        code, took = terminate(coordinator)
 
     # Assert: exit 0 within the bound (not after round_timeout_s); round 1 aborted with the
     # reason; every log entry under a signed checkpoint; nothing half-written left behind
@@ -178,6 +193,19 @@ def test_sigterm_with_a_round_open_stops_promptly_and_aborts_it(tiny_home: Path)
     assert upload.exception(timeout=10) is not None  # the held upload was cut, not accepted
 
 
+@pytest.mark.slow
+def test_a_second_signal_stops_at_once(tiny_home: Path) -> None:
+    # Prepare: a round open with an upload held, so the first stop takes gRPC's 1 s grace
+    with serve(tiny_home) as coordinator, round_one_held(coordinator):
+        # Execute
+        code, took = terminate(coordinator, again_after_s=0.3)
+
+    # Assert: ended by the second signal, not by the orderly stop
+    assert code == 128 + signal.SIGTERM, coordinator.log[-3000:]
+    assert took < STOP_WITHIN_S
+    assert "second signal: stopping at once" in coordinator.log
+
+
 def test_idle_loop_waits_again_spool_cleared_and_sigterm_while_waiting(tiny_home: Path) -> None:
     # Prepare: a half upload from an earlier process; rounds = 0 (the default), nobody connects
     spool = tiny_home / "spool"
@@ -191,8 +219,8 @@ def test_idle_loop_waits_again_spool_cleared_and_sigterm_while_waiting(tiny_home
         )
         answer = httpx.get(f"{coordinator.rest}/health", timeout=5)
 
-        # Execute: stop it while it waits for contributors
-        code, took = terminate(coordinator)
+        # Execute: stop it (Ctrl-C) while it waits for contributors
+        code, took = terminate(coordinator, signal.SIGINT)
 
     # Assert
     assert "removed 1 unfinished upload(s)" in coordinator.log
@@ -204,6 +232,7 @@ def test_idle_loop_waits_again_spool_cleared_and_sigterm_while_waiting(tiny_home
     assert body["status"] == "ok" and body["round_loop"] == "waiting"
     assert body["paused"] is False and body["open_round"] is None
     assert code == 0 and took < STOP_WITHIN_S, coordinator.log[-3000:]
+    assert "stopping (SIGINT)" in coordinator.log
 
 
 def serve_argv(home: Path, *flags: str, **settings: object) -> tuple[list[str], str]:

@@ -459,6 +459,7 @@ def test_dashboard_queries_exported_metrics(tmp_path: Path) -> None:
         "zoo_gym_ledger_entries",
         "zoo_gym_contributors",
         "zoo_gym_rounds_paused",
+        "zoo_gym_round_loop_up",
         "zoo_gym_tls_certificate_expiry_timestamp_seconds",
     }
 

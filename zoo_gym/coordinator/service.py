@@ -228,7 +228,10 @@ class Coordinator:
             self._wait_for(lambda: not loop.is_alive() or self.stop.is_set(), signals, mailbox)
             if not self.stop.is_set() and (c.rounds == 0 or stay):
                 ended = self.health.status()
-                log.info("round loop %s; serving until stopped", ended.reason or ended.state)
+                if ended.healthy:
+                    log.info("%s; serving until stopped", ended.reason)
+                else:
+                    log.warning("%s; serving until stopped (/health answers 503)", ended.reason)
                 self._wait_for(self.stop.is_set, signals, mailbox)
         finally:
             self._shut_down(loop, mailbox, grpc_server, rest, watcher)

@@ -4,7 +4,10 @@ Per round: open it in the ledger, send the task to the sampled contributors,
 collect signed submissions until every one answered or the deadline passed,
 aggregate what intake accepted, merge the aggregate into the base, check the
 quality gate on the private validation set, and publish a new signed version
-or record the round as rolled back.
+or record the round as rolled back. An operator's abort, or the coordinator
+stopping (collection ends at once when serve closes the mailbox), records the
+round as aborted with the reason, before or after aggregation; nothing is paid
+or published. The loop reports what it does to `co.health` (`/health`).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 SQLModel tables (`models`), repository functions that change them (`repository`), the RFC 9162
 Merkle tree (`merkle`, pure), the log with signed checkpoints, proofs and `verify_ledger` (`log`),
-operators' hashed API keys (`apikeys`), counts for monitoring (`stats`), and `open_database` with
+operators' hashed API keys (`apikeys`), hashed invitation codes (`invites`), counts for monitoring (`stats`), and `open_database` with
 the Alembic migrations shipped in this package (`db`). This is the only package that imports the
 database; it never imports torch.
 """
@@ -15,6 +15,14 @@ from zoo_gym.ledger.apikeys import (
     revoke_api_key,
 )
 from zoo_gym.ledger.db import open_database
+from zoo_gym.ledger.invites import (
+    InviteRefused,
+    IssuedInvite,
+    create_invite,
+    list_invites,
+    register_with_invite,
+    revoke_invite,
+)
 from zoo_gym.ledger.log import (
     ConsistencyProof,
     InclusionProof,
@@ -41,6 +49,8 @@ from zoo_gym.ledger.models import (
     ContributorCreate,
     ContributorPublic,
     DpMechanism,
+    Invite,
+    InvitePublic,
     LogEntry,
     LogEntryPublic,
     ModelVersion,
@@ -97,6 +107,10 @@ __all__ = [
     "DpMechanism",
     "DuplicateSubmission",
     "InclusionProof",
+    "Invite",
+    "InvitePublic",
+    "InviteRefused",
+    "IssuedInvite",
     "IssuedKey",
     "LedgerError",
     "LedgerStats",
@@ -119,6 +133,7 @@ __all__ = [
     "checkpoint",
     "close_round",
     "create_api_key",
+    "create_invite",
     "get_consistency_proof",
     "get_contributor",
     "get_inclusion_proof",
@@ -131,6 +146,7 @@ __all__ = [
     "list_audit",
     "list_contributors",
     "list_entries",
+    "list_invites",
     "list_model_versions",
     "list_rewards",
     "list_rounds",
@@ -144,7 +160,9 @@ __all__ = [
     "record_reward",
     "record_submission",
     "register_contributor",
+    "register_with_invite",
     "revoke_api_key",
+    "revoke_invite",
     "set_contributor_status",
     "set_round_status",
     "verify_ledger",

@@ -405,6 +405,48 @@ class ApiKeyPublic(ApiKeyBase):
     revoked_at: datetime | None
 
 
+# --- invitations --------------------------------------------------------------------------------
+
+
+class InviteBase(SQLModel):
+    note: str
+    max_uses: int
+    expires_at: datetime
+
+
+class InviteCreate(InviteBase):
+    prefix: str
+    secret_sha256: str
+    created_by: str
+
+
+class Invite(InviteCreate, table=True):
+    """An invitation code for `admission = "invite"`: only the SHA-256 of the code is stored.
+
+    `prefix` is the short random part of the code that finds the row without the secret. A code
+    admits up to `max_uses` new keys until `expires_at` or until it is revoked. Like API keys,
+    invitations are operational state, not part of the Merkle log; creating, using and revoking
+    one appends an audit event to the log (`zoo_gym.ledger.invites`).
+    """
+
+    __tablename__ = "invites"
+    __table_args__ = (UniqueConstraint("prefix", name="uq_invites_prefix"),)
+
+    id: int | None = Field(default=None, primary_key=True)
+    uses: int = 0
+    created_at: datetime = Field(default_factory=utcnow)
+    revoked_at: datetime | None = None
+
+
+class InvitePublic(InviteBase):
+    id: int
+    prefix: str
+    uses: int
+    created_by: str
+    created_at: datetime
+    revoked_at: datetime | None
+
+
 LEDGER_TABLES: tuple[type[SQLModel], ...] = (
     Contributor,
     Round,
@@ -415,4 +457,5 @@ LEDGER_TABLES: tuple[type[SQLModel], ...] = (
     LogEntry,
     Checkpoint,
     ApiKey,
+    Invite,
 )

@@ -15,7 +15,7 @@ import re
 import shutil
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from flwr.app import ConfigRecord, MetricRecord, RecordDict
@@ -42,6 +42,7 @@ from zoo_gym.core.protocol import (
     request_statement,
 )
 from zoo_gym.ledger.models import MAX_INT64
+from zoo_gym.transport.limits import TokenBuckets
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +61,24 @@ class OpenRound:
     accepted: set[str] = field(default_factory=set)
 
 
+@dataclass(frozen=True)
+class AdmissionPolicy:
+    """Who may register a new key, and how fast new keys are taken.
+
+    `admission`: "open" (active at once, at zero reputation), "approval" (pending until an
+    operator approves) or "invite" (only with a valid invitation code). New keys are taken at
+    most `rate_per_s` per second (bursts of `burst`) over all addresses and
+    `per_address_rate_per_s` (bursts of `per_address_burst`) from one address; 0 = unlimited.
+    A key already registered is answered without spending either allowance.
+    """
+
+    admission: str = "open"
+    rate_per_s: float = 1.0
+    burst: int = 50
+    per_address_rate_per_s: float = 0.1
+    per_address_burst: int = 20
+
+
 class CoordinatorBackend:
     def __init__(
         self,
@@ -73,6 +92,7 @@ class CoordinatorBackend:
         require_approval: bool = False,
         metrics: CoordinatorMetrics | None = None,
         max_submissions_per_round: int = 3,
+        admission: AdmissionPolicy | None = None,
     ) -> None:
         self.engine = engine
         self.metrics = metrics
@@ -81,11 +101,35 @@ class CoordinatorBackend:
         self.payload_dir = payload_dir
         self.max_upload_bytes = max_upload_bytes
         self.clock_skew_s = clock_skew_s
-        self.require_approval = require_approval
         self.max_submissions_per_round = max_submissions_per_round
+        self.admission = AdmissionPolicy() if admission is None else admission
+        if require_approval:
+            self.require_approval = True
         self.lock = threading.Lock()
         self.open_round: OpenRound | None = None
         payload_dir.mkdir(parents=True, exist_ok=True)
+
+    @property
+    def admission(self) -> AdmissionPolicy:
+        return self._admission
+
+    @admission.setter
+    def admission(self, policy: AdmissionPolicy) -> None:
+        self._admission = policy
+        self._new_keys = TokenBuckets(policy.rate_per_s, policy.burst, max_keys=1)
+        self._new_keys_by_address = TokenBuckets(
+            policy.per_address_rate_per_s, policy.per_address_burst
+        )
+
+    @property
+    def require_approval(self) -> bool:
+        """Whether new keys wait for an operator (admission "approval")."""
+        return self._admission.admission == "approval"
+
+    @require_approval.setter
+    def require_approval(self, value: bool) -> None:
+        if value != self.require_approval:
+            self._admission = replace(self._admission, admission="approval" if value else "open")
 
     # -- identity ---------------------------------------------------------
     def _check_clock(self, timestamp_ms: int) -> None:
@@ -99,8 +143,22 @@ class CoordinatorBackend:
             )
 
     def register(
-        self, *, public_key: bytes, name: str, timestamp_ms: int, signature: bytes, invite: str = ""
+        self,
+        *,
+        public_key: bytes,
+        name: str,
+        timestamp_ms: int,
+        signature: bytes,
+        invite: str = "",
+        peer: str | None = None,
     ) -> Registration:
+        """Register a key under the admission policy; a known key is answered as it stands.
+
+        Checks run cheapest first and nothing is written for a refused key: the signature, a
+        known key (answered without spending any allowance), an invitation code's presence,
+        the per-address and global allowances for new keys (spent only by callers over the
+        network, `peer` not None), then the code itself.
+        """
         if len(public_key) != 32:
             raise RequestError("INVALID_ARGUMENT", "public key must be a raw 32-byte Ed25519 key")
         self._check_clock(timestamp_ms)
@@ -111,17 +169,68 @@ class CoordinatorBackend:
             )
         cid = contributor_id(public_key)
         with Session(self.engine) as session:
-            row = ledger.register_contributor(
-                session,
-                contributor_id=cid,
-                public_key=public_key,
-                name=name[:64],
-                status="pending" if self.require_approval else "active",
-            )
-            status = row.status
+            known = ledger.get_contributor(session, contributor_id=cid)
+            if known is not None and bytes(known.public_key) == bytes(public_key):
+                status = known.status
+            else:
+                status = self._admit(session, cid, public_key, name[:64], invite, peer)
         return Registration(
             cid, node_id(public_key), status, self.current_version(), self.signer.public_key
         )
+
+    def _admit(
+        self,
+        session: Session,
+        cid: str,
+        public_key: bytes,
+        name: str,
+        invite: str,
+        peer: str | None,
+    ) -> str:
+        """Write a new contributor row if the policy admits it; its status."""
+        policy = self._admission
+        if policy.admission == "invite" and not invite:
+            raise RequestError(
+                "PERMISSION_DENIED",
+                "this coordinator admits new keys by invitation only; "
+                "ask the operator for a code and join with --invite CODE",
+            )
+        if peer is not None:
+            self._spend_allowance(peer)
+        status = "pending" if policy.admission == "approval" else "active"
+        try:
+            if policy.admission == "invite":
+                row = ledger.register_with_invite(
+                    session,
+                    code=invite[:256],
+                    contributor_id=cid,
+                    public_key=public_key,
+                    name=name,
+                    status=status,
+                )
+            else:
+                row = ledger.register_contributor(
+                    session, contributor_id=cid, public_key=public_key, name=name, status=status
+                )
+        except ledger.InviteRefused as exc:
+            raise RequestError("PERMISSION_DENIED", str(exc)) from None
+        return row.status
+
+    def _spend_allowance(self, peer: str) -> None:
+        """Take one new key from `peer`'s allowance and the global one, or refuse."""
+        wait = self._new_keys_by_address.take(peer)
+        if wait > 0:
+            raise RequestError(
+                "RESOURCE_EXHAUSTED",
+                f"too many new keys registered from your address just now; retry in {max(1.0, wait):.0f} s",
+            )
+        wait = self._new_keys.take("")
+        if wait > 0:
+            raise RequestError(
+                "RESOURCE_EXHAUSTED",
+                f"too many new keys registered just now (the coordinator takes "
+                f"{self._admission.rate_per_s:g} per second); retry in {max(1.0, wait):.0f} s",
+            )
 
     def _contributor(self, cid: str) -> tuple[bytes, str, str]:
         if not re.fullmatch(CONTRIBUTOR_ID, cid):

@@ -23,6 +23,7 @@ from zoo_gym.core.settings import HomeConfig, load_toml
 from zoo_gym.scoring import METHODS
 
 AGGREGATORS = tuple(RULES)
+Admission = Literal["open", "approval", "invite"]
 
 
 class ConfigError(ValueError):
@@ -143,7 +144,10 @@ class CoordinatorConfig(HomeConfig):
     wait_for_clients_s: float = Field(600.0, gt=0)
     round_timeout_s: float = Field(600.0, gt=0)
     quorum: int = Field(1, ge=1, description="accepted updates needed to aggregate")
-    aggregator: str = "fedavg"
+    aggregator: str = Field(
+        "median",
+        description="robust by default: the coordinate-wise median tolerates any minority of bad updates",
+    )
     aggregator_params: dict[str, float | int] = Field(
         default_factory=dict,
         description="passed to the rule: m (multikrum), tau and iters (centered_clipping), ...",
@@ -157,7 +161,36 @@ class CoordinatorConfig(HomeConfig):
     quality_gate_tolerance: float = Field(0.02, ge=0)
     # -- admission and intake (who may take part; what a submission must satisfy) --
     max_upload_bytes: int = Field(64 << 20, ge=1024)
-    require_approval: bool = False
+    admission: Admission = Field(
+        "open",
+        description="who may register a new key: open (anyone, starting at zero trust), "
+        "approval (held as pending until an operator approves) or invite (with a code)",
+    )
+    require_approval: bool = Field(
+        False, description='older spelling of admission = "approval"; kept for old configs'
+    )
+    registration_rate_per_s: float = Field(
+        1.0,
+        ge=0,
+        description="new keys registered per second, all addresses together; 0 = unlimited",
+    )
+    registration_burst: int = Field(
+        50, ge=1, description="new keys registered at once before the rate applies"
+    )
+    registration_rate_per_address_per_s: float = Field(
+        0.1, ge=0, description="new keys registered per second from one address; 0 = unlimited"
+    )
+    registration_burst_per_address: int = Field(20, ge=1)
+    trusted_reputation: float = Field(
+        0.3,
+        ge=0,
+        le=1,
+        description="reputation at which a contributor is fully trusted; below it, reward weight "
+        "scales with reputation / this and aggregation weight with max(that, fresh_weight); 0 = trust everyone",
+    )
+    fresh_weight: float = Field(
+        0.1, gt=0, le=1, description="aggregation weight of an untrusted update (weighted rules)"
+    )
     clock_skew_s: float = Field(300.0, gt=0)
     max_submissions_per_round: int = Field(
         3,
@@ -223,6 +256,13 @@ class CoordinatorConfig(HomeConfig):
         aggregate(
             self.aggregator, torch.zeros(needed, 2), f=self.byzantine_f, pre=self.pre, **params
         )
+        if self.require_approval and self.admission == "invite":
+            raise ValueError(
+                'require_approval = true contradicts admission = "invite"; '
+                "remove require_approval (admission replaces it)"
+            )
+        if self.require_approval:
+            self.admission = "approval"
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ValueError("tls_cert and tls_key go together: set both or neither")
         return self

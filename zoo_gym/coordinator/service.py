@@ -28,7 +28,7 @@ from flwr.supercore.task_identity import TaskIdentity
 from sqlmodel import Session
 
 from zoo_gym import ledger
-from zoo_gym.coordinator.backend import CoordinatorBackend
+from zoo_gym.coordinator.backend import AdmissionPolicy, CoordinatorBackend
 from zoo_gym.coordinator.config import CoordinatorConfig
 from zoo_gym.coordinator.control import RoundControl
 from zoo_gym.coordinator.evaluation import Evaluator
@@ -68,6 +68,17 @@ def clear_spool(spool: Path) -> int:
     return removed
 
 
+def admission_policy(config: CoordinatorConfig) -> AdmissionPolicy:
+    """The `[admission and intake]` settings that decide who may register a new key."""
+    return AdmissionPolicy(
+        config.admission,
+        config.registration_rate_per_s,
+        config.registration_burst,
+        config.registration_rate_per_address_per_s,
+        config.registration_burst_per_address,
+    )
+
+
 class Coordinator:
     def __init__(self, config: CoordinatorConfig) -> None:
         self.config = config
@@ -83,7 +94,7 @@ class Coordinator:
             payload_dir=config.path("payloads"),
             max_upload_bytes=config.max_upload_bytes,
             clock_skew_s=config.clock_skew_s,
-            require_approval=config.require_approval,
+            admission=admission_policy(config),
             metrics=self.metrics,
             max_submissions_per_round=config.max_submissions_per_round,
         )
@@ -98,7 +109,7 @@ class Coordinator:
     def apply_policy(self, config: CoordinatorConfig) -> None:
         """Use `config` from the next round on (a policy change staged through the REST API)."""
         self.config = config
-        self.backend.require_approval = config.require_approval
+        self.backend.admission = admission_policy(config)
         self.backend.max_upload_bytes = config.max_upload_bytes
         self.backend.clock_skew_s = config.clock_skew_s
         self.backend.max_submissions_per_round = config.max_submissions_per_round

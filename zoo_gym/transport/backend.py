@@ -19,9 +19,17 @@ class FederationBackend(Protocol):
     max_upload_bytes: int
 
     def register(
-        self, *, public_key: bytes, name: str, timestamp_ms: int, signature: bytes, invite: str = ""
+        self,
+        *,
+        public_key: bytes,
+        name: str,
+        timestamp_ms: int,
+        signature: bytes,
+        invite: str = "",
+        peer: str | None = None,
     ) -> Registration:
-        """Register a key (idempotent). Raises RequestError."""
+        """Register a key (idempotent for a known key) under the admission policy; `peer` is the
+        caller's network address (None for a caller in this process). Raises RequestError."""
 
     def authenticate(
         self, *, method: str, contributor_id: str, timestamp_ms: int, digest: str, signature: bytes

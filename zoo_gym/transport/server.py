@@ -25,7 +25,7 @@ from zoo_gym.core.protocol import RequestError, Submission
 from zoo_gym.proto.v1 import federation_pb2 as pb
 from zoo_gym.proto.v1 import federation_pb2_grpc as pb_grpc
 from zoo_gym.transport.backend import FederationBackend
-from zoo_gym.transport.limits import RateLimitInterceptor, RateLimits, TokenBuckets
+from zoo_gym.transport.limits import RateLimitInterceptor, RateLimits, TokenBuckets, peer_host
 from zoo_gym.transport.mailbox import Mailbox
 
 log = logging.getLogger(__name__)
@@ -104,6 +104,7 @@ class FederationServicer(pb_grpc.FederationServicer):
                 timestamp_ms=request.timestamp_ms,
                 signature=request.signature,
                 invite=request.invite,
+                peer=peer_host(context.peer()),
             )
         except RequestError as exc:
             _abort(context, exc)

@@ -6,7 +6,9 @@ private validation set, utility = minus validation loss (`zoo_gym.scoring`, meth
 rule. The pool is split in proportion to positive quality among the updates the rule used;
 an update the rule left out, or one that did not help, earns zero with its reason. Every
 contribution that reached aggregation gets a reward row (zero included), and the
-contributor's reputation moves as an exponential moving average of its outcomes.
+contributor's reputation moves as an exponential moving average of its outcomes. A
+contributor below `trusted_reputation` earns in proportion to its reputation (a fresh
+identity: nothing while trusted contributors qualify in the same round).
 
 Rewards are paid whether or not the round's aggregate passes the quality gate: each
 contribution is judged on its own, against the same base.
@@ -83,6 +85,7 @@ def pay_round(
         min_quality=settings.min_quality,
         reputation_weight=settings.reputation_weight,
         unit=settings.unit,
+        trusted_reputation=config.trusted_reputation,
     )
     split = split_rewards(contributions, policy=policy, reputations=previous)
     reputations = update_reputations(

@@ -130,6 +130,8 @@ class Coordinator:
             layout=layout,
             selection_floor=c.rewards.selection_floor,
             keep_rows=c.rewards.method != "none",
+            trusted_reputation=c.trusted_reputation,
+            fresh_weight=c.fresh_weight,
         )
 
     def run(self, grid: object, *, on_round: Callable[[RoundSummary], None] | None = None) -> None:

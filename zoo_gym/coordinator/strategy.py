@@ -10,6 +10,7 @@ configured robust rule, whose per-update decisions go to the ledger.
 from __future__ import annotations
 
 import logging
+import math
 import random
 import threading
 import time
@@ -31,7 +32,7 @@ from zoo_gym.coordinator.backend import CoordinatorBackend
 from zoo_gym.core.delta import Layout, numel, unflatten
 from zoo_gym.core.identity import node_id
 from zoo_gym.core.protocol import SUBMISSION, TASK_CONFIG, TRAIN_METRICS
-from zoo_gym.scoring import sample_contributors
+from zoo_gym.scoring import influence_weights, sample_contributors
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +67,8 @@ class ZooStrategy(FedAvg):
         layout: Callable[[], Layout],
         selection_floor: float = 0.0,
         keep_rows: bool = True,
+        trusted_reputation: float = 0.0,
+        fresh_weight: float = 1.0,
     ) -> None:
         super().__init__(
             fraction_train=1.0,
@@ -88,6 +91,8 @@ class ZooStrategy(FedAvg):
         self.keep_rows = (
             keep_rows  # scoring needs every decoded update; plain FedAvg alone does not
         )
+        self.trusted_reputation = trusted_reputation
+        self.fresh_weight = fresh_weight
         self.last: RoundAggregate | None = None
 
     def wait_for_nodes(self, grid: Grid) -> list[int]:
@@ -176,8 +181,8 @@ class ZooStrategy(FedAvg):
             return None, None
         updates = updates[: len(rows)]
         weights = None
-        if self.rule in WEIGHTED_RULES:  # weighted by the examples each contributor trained on
-            weights = torch.tensor([_examples(r) for r in rows], dtype=torch.float64)
+        if self.rule in WEIGHTED_RULES:  # by the examples each trained on, ramped by trust
+            weights = torch.tensor(self._influence(rows), dtype=torch.float64)
         result: Aggregate = aggregate(
             self.rule, updates, f=self.f, weights=weights, pre=self.pre, **self.params
         )
@@ -213,9 +218,9 @@ class ZooStrategy(FedAvg):
         Returns None, having recorded nothing, when an envelope fails to decode or the sum is not
         finite: the row-by-row path then finds and records the culprit.
         """
-        examples = [_examples(reply) for reply in accepted]
-        if any(e < 0 for e in examples):  # the row path refuses such weights and says why
+        if any(_examples(r) < 0 for r in accepted):  # the row path refuses these and says why
             return None
+        examples = self._influence(accepted)
         needed = max(self.quorum, min_clients(self.rule, self.f))
         total = sum(examples)
         if len(accepted) < needed or total <= 0:
@@ -254,6 +259,27 @@ class ZooStrategy(FedAvg):
         log.info("round %d: %d updates averaged in one fused pass", server_round, len(accepted))
         return ArrayRecord(torch_state_dict=update), MetricRecord(
             {"accepted": len(accepted), "aggregated": len(accepted)}
+        )
+
+    def _influence(self, replies: list[Message]) -> list[float]:
+        """Weights of the replies in a weighted rule: claimed examples ramped by the senders'
+        trust (`zoo_gym.scoring.influence_weights`; a fresh identity weighs `fresh_weight`)."""
+        examples = [_examples(r) for r in replies]
+        if self.trusted_reputation <= 0 or any(e < 0 or not math.isfinite(e) for e in examples):
+            return examples
+        with Session(self.backend.engine) as session:
+            known = {c.contributor_id: c.reputation for c in ledger.list_contributors(session)}
+        reputations = [
+            min(
+                1.0,
+                max(
+                    0.0, known.get(str(r.content.config_records[SUBMISSION]["contributor_id"]), 0.0)
+                ),
+            )
+            for r in replies
+        ]
+        return influence_weights(
+            examples, reputations, trusted_at=self.trusted_reputation, floor=self.fresh_weight
         )
 
     def _decide(

@@ -15,13 +15,22 @@ Rewards (`split_rewards`): the round's pool is split in proportion to positive q
 accepted contributions above a minimum, in exact decimal units that sum to the pool; every
 zero carries a one-line reason. Reputation (`update_reputations`): an exponential moving
 average of each round's normalised outcome (`round_outcomes`); `selection_weights` and
-`sample_contributors` turn reputations into sampling probabilities for the next rounds.
+`sample_contributors` turn reputations into sampling probabilities for the next rounds;
+`trust` and `influence_weights` ramp a fresh identity's reward and aggregation weight up
+from zero as its reputation grows.
 """
 
 from ._core import AggregateFn, Quality, Utility
 from .dispatch import METHODS, score_contributions
 from .quality import individual, leave_one_out
-from .reputation import round_outcomes, sample_contributors, selection_weights, update_reputations
+from .reputation import (
+    influence_weights,
+    round_outcomes,
+    sample_contributors,
+    selection_weights,
+    trust,
+    update_reputations,
+)
 from .rewards import Contribution, Reward, RewardPolicy, RewardSplit, split_rewards
 from .shapley import exact_shapley, gtg_shapley
 
@@ -37,11 +46,13 @@ __all__ = [
     "exact_shapley",
     "gtg_shapley",
     "individual",
+    "influence_weights",
     "leave_one_out",
     "round_outcomes",
     "sample_contributors",
     "score_contributions",
     "selection_weights",
     "split_rewards",
+    "trust",
     "update_reputations",
 ]

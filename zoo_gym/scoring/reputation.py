@@ -17,6 +17,18 @@ does not feed back into reputation. Contributors absent from a round keep their 
 A newcomer starts at `initial` (default 0): a fresh identity then carries no advantage over
 a bad record, which makes whitewashing (re-registering a new key) pointless.
 `selection_weights` keeps a floor so newcomers are still sampled and can earn reputation.
+
+Trust ramps influence up with reputation (`trust`, `influence_weights`): with rho the
+reputation at which a contributor is fully trusted,
+
+    t_i = min(1, r_i / rho),
+
+so a fresh identity (r = 0) starts at t = 0 and an honest one whose contributions score
+s >= s_min each round reaches t = 1 after about log(1 - rho / s_min) / log(1 - alpha)
+rounds (alpha = 0.2, rho = 0.3: 2 rounds as the round's best, 5 at half its quality). Its
+reward weight and its weight in a weighted rule (FedAvg, geometric median) scale with t;
+k fresh identities therefore earn nothing and weigh at most k * floor / (k * floor + T)
+of an average while T units of established weight take part.
 """
 
 from __future__ import annotations
@@ -28,7 +40,14 @@ import torch
 
 from .rewards import Reward
 
-__all__ = ["round_outcomes", "sample_contributors", "selection_weights", "update_reputations"]
+__all__ = [
+    "influence_weights",
+    "round_outcomes",
+    "sample_contributors",
+    "selection_weights",
+    "trust",
+    "update_reputations",
+]
 
 
 def round_outcomes(rewards: Sequence[Reward]) -> dict[str, float]:
@@ -115,6 +134,52 @@ def sample_contributors(
     probs = torch.tensor([weights[n] for n in names], dtype=torch.float64)  # (n,)
     picked = torch.multinomial(probs, k, replacement=False, generator=generator)  # (k,)
     return [names[int(i)] for i in picked]
+
+
+def trust(reputation: float, *, trusted_at: float) -> float:
+    """t = min(1, r / rho) for reputation r in [0, 1] and rho = `trusted_at` in [0, 1];
+    rho = 0 trusts everyone (t = 1).
+
+    >>> trust(0.0, trusted_at=0.3), trust(0.15, trusted_at=0.3), trust(0.9, trusted_at=0.3)
+    (0.0, 0.5, 1.0)
+    """
+    _check_unit("reputation", reputation)
+    _check_unit("trusted_at", trusted_at)
+    return 1.0 if trusted_at == 0.0 else min(1.0, float(reputation) / trusted_at)
+
+
+def influence_weights(
+    examples: Sequence[float],
+    reputations: Sequence[float],
+    *,
+    trusted_at: float,
+    floor: float,
+) -> list[float]:
+    """Aggregation weights of n updates from their claimed example counts and reputations.
+
+    w_i = e_i * max(t_i, floor)  with t_i = trust(r_i), e_i the example count update i claims,
+    capped at the round's median claim when t_i < 1 (an untrusted contributor cannot weigh
+    more by claiming more). When nobody in the round is trusted at all (every t_i = 0, e.g. a
+    new network), t_i = 1 for every update: there is no established weight to protect, and
+    the median cap still applies. `floor` in (0, 1] keeps fresh updates in the average (and
+    so scoreable). Returns n weights >= 0, not normalised.
+    """
+    if len(examples) != len(reputations):
+        raise ValueError("influence weights: pass one reputation per update")
+    if not (math.isfinite(floor) and 0.0 < floor <= 1.0):
+        raise ValueError(f"influence weights: floor must be in (0, 1], got {floor}")
+    t = [trust(r, trusted_at=trusted_at) for r in reputations]
+    if not any(t):
+        t = [0.0] * len(t)  # nobody established: everyone equally untrusted, weighted alike
+        factors = [1.0] * len(t)
+    else:
+        factors = [max(ti, floor) for ti in t]
+    claims = sorted(float(e) for e in examples)
+    cap = claims[(len(claims) - 1) // 2] if claims else 0.0  # the lower median
+    return [
+        (float(e) if ti >= 1.0 else min(float(e), cap)) * f
+        for e, ti, f in zip(examples, t, factors, strict=True)
+    ]
 
 
 def _check_unit(what: str, value: float) -> None:

@@ -6,7 +6,11 @@ A contribution qualifies when it was accepted and its quality q_i is above the m
     w_i = q_i * ((1 - lambda) + lambda * r_i)
 
 with r_i in [0, 1] its contributor's reputation and lambda = `reputation_weight` in [0, 1)
-(lambda = 0, the default, pays by quality alone), and is paid
+(lambda = 0, the default, pays by quality alone). With rho = `trusted_reputation` > 0 the
+weight is further multiplied by the contributor's trust t_i = min(1, r_i / rho) (see
+`zoo_gym.scoring.reputation`): a fresh identity (r = 0) earns nothing while a trusted one
+qualifies in the same round, and earns in full once r_i >= rho. When no qualifying
+contributor has t > 0 (a new network), t = 1 for all of them. Each is paid
 
     amount_i = pool * w_i / sum_j w_j,
 
@@ -53,13 +57,15 @@ class RewardPolicy:
     contribution must score above it (>= 0; 0 pays every helpful one). `reputation_weight`:
     lambda in [0, 1), how much reputation scales the weight of quality (0: not at all; 0.5:
     reputation 0 halves the weight that reputation 1 gets). `unit`: the smallest amount
-    paid (default one micro-unit).
+    paid (default one micro-unit). `trusted_reputation`: rho in [0, 1], the reputation from
+    which a contributor earns in full (0: everyone does; see the module docstring).
     """
 
     pool: Decimal = Decimal(100)
     min_quality: float = 0.0
     reputation_weight: float = 0.0
     unit: Decimal = Decimal("0.000001")
+    trusted_reputation: float = 0.0
 
     def __post_init__(self) -> None:
         pool, unit = _decimal(self.pool, "pool"), _decimal(self.unit, "unit")
@@ -79,6 +85,10 @@ class RewardPolicy:
         if not math.isfinite(self.min_quality) or self.min_quality < 0:
             raise ValueError(
                 f"reward policy: min_quality must be a finite number >= 0, got {self.min_quality}"
+            )
+        if not 0.0 <= self.trusted_reputation <= 1.0:
+            raise ValueError(
+                f"reward policy: trusted_reputation must be in [0, 1], got {self.trusted_reputation}"
             )
         if not 0.0 <= self.reputation_weight < 1.0:
             raise ValueError(
@@ -135,12 +145,15 @@ def split_rewards(
     policy = RewardPolicy() if policy is None else policy
     _check_unique(contributions)
     qualified = [_qualifies(c, policy) for c in contributions]
+    trusts = _trusts(contributions, qualified, policy, reputations)
     weights = {
-        i: _weight(c, policy, reputations) for i, c in enumerate(contributions) if qualified[i]
+        i: _weight(c, policy, reputations) * Fraction(trusts[i])
+        for i, c in enumerate(contributions)
+        if qualified[i]
     }
-    units = _apportion(policy.pool_units, weights)
+    units = _apportion(policy.pool_units, {i: w for i, w in weights.items() if w > 0})
     rewards = tuple(
-        _reward(c, policy, units.get(i, 0), qualified[i], reputations)
+        _reward(c, policy, units.get(i, 0), qualified[i], reputations, trusts.get(i, 1.0))
         for i, c in enumerate(contributions)
     )
     with decimal.localcontext() as ctx:
@@ -152,6 +165,26 @@ def split_rewards(
         paid=paid,
         summary=_summary(len(contributions), len(weights), policy),
     )
+
+
+def _trusts(
+    contributions: Sequence[Contribution],
+    qualified: Sequence[bool],
+    policy: RewardPolicy,
+    reputations: Mapping[str, float] | None,
+) -> dict[int, float]:
+    """t_i = min(1, r_i / rho) of each qualifying contribution (a contributor without a
+    reputation is new: r = 0); all 1 when rho = 0 or when none of them has t > 0."""
+    rho = policy.trusted_reputation
+    known = reputations or {}
+    trusts = {
+        i: min(1.0, float(known.get(c.contributor, 0.0)) / rho) if rho > 0 else 1.0
+        for i, c in enumerate(contributions)
+        if qualified[i]
+    }
+    if not any(trusts.values()):
+        return dict.fromkeys(trusts, 1.0)
+    return trusts
 
 
 def _apportion(total: int, weights: Mapping[int, Fraction]) -> dict[int, int]:
@@ -207,13 +240,21 @@ def _reward(
     units: int,
     qualified: bool,
     reputations: Mapping[str, float] | None,
+    trust: float = 1.0,
 ) -> Reward:
     with decimal.localcontext() as ctx:
         ctx.prec = 60
         ctx.traps[decimal.Inexact] = True  # amounts are exact or the split fails loudly
         amount = policy.unit * units
     share = float(Fraction(amount) / Fraction(policy.pool)) if policy.pool > 0 else 0.0
-    reason = _reason(c, policy) if not qualified else _paid_reason(c, policy, share, reputations)
+    reason = (
+        _reason(c, policy)
+        if not qualified
+        else _paid_reason(c, policy, share, reputations)
+        if trust > 0
+        else f"quality {c.quality:.4g}, but a new identity earns in proportion to its reputation "
+        f"(0, trusted from {policy.trusted_reputation:g}): nothing yet"
+    )
     return Reward(c.contributor, c.quality, amount, share, qualified, reason)
 
 
@@ -240,6 +281,8 @@ def _paid_reason(
     reason = f"paid {share:.2%} of the pool for quality {c.quality:.4g}"
     if policy.reputation_weight > 0.0:
         reason += f" at reputation {_reputation(c.contributor, reputations):.3f}"
+    elif policy.trusted_reputation > 0.0 and reputations and c.contributor in reputations:
+        reason += f" at reputation {float(reputations[c.contributor]):.3f}"
     return reason
 
 

@@ -146,3 +146,47 @@ def test_rewards_per_round_and_contributor(shared_world: World) -> None:
     ]  # exact decimals travel as strings
     assert by_bob == []
     assert own == by_round
+
+
+def test_an_admin_issues_lists_and_revokes_invitations(world: World) -> None:
+    # Execute
+    issued = world.client.post(
+        "/contributors/invites",
+        json={"note": "lab B", "uses": 2, "valid_for_hours": 24},
+        headers=world.as_admin,
+    )
+    prefix = issued.json()["prefix"]
+    listed = world.client.get("/contributors/invites", headers=world.as_admin)
+    revoked = world.client.post(f"/contributors/invites/{prefix}/revoke", headers=world.as_admin)
+    usable = world.client.get("/contributors/invites?usable=true", headers=world.as_admin)
+    again = world.client.post(f"/contributors/invites/{prefix}/revoke", headers=world.as_admin)
+
+    # Assert: the code is in the answer to its issue only, never in a list
+    assert issued.status_code == 201 and issued.json()["code"].startswith(f"zgi_{prefix}_")
+    assert (issued.json()["uses"], issued.json()["max_uses"], issued.json()["note"]) == (
+        0,
+        2,
+        "lab B",
+    )
+    assert listed.status_code == 200 and [i["prefix"] for i in listed.json()] == [prefix]
+    assert "code" not in listed.json()[0] and "secret_sha256" not in listed.json()[0]
+    assert revoked.status_code == 200 and revoked.json()["revoked_at"] is not None
+    assert usable.json() == [] and again.status_code == 409
+    events = audit_of(world, f"invite:{prefix}")
+    assert [e.action for e in events] == ["invite.create", "invite.revoke"]
+    assert all(e.actor.startswith("apikey:ops/") for e in events)
+
+
+def test_invitations_are_for_admins_with_sane_terms(world: World) -> None:
+    body = {"uses": 1}
+    assert world.client.post("/contributors/invites", json=body).status_code == 401
+    assert world.client.get("/contributors/invites").status_code == 401
+    viewer = world.client.post("/contributors/invites", json=body, headers=world.as_viewer)
+    assert viewer.status_code == 403
+    too_many = {"uses": 0}
+    too_long = {"valid_for_hours": 24 * 400}
+    for bad in (too_many, too_long):
+        answer = world.client.post("/contributors/invites", json=bad, headers=world.as_admin)
+        assert answer.status_code == 422
+    missing = world.client.post("/contributors/invites/ffffffff/revoke", headers=world.as_admin)
+    assert missing.status_code == 404

@@ -15,6 +15,7 @@ from pydantic import BaseModel, Field, PlainSerializer
 from zoo_gym.core.identity import CONTRIBUTOR_ID
 from zoo_gym.ledger import (
     CheckpointPublic,
+    InvitePublic,
     LogEntryPublic,
     RewardPublic,
     RoundPublic,
@@ -119,6 +120,22 @@ class StatusCreate(ControlBase):
 
 class BanCreate(ControlBase):
     reason: str = Field(min_length=1, max_length=500)
+
+
+class InviteCreate(BaseModel):
+    """An invitation code to issue (for `admission = "invite"`)."""
+
+    note: str = Field("", max_length=128, description="whom it is for; shown in the list")
+    uses: int = Field(1, ge=1, le=1_000_000, description="new keys it may admit")
+    valid_for_hours: float = Field(
+        72.0, ge=1 / 60, le=366 * 24, description="hours until it expires"
+    )
+
+
+class InviteIssued(InvitePublic):
+    """A new invitation with its code: shown once, only its hash is kept."""
+
+    code: str
 
 
 REPORT_VERSION = 2

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+from datetime import timedelta
 from decimal import Decimal
 from typing import Annotated
 
@@ -16,6 +17,8 @@ from zoo_gym.coordinator.api.deps import AdminDep, RoundQuery, SelfDep, SessionD
 from zoo_gym.coordinator.api.schemas import (
     BanCreate,
     ContributorReport,
+    InviteCreate,
+    InviteIssued,
     ReportRow,
     ReportTotals,
     StatusCreate,
@@ -24,6 +27,8 @@ from zoo_gym.core.hashing import canonical_json
 from zoo_gym.ledger import (
     Contributor,
     ContributorPublic,
+    Invite,
+    InvitePublic,
     LogEntry,
     LogEntryPublic,
     Reward,
@@ -54,6 +59,42 @@ def list_contributors(
 ) -> list[Contributor]:
     """Every registered contributor, oldest first."""
     return ledger.list_contributors(session, status=status_)
+
+
+@router.post(
+    "/invites",
+    operation_id="create_invite",
+    response_model=InviteIssued,
+    status_code=status.HTTP_201_CREATED,
+)
+def create_invite(session: SessionDep, admin: AdminDep, body: InviteCreate) -> InviteIssued:
+    """Issue an invitation code for `admission = "invite"`. The code is in this answer only;
+    the ledger keeps its hash, and records its issue and each use as audit events."""
+    issued = ledger.create_invite(
+        session,
+        note=body.note,
+        max_uses=body.uses,
+        valid_for=timedelta(hours=body.valid_for_hours),
+        actor=admin.actor,
+    )
+    public = InvitePublic.model_validate(issued.invite, from_attributes=True)
+    return InviteIssued(**public.model_dump(), code=issued.code)
+
+
+@router.get("/invites", operation_id="list_invites", response_model=list[InvitePublic])
+def list_invites(
+    session: SessionDep,
+    admin: AdminDep,
+    usable: Annotated[bool, Query(description="only codes that still admit")] = False,
+) -> list[Invite]:
+    """Every invitation (never its code), oldest first."""
+    return ledger.list_invites(session, include_spent=not usable)
+
+
+@router.post("/invites/{prefix}/revoke", operation_id="revoke_invite", response_model=InvitePublic)
+def revoke_invite(session: SessionDep, admin: AdminDep, prefix: str) -> Invite:
+    """Revoke an invitation by the prefix shown in the list; its unused admissions lapse."""
+    return ledger.revoke_invite(session, prefix=prefix[:16], actor=admin.actor)
 
 
 @router.get("/{contributor_id}", operation_id="get_contributor", response_model=ContributorPublic)

@@ -133,3 +133,17 @@ def test_user_errors_print_one_line(served: Served) -> None:
     assert "KEY=VALUE" in one_line_error(bad_setting)
     assert "no round 42" in one_line_error(missing)
     assert "cannot reach the coordinator" in one_line_error(unreachable)
+
+
+def test_invite_commands_issue_list_and_revoke_a_code(served: Served) -> None:
+    issued = run_json(served, "contributors", "invite", "--note", "lab C", "--uses", "3")
+    listed = run_json(served, "contributors", "invites")
+    revoked = run_json(served, "contributors", "revoke-invite", issued["prefix"])
+    usable = run_json(served, "contributors", "invites", "--usable")
+
+    assert issued["code"].startswith(f"zgi_{issued['prefix']}_") and issued["max_uses"] == 3
+    assert [i["note"] for i in listed] == ["lab C"] and "code" not in listed[0]
+    assert revoked["revoked_at"] is not None and usable == []
+    again = served.admin_cli("contributors", "revoke-invite", issued["prefix"])
+    assert again.exit_code != 0 and "already revoked" in again.output
+    assert "Traceback" not in again.output

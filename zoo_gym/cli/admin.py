@@ -49,7 +49,9 @@ app = typer.Typer(
     add_completion=False,
 )
 rounds_app = typer.Typer(help="Rounds: history and control.", no_args_is_help=True)
-contributors_app = typer.Typer(help="Contributors: list, approve, ban.", no_args_is_help=True)
+contributors_app = typer.Typer(
+    help="Contributors: list, approve, ban, invite.", no_args_is_help=True
+)
 policy_app = typer.Typer(help="Policy for the next round.", no_args_is_help=True)
 models_app = typer.Typer(help="Published base models.", no_args_is_help=True)
 ledger_app = typer.Typer(help="The Merkle log: entries, checkpoints, proofs.", no_args_is_help=True)
@@ -449,6 +451,48 @@ def contributors_unban(
     """Lift a ban."""
     body = {"reason": reason}
     _contributor(_api(ctx).call("POST", f"/contributors/{contributor_id}/unban", body=body), format)
+
+
+INVITE_COLUMNS = ["prefix", "note", "uses", "max_uses", "expires_at", "revoked_at", "created_by"]
+
+
+@contributors_app.command("invite")
+@command
+def contributors_invite(
+    ctx: typer.Context,
+    note: Annotated[str, typer.Option(help="whom the code is for (shown in the list)")] = "",
+    uses: Annotated[int, typer.Option(min=1, help="new keys the code may admit")] = 1,
+    valid_for_hours: Annotated[
+        float, typer.Option(min=1 / 60, help="hours until the code expires")
+    ] = 72.0,
+    format: FormatOpt = Format.table,
+) -> None:
+    """Issue an invitation code (admission = "invite"); it is shown this once."""
+    body = {"note": note, "uses": uses, "valid_for_hours": valid_for_hours}
+    data = _api(ctx).call("POST", "/contributors/invites", body=body)
+    emit(data, format, fields(data, title="invitation: give the code to its contributor"))
+
+
+@contributors_app.command("invites")
+@command
+def contributors_invites(
+    ctx: typer.Context,
+    usable: Annotated[bool, typer.Option(help="only codes that still admit")] = False,
+    format: FormatOpt = Format.table,
+) -> None:
+    """Invitations issued (never their codes)."""
+    data = _api(ctx).call("GET", "/contributors/invites", params={"usable": usable or None})
+    emit(data, format, table(data, INVITE_COLUMNS, title="invitations"))
+
+
+@contributors_app.command("revoke-invite")
+@command
+def contributors_revoke_invite(
+    ctx: typer.Context, prefix: str, format: FormatOpt = Format.table
+) -> None:
+    """Revoke an invitation by its prefix; its unused admissions lapse."""
+    data = _api(ctx).call("POST", f"/contributors/invites/{prefix}/revoke")
+    emit(data, format, fields(data, title=f"invitation {prefix} revoked"))
 
 
 # --- policy -------------------------------------------------------------------------------------

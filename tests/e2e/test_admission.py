@@ -1,0 +1,140 @@
+"""Admission against a real `gym-coordinator serve` with its default limits: registration floods
+from one address and from many add a bounded number of ledger rows while honest contributors
+still register, and `admission = "invite"` admits a new key only with a valid code."""
+
+from __future__ import annotations
+
+import sqlite3
+import threading
+import time
+from collections import Counter
+from datetime import timedelta
+from pathlib import Path
+
+import httpx
+import pytest
+from hostile_registration import SourceProxy, flood, register
+from serve_process import ServeProcess, serve
+from sqlmodel import Session
+
+from zoo_gym.coordinator.config import CoordinatorConfig
+from zoo_gym.core.identity import Identity
+from zoo_gym.ledger import create_invite, open_database
+
+pytestmark = pytest.mark.e2e
+
+DEFAULTS = CoordinatorConfig.model_validate({})
+PER_ADDRESS = DEFAULTS.registration_burst_per_address
+OVERALL = DEFAULTS.registration_burst
+
+
+def contributor_rows(served: ServeProcess) -> int:
+    db = sqlite3.connect(served.home / "ledger.db")
+    try:
+        return int(db.execute("SELECT count(*) FROM contributors").fetchone()[0])
+    finally:
+        db.close()
+
+
+def register_until_admitted(address: str, who: Identity, within_s: float) -> tuple[str, str]:
+    """Register `who`, retrying while the coordinator asks to retry; the last answer."""
+    deadline = time.monotonic() + within_s
+    answer = register(address, who, "honest")
+    while answer[0] == "RESOURCE_EXHAUSTED" and time.monotonic() < deadline:
+        time.sleep(0.5)
+        answer = register(address, who, "honest")
+    return answer
+
+
+def test_a_flood_from_one_address_adds_a_bounded_number_of_keys(tiny_home: Path) -> None:
+    with serve(tiny_home) as served:
+        # Prepare: an honest contributor registered before the flood
+        known = Identity.generate()
+        assert register(served.address, known, "known") == ("OK", "active")
+
+        # Execute: 150 fresh keys from 127.0.0.1 as fast as one channel goes
+        started = time.monotonic()
+        answers = flood(served.address, 150)
+        elapsed = time.monotonic() - started
+        again = register(served.address, known, "known")
+        with SourceProxy("127.0.0.2", served.address) as other:
+            newcomer = register(other.address, Identity.generate(), "newcomer")
+        rows = contributor_rows(served)
+
+    # Assert: the address got its burst (and what refilled meanwhile), nothing more was written
+    allowed = PER_ADDRESS + int(elapsed * DEFAULTS.registration_rate_per_address_per_s) + 1
+    assert answers["OK"] <= allowed and answers["RESOURCE_EXHAUSTED"] >= 150 - allowed, answers
+    assert set(answers) <= {"OK", "RESOURCE_EXHAUSTED"}
+    assert rows == 1 + answers["OK"] + 1
+    # a known key re-registers at once, and a newcomer from another address is admitted
+    assert again == ("OK", "active") and newcomer == ("OK", "active")
+
+
+def test_a_flood_from_many_addresses_is_bounded_overall(tiny_home: Path) -> None:
+    with serve(tiny_home) as served:
+        known = Identity.generate()
+        assert register(served.address, known, "known") == ("OK", "active")
+        proxies = [SourceProxy(f"127.0.0.{10 + i}", served.address) for i in range(12)]
+        try:
+            # Execute: 12 addresses x 25 fresh keys at once, while the known key re-registers
+            totals: Counter[str] = Counter()
+            lock = threading.Lock()
+
+            def one(address: str) -> None:
+                counted = flood(address, 25)
+                with lock:
+                    totals.update(counted)
+
+            threads = [threading.Thread(target=one, args=(p.address,)) for p in proxies]
+            started = time.monotonic()
+            for t in threads:
+                t.start()
+            during = register(served.address, known, "known")
+            for t in threads:
+                t.join(timeout=120)
+            elapsed = time.monotonic() - started
+            rows_after_flood = contributor_rows(served)
+            with SourceProxy("127.0.0.40", served.address) as fresh:
+                newcomer = register_until_admitted(fresh.address, Identity.generate(), 15.0)
+        finally:
+            for p in proxies:
+                p.close()
+
+    # Assert: all addresses together got the overall burst (and its refill), no more rows
+    allowed = OVERALL + int(elapsed * DEFAULTS.registration_rate_per_s) + 1
+    assert sum(totals.values()) == 300 and totals["OK"] <= allowed, totals
+    assert rows_after_flood == 1 + totals["OK"]
+    assert during == ("OK", "active")
+    assert newcomer == ("OK", "active")
+
+
+def test_invite_admission_admits_with_a_code_only(tiny_home: Path) -> None:
+    # Prepare: a one-use code issued in the ledger (the REST and CLI routes are tested elsewhere)
+    engine = open_database(f"sqlite:///{tiny_home / 'ledger.db'}")
+    with Session(engine) as session:
+        code = create_invite(
+            session, note="alice", max_uses=1, valid_for=timedelta(days=1), actor="op"
+        ).code
+    engine.dispose()
+
+    with serve(tiny_home, admission="invite") as served:
+        alice, mallory = Identity.generate(), Identity.generate()
+
+        # Execute
+        without = register(served.address, mallory, "mallory")
+        forged = register(served.address, mallory, "mallory", invite=code[:-2] + "xx")
+        admitted = register(served.address, alice, "alice", invite=code)
+        known = register(served.address, alice, "alice")  # a known key needs no code again
+        reused = register(served.address, mallory, "mallory", invite=code)
+        health = httpx.get(f"{served.rest}/health", timeout=5)
+        rows = contributor_rows(served)
+        log = served.log
+
+    # Assert: one line each, what was wrong and what to do; only alice has a row
+    assert without[0] == "PERMISSION_DENIED" and "invitation only" in without[1]
+    assert "--invite" in without[1]
+    assert forged[0] == "PERMISSION_DENIED" and "not valid here" in forged[1]
+    assert admitted == ("OK", "active") and known == ("OK", "active")
+    assert reused[0] == "PERMISSION_DENIED" and "used up" in reused[1]
+    assert rows == 1 and health.status_code == 200
+    assert "Traceback" not in log

@@ -42,7 +42,7 @@ def test_read_commands_print_json(served: Served) -> None:
     assert [s["decision"] for s in detail["submissions"]] == ["accepted"]
     assert summary["accepted"] == 1 and summary["rewards_total"] == 3.0
     assert [c["name"] for c in contributors] == ["alice"] and shown["status"] == "active"
-    assert policy["current"]["aggregator"] == "fedavg"
+    assert policy["current"]["aggregator"] == "median"
     assert [m["version"] for m in models] == ["v0000"]
     assert [(r["contributor_id"], r["amount"]) for r in rewards] == [(alice, "3.000000000")]
     assert report["totals"]["reward"] == 3.0 and report["rounds"][0]["decision"] == "accepted"
@@ -67,13 +67,13 @@ def test_control_and_policy_commands_change_the_coordinator(served: Served) -> N
     paused = run_json(served, "rounds", "pause", "--reason", "upgrade")
     started = run_json(served, "rounds", "start")
     resumed = run_json(served, "rounds", "resume")
-    policy = run_json(served, "policy", "set", "aggregator=median", "training.clip_norm=1.0")
+    policy = run_json(served, "policy", "set", "aggregator=trimmed_mean", "training.clip_norm=1.0")
     audit = run_json(served, "audit")
 
     assert banned["status"] == "banned" and unbanned["status"] == "active"
     assert paused["paused"] and started["start"] is not None and not resumed["paused"]
     assert (
-        policy["pending"]["aggregator"] == "median"
+        policy["pending"]["aggregator"] == "trimmed_mean"
         and policy["pending"]["training"]["clip_norm"] == 1.0
     )
     assert [e["action"] for e in audit][-6:] == [

@@ -134,7 +134,14 @@ def test_operator_abort_and_staged_policy_reach_the_round_loop(tiny_home: Path) 
 
     shards = shard(make_examples(3 * 24, seed=3), 3)
     fed = InProcessFederation.build(
-        tiny_home, shards, overrides={"rounds": 2, "min_clients": 3, "training": {"steps": 2}}
+        tiny_home,
+        shards,
+        overrides={
+            "rounds": 2,
+            "min_clients": 3,
+            "aggregator": "fedavg",
+            "training": {"steps": 2},
+        },
     )
     co = fed.coordinator
     co.control.request_abort(1, by="admin:ops", reason="suspicious data")

@@ -20,7 +20,7 @@ def init_home(
     listen: str = "127.0.0.1:7443",
     rest_listen: str = "127.0.0.1:8080",
     seed: int = 0,
-    settings: str = 'rounds = 0\nmin_clients = 2\naggregator = "fedavg"\n',
+    settings: str = "rounds = 0\nmin_clients = 2\n",
     training: str = 'steps = 30\nlearning_rate = 0.005\ncodec = "bitdelta"\n',
     tls_hosts: Sequence[str] = (),
 ) -> tuple[Path, Identity, Published]:

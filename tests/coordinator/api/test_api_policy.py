@@ -28,7 +28,7 @@ def test_change_is_staged_for_the_next_round_and_audited(world: World) -> None:
     assert first.status_code == 200, first.text
     assert second.status_code == 200, second.text
     body = second.json()
-    assert body["current"]["aggregator"] == "fedavg" and body["next_round"] == 2
+    assert body["current"]["aggregator"] == "median" and body["next_round"] == 2
     assert body["pending"]["aggregator"] == "trimmed_mean"
     assert body["pending"]["training"]["clip_norm"] == 1.5
     assert body["pending_changes"]["training.codec"] == {"old": "bitdelta", "new": "int8"}
@@ -43,7 +43,7 @@ def test_change_is_staged_for_the_next_round_and_audited(world: World) -> None:
     with world.session() as s:
         events = ledger.list_audit(s, target="policy")
     assert [e.action for e in events] == ["policy.update", "policy.update"]
-    assert events[0].detail["changes"]["aggregator"] == {"old": "fedavg", "new": "trimmed_mean"}
+    assert events[0].detail["changes"]["aggregator"] == {"old": "median", "new": "trimmed_mean"}
     assert events[1].detail["from_round"] == 2 and events[1].actor.startswith("apikey:ops/")
 
     # the round loop takes it once
@@ -79,5 +79,5 @@ def test_bad_values_are_refused_with_one_clear_line(
 
 def test_viewer_reads_policy(world: World) -> None:
     body = world.client.get("/policy", headers=world.as_viewer).json()
-    assert body["pending"] is None and body["current"]["aggregator"] == "fedavg"
+    assert body["pending"] is None and body["current"]["aggregator"] == "median"
     assert "training.clip_norm" in body["settable"] and "listen" not in body["settable"]

@@ -1,6 +1,8 @@
 """Admission against a real `gym-coordinator serve` with its default limits: registration floods
 from one address and from many add a bounded number of ledger rows while honest contributors
-still register, and `admission = "invite"` admits a new key only with a valid code."""
+still register, and `admission = "invite"` admits a new key only with a valid code; a fresh
+identity sending huge updates under the default settings neither shapes the published model
+beyond the robust rule's bound nor takes the reward pool."""
 
 from __future__ import annotations
 
@@ -8,18 +10,30 @@ import sqlite3
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 
 import httpx
 import pytest
+import torch
 from hostile_registration import SourceProxy, flood, register
 from serve_process import ServeProcess, serve
 from sqlmodel import Session
 
 from zoo_gym.coordinator.config import CoordinatorConfig
+from zoo_gym.coordinator.rounds import RoundSummary
+from zoo_gym.coordinator.strategy import ZooStrategy
+from zoo_gym.core.delta import Layout
 from zoo_gym.core.identity import Identity
-from zoo_gym.ledger import create_invite, open_database
+from zoo_gym.core.synthetic import make_examples, shard
+from zoo_gym.ledger import (
+    create_invite,
+    list_contributors,
+    list_rewards,
+    open_database,
+)
+from zoo_gym.simulation.inprocess import InProcessFederation
 
 pytestmark = pytest.mark.e2e
 
@@ -143,3 +157,62 @@ def test_invite_admission_admits_with_a_code_only(tiny_home: Path) -> None:
     assert reused[0] == "PERMISSION_DENIED" and "used up" in reused[1]
     assert rows == 1 and health.status_code == 200
     assert "Traceback" not in log
+
+
+def test_a_fresh_sybil_neither_shapes_the_model_nor_takes_the_pool(tiny_home: Path) -> None:
+    # Prepare: default settings (median, trust ramp, reward pool); three honest contributors and
+    # one fresh identity whose updates are N(0, 1e4^2) per coordinate; in-process for speed
+    shards = shard(make_examples(4 * 24, seed=7), 4)
+    fed = InProcessFederation.build(
+        tiny_home,
+        shards,
+        overrides={"rounds": 2, "training": {"steps": 3}},
+        byzantine=[3],
+        attack="gaussian",
+        attack_params={"sigma": 1e4},
+    )
+    co = fed.coordinator
+    assert (co.config.aggregator, co.config.admission) == ("median", "open")
+    strategies: list[ZooStrategy] = []
+    make = co.make_strategy
+
+    def keep(layout: Callable[[], Layout]) -> ZooStrategy:
+        strategies.append(make(layout))
+        return strategies[-1]
+
+    co.make_strategy = keep  # type: ignore[method-assign]
+    bounds: list[tuple[float, float]] = []
+
+    def inspect(summary: RoundSummary) -> None:
+        last = strategies[-1].last
+        assert last is not None and last.rows is not None
+        honest = torch.stack(
+            [
+                r
+                for r, cid in zip(last.rows, last.row_contributors, strict=True)
+                if cid not in sybils
+            ]
+        )  # (3, d)
+        vector = torch.cat([v.flatten() for _, v in sorted(last.update.items())])
+        outside = torch.clamp(honest.min(0).values - vector, min=0) + torch.clamp(
+            vector - honest.max(0).values, min=0
+        )
+        bounds.append((float(outside.max()), float(vector.abs().max())))
+
+    sybils = set(fed.byzantine.values())
+
+    # Execute
+    summaries = fed.run(on_round=inspect)
+
+    # Assert: both rounds published an improving model inside the honest updates' range
+    assert [s.status for s in summaries] == ["published", "published"]
+    assert summaries[-1].loss_after < summaries[0].loss_before
+    assert all(outside <= 1e-6 and largest < 1.0 for outside, largest in bounds), bounds
+    (sybil,) = sybils
+    with Session(co.engine) as session:
+        for number in (1, 2):
+            rewards = {r.contributor_id: r for r in list_rewards(session, round_number=number)}
+            assert rewards[sybil].amount == 0, rewards[sybil].reason
+            assert sum(r.amount for r in rewards.values()) == co.config.rewards.pool
+        reputation = {c.contributor_id: c.reputation for c in list_contributors(session)}
+    assert reputation[sybil] == 0.0 and all(r > 0 for c, r in reputation.items() if c != sybil)

@@ -1,4 +1,4 @@
-"""Reputation EMA and selection weights, by hand."""
+"""Reputation EMA, selection weights and the trust ramp, by hand."""
 
 from __future__ import annotations
 
@@ -7,10 +7,12 @@ import torch
 
 from zoo_gym.scoring import (
     Contribution,
+    influence_weights,
     round_outcomes,
     sample_contributors,
     selection_weights,
     split_rewards,
+    trust,
     update_reputations,
 )
 
@@ -99,3 +101,21 @@ def test_sampling_favours_reputation() -> None:
 
     # probabilities 0.8 and 0.2
     assert 280 < counts["good"] < 360
+
+
+def test_trust_ramps_from_zero_to_one() -> None:
+    assert [trust(r, trusted_at=0.3) for r in (0.0, 0.15, 0.3, 0.9)] == [0.0, 0.5, 1.0, 1.0]
+    assert trust(0.0, trusted_at=0.0) == 1.0  # rho = 0 trusts everyone
+
+
+def test_influence_weights_floor_fresh_updates_and_cap_their_claims() -> None:
+    # examples claimed: a fresh key claims 1e9; reputations: established, half-way, fresh
+    weights = influence_weights([100, 50, 1e9], [0.6, 0.15, 0.0], trusted_at=0.3, floor=0.1)
+
+    # median claim 100 caps the untrusted ones: 100 * 1, min(50, 100) * 0.5, min(1e9, 100) * 0.1
+    assert weights == pytest.approx([100.0, 25.0, 10.0])
+
+
+def test_influence_weights_treat_a_new_network_alike() -> None:
+    weights = influence_weights([10, 30, 20], [0.0, 0.0, 0.0], trusted_at=0.3, floor=0.1)
+    assert weights == [10.0, 20.0, 20.0]  # nobody trusted: claims capped at the median, no floor

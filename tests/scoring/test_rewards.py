@@ -160,3 +160,37 @@ def test_policy_accepts_plain_numbers_as_decimals() -> None:
 def test_a_contributor_appears_once_per_round() -> None:
     with pytest.raises(ValueError, match="contributor 'a' appears twice"):
         split_rewards([Contribution("a", 0.1), Contribution("a", 0.2)])
+
+
+def test_a_fresh_identity_earns_nothing_beside_trusted_contributors() -> None:
+    # the round a fresh Sybil's noise scored better than the honest updates (seen under FedAvg)
+    round_ = [Contribution("sybil", 0.4666), Contribution("a", 0.0004), Contribution("b", 0.0002)]
+    reputations = {"a": 0.6, "b": 0.15}  # "b" is half way up the ramp (rho = 0.3)
+
+    split = split_rewards(
+        round_,
+        policy=RewardPolicy(pool=Decimal(100), trusted_reputation=0.3),
+        reputations=reputations,
+    )
+
+    # weights q * min(1, r / rho): 0, 0.0004 * 1, 0.0002 * 0.5 -> 80 / 20
+    assert [r.amount for r in split.rewards] == [0, Decimal(80), Decimal(20)]
+    assert split.rewards[0].qualified and "a new identity earns" in split.rewards[0].reason
+    assert (
+        split.rewards[1].reason == "paid 80.00% of the pool for quality 0.0004 at reputation 0.600"
+    )
+
+
+def test_when_nobody_is_trusted_yet_quality_alone_decides() -> None:
+    round_ = [Contribution("a", 0.3), Contribution("b", 0.1)]
+
+    split = split_rewards(
+        round_, policy=RewardPolicy(pool=Decimal(100), trusted_reputation=0.3), reputations={}
+    )
+
+    assert [r.amount for r in split.rewards] == [Decimal(75), Decimal(25)]
+
+
+def test_trusted_reputation_outside_the_unit_interval_is_refused() -> None:
+    with pytest.raises(ValueError, match="trusted_reputation"):
+        RewardPolicy(trusted_reputation=1.5)

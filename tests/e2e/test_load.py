@@ -123,7 +123,9 @@ def coordinator_factory(tiny_home: Path) -> Iterator[object]:
         text += (
             f'listen = "127.0.0.1:{port}"\nrest_listen = "127.0.0.1:{rest}"\nrounds = 1\nmin_clients = {n}\n'
             f"wait_for_clients_s = 120\nround_timeout_s = 600\nmax_upload_bytes = {rank * LAYOUT_ROWS * 4 + MIB}\n"
-            "grpc_rate_per_s = 0\nmax_concurrent_per_peer = 0\n\n"
+            "grpc_rate_per_s = 0\nmax_concurrent_per_peer = 0\n"
+            # every contributor registers from 127.0.0.1 within a second: room for all of them
+            f"registration_burst = {n + 8}\nregistration_burst_per_address = {n + 8}\n\n"
             f'[training]\ncodec = "none"\nlora_rank = {rank}\n\n[rewards]\nmethod = "none"\n'
         )
         config.write_text(text)

@@ -59,12 +59,28 @@ def test_rule_parameters_and_pre_aggregation_are_loaded(tmp_path: Path) -> None:
             "pool 10.0000005 is not a whole number of units of 0.000001",
         ),
         ("[rewards]\npool = -1\n", "rewards.pool: Input should be greater than or equal to 0"),
+        (
+            'admission = "invite"\nrequire_approval = true\n',
+            'require_approval = true contradicts admission = "invite"; remove require_approval',
+        ),
+        ('admission = "closed"\n', "admission: Input should be 'open', 'approval' or 'invite'"),
     ],
 )
 def test_bad_aggregation_policy_is_one_line(tmp_path: Path, text: str, message: str) -> None:
     with pytest.raises(ConfigError) as exc:
         load_config(_write(tmp_path, text))
     assert message in str(exc.value) and "\n" not in str(exc.value)
+
+
+def test_a_network_open_to_strangers_is_robust_by_default(tmp_path: Path) -> None:
+    config = load_config(_write(tmp_path, ""))
+    assert (config.admission, config.aggregator, config.byzantine_f) == ("open", "median", 0)
+    assert config.trusted_reputation > 0 and config.registration_rate_per_s > 0
+
+
+def test_require_approval_in_an_old_config_means_approval(tmp_path: Path) -> None:
+    config = load_config(_write(tmp_path, "require_approval = true\n"))
+    assert config.admission == "approval"
 
 
 def test_the_environment_names_the_ledger_database(

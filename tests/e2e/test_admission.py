@@ -29,10 +29,13 @@ from zoo_gym.core.identity import Identity
 from zoo_gym.core.synthetic import make_examples, shard
 from zoo_gym.ledger import (
     create_invite,
+    list_audit,
     list_contributors,
     list_rewards,
     open_database,
+    verify_ledger,
 )
+from zoo_gym.ledger.invites import invite_prefix
 from zoo_gym.simulation.inprocess import InProcessFederation
 
 pytestmark = pytest.mark.e2e
@@ -157,6 +160,15 @@ def test_invite_admission_admits_with_a_code_only(tiny_home: Path) -> None:
     assert reused[0] == "PERMISSION_DENIED" and "used up" in reused[1]
     assert rows == 1 and health.status_code == 200
     assert "Traceback" not in log
+    # the code's issue and its one use, with the key it admitted, are in the verified log
+    engine = open_database(f"sqlite:///{tiny_home / 'ledger.db'}")
+    with Session(engine) as session:
+        events = list_audit(session, target=f"invite:{invite_prefix(code)}")
+        assert [e.action for e in events] == ["invite.create", "invite.use"]
+        assert events[1].detail["contributor"] == alice.contributor_id
+        signer = Identity.load(tiny_home / "coordinator.key")
+        assert verify_ledger(session, public_key=signer.public_key).ok
+    engine.dispose()
 
 
 def test_a_fresh_sybil_neither_shapes_the_model_nor_takes_the_pool(tiny_home: Path) -> None:

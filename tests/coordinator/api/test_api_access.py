@@ -42,6 +42,7 @@ def url(route: APIRoute, world: World, *, contributor: str | None = None) -> str
         "contributor_id": contributor or world.bob.contributor_id,
         "version": "v0000",
         "name": "config.json",
+        "prefix": "ffffffff",
     }
     return route.path.format(**values)
 

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import re
 from datetime import timedelta
 from decimal import Decimal
 from typing import Annotated
@@ -94,7 +95,12 @@ def list_invites(
 @router.post("/invites/{prefix}/revoke", operation_id="revoke_invite", response_model=InvitePublic)
 def revoke_invite(session: SessionDep, admin: AdminDep, prefix: str) -> Invite:
     """Revoke an invitation by the prefix shown in the list; its unused admissions lapse."""
-    return ledger.revoke_invite(session, prefix=prefix[:16], actor=admin.actor)
+    if not re.fullmatch(r"[0-9a-f]{8}", prefix):
+        raise HTTPException(
+            status.HTTP_404_NOT_FOUND,
+            "no invitation with that prefix; an invitation's prefix is 8 hex digits",
+        )
+    return ledger.revoke_invite(session, prefix=prefix, actor=admin.actor)
 
 
 @router.get("/{contributor_id}", operation_id="get_contributor", response_model=ContributorPublic)

@@ -125,7 +125,12 @@ class BanCreate(ControlBase):
 class InviteCreate(BaseModel):
     """An invitation code to issue (for `admission = "invite"`)."""
 
-    note: str = Field("", max_length=128, description="whom it is for; shown in the list")
+    note: str = Field(
+        "",
+        max_length=128,
+        pattern=r"^[^\x00-\x1f\x7f]*$",
+        description="whom it is for (one line of text); shown in the list",
+    )
     uses: int = Field(1, ge=1, le=1_000_000, description="new keys it may admit")
     valid_for_hours: float = Field(
         72.0, ge=1 / 60, le=366 * 24, description="hours until it expires"

@@ -1,0 +1,81 @@
+"""Registration under the admission policy, in-process: allowances for new keys per address and
+overall, known keys that spend nothing, pending keys under approval, codes under invite."""
+
+from __future__ import annotations
+
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+from sqlmodel import Session
+
+from zoo_gym import ledger
+from zoo_gym.coordinator.backend import AdmissionPolicy, CoordinatorBackend
+from zoo_gym.coordinator.registry import ModelRegistry
+from zoo_gym.core.identity import Identity
+from zoo_gym.core.protocol import RequestError, register_statement
+
+
+@pytest.fixture
+def backend(tiny_home: Path) -> CoordinatorBackend:
+    signer = Identity.load(tiny_home / "coordinator.key")
+    return CoordinatorBackend(
+        engine=ledger.open_database(f"sqlite:///{tiny_home / 'ledger.db'}"),
+        registry=ModelRegistry(tiny_home / "models", signer),
+        signer=signer,
+        payload_dir=tiny_home / "payloads",
+        max_upload_bytes=1 << 20,
+        admission=AdmissionPolicy("open", 1e-6, 3, 1e-6, 2),  # no refill within a test
+    )
+
+
+def join(backend: CoordinatorBackend, who: Identity, *, peer: str | None, invite: str = "") -> str:
+    ts = int(time.time() * 1000)
+    return backend.register(
+        public_key=who.public_key,
+        name="x",
+        timestamp_ms=ts,
+        signature=who.sign(register_statement(who.public_key, "x", ts)),
+        invite=invite,
+        peer=peer,
+    ).status
+
+
+def rows(backend: CoordinatorBackend) -> int:
+    with Session(backend.engine) as session:
+        return len(ledger.list_contributors(session))
+
+
+def test_new_keys_spend_the_address_and_overall_allowances(backend: CoordinatorBackend) -> None:
+    known = Identity.generate()
+    assert join(backend, known, peer="10.0.0.1") == "active"
+    assert join(backend, Identity.generate(), peer="10.0.0.1") == "active"
+    with pytest.raises(RequestError, match="from your address") as address:
+        join(backend, Identity.generate(), peer="10.0.0.1")
+    assert join(backend, Identity.generate(), peer="10.0.0.2") == "active"
+    with pytest.raises(RequestError, match=r"the coordinator takes 1e-06 per second") as overall:
+        join(backend, Identity.generate(), peer="10.0.0.3")
+
+    assert address.value.code == overall.value.code == "RESOURCE_EXHAUSTED"
+    assert join(backend, known, peer="10.0.0.1") == "active"  # a known key spends nothing
+    assert join(backend, Identity.generate(), peer=None) == "active"  # in-process callers
+    assert rows(backend) == 4
+
+
+def test_approval_holds_new_keys_and_invite_needs_a_code(backend: CoordinatorBackend) -> None:
+    backend.admission = AdmissionPolicy("approval")
+    assert join(backend, Identity.generate(), peer="10.0.0.1") == "pending"
+
+    backend.admission = AdmissionPolicy("invite")
+    with pytest.raises(RequestError, match="by invitation only") as refused:
+        join(backend, Identity.generate(), peer="10.0.0.1")
+    with Session(backend.engine) as session:
+        code = ledger.create_invite(
+            session, note="", max_uses=1, valid_for=timedelta(days=1), actor="op"
+        ).code
+    assert join(backend, Identity.generate(), peer="10.0.0.1", invite=code) == "active"
+    with pytest.raises(RequestError, match="used up"):
+        join(backend, Identity.generate(), peer="10.0.0.1", invite=code)
+
+    assert refused.value.code == "PERMISSION_DENIED" and rows(backend) == 2

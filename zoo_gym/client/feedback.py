@@ -24,6 +24,7 @@ a restart. ``enabled=False`` sends C(delta) and keeps nothing (for comparisons).
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -57,11 +58,15 @@ class FfaErrorFeedback:
         lora: LoraSpec | None = None,
         seed: int = 0,
         in_features: Mapping[str, int] | None = None,
+        max_norm: float = 0.0,
     ) -> tuple[bytes, Delta]:
         """Encode `update` plus the carried residuals; keep the new residuals.
 
         `lora`, `seed` and `in_features` (module -> A's input size) are needed only for
-        ``.lora_B`` keys. Returns (payload, the delta the coordinator will decode).
+        ``.lora_B`` keys. With `max_norm` > 0 the compensated update is scaled down to that
+        L2 norm before encoding and what was removed stays in the residual (sent later), so
+        the coordinator's norm bound (`zoo_gym.compression.feedback_cap`) admits it.
+        Returns (payload, the delta the coordinator will decode).
         """
         if not self.enabled:
             payload = encode(update, codec)
@@ -75,7 +80,7 @@ class FfaErrorFeedback:
                 frozen[key], compensated[key] = self._carry_ffa(key, value, lora, seed, in_features)
             else:
                 compensated[key] = self._carry_dense(key, value)
-        payload = encode(compensated, codec)
+        payload = encode(_capped(compensated, max_norm), codec)
         sent = decode(payload, max_elements=sum(t.numel() for t in compensated.values()))
         for key, value in compensated.items():
             err = value.double() - sent[key].double()
@@ -142,3 +147,14 @@ class FfaErrorFeedback:
     def load(cls, path: Path, *, enabled: bool = True) -> FfaErrorFeedback:
         """The feedback saved at `path` (empty when there is none)."""
         return cls(load_file(path) if path.exists() else None, enabled=enabled)
+
+
+def _capped(delta: Delta, max_norm: float) -> Delta:
+    """`delta` scaled by ``min(1, max_norm / ||delta||_2)`` (unchanged when `max_norm` is 0)."""
+    if max_norm <= 0:
+        return delta
+    norm = math.sqrt(sum(float(t.double().square().sum()) for t in delta.values()))
+    if norm <= max_norm:
+        return delta
+    factor = max_norm / norm
+    return {k: (t.double() * factor).float() for k, t in delta.items()}

@@ -27,8 +27,9 @@ from zoo_gym.client.privacy import PrivacyBudget, PrivacyPlan, PrivacyRefusal, p
 from zoo_gym.client.state import LocalState
 from zoo_gym.client.trainers.adapters import DEFAULT_MAX_FULL_PARAMS, make_trainer
 from zoo_gym.client.trainers.sft import DpConfig, RoundResult, StepInfo, Trainer
-from zoo_gym.compression import CodecSpec
+from zoo_gym.compression import CodecSpec, feedback_cap
 from zoo_gym.core.chat import Conversation
+from zoo_gym.core.delta import Delta
 from zoo_gym.core.identity import Identity
 from zoo_gym.core.lora import LoraSpec
 from zoo_gym.core.protocol import (
@@ -174,13 +175,7 @@ class ClientRuntime:
         self.state.save()
         if self.misbehaviour is not None:  # after clipping: an attacker ignores the protocol
             update = self.misbehaviour.corrupt(update, task.round)
-        codec = CodecSpec(
-            codec=task.codec, group_size=task.group_size, granularity=task.granularity
-        )
-        in_features = {module: shape[1] for module, shape in self.trainer.shapes.items()}
-        payload, _ = self.feedback.compress(
-            update, codec, lora=spec, seed=task.seed, in_features=in_features
-        )
+        payload = self.compress(update, task, spec, self.trainer)
         if self.persist_feedback:
             self.commit_feedback()
         raw_bytes = sum(t.numel() * 2 for t in update.values())  # as bf16
@@ -205,6 +200,28 @@ class ClientRuntime:
                 **plan.metrics(),
             },
         )
+
+    def compress(self, update: Delta, task: TaskConfig, spec: LoraSpec, trainer: Trainer) -> bytes:
+        """The round's envelope: `update` plus the error-feedback residual, in the task's codec.
+
+        With a clip norm, the compensated update is capped at `feedback_cap`, the norm the
+        coordinator's intake bound is built on (an attacker's update is not capped).
+        """
+        codec = CodecSpec(
+            codec=task.codec, group_size=task.group_size, granularity=task.granularity
+        )
+        in_features = {module: shape[1] for module, shape in trainer.shapes.items()}
+        d = sum(t.numel() for t in update.values())
+        cap = feedback_cap(task.clip_norm, task.update_noise_multiplier, d)
+        payload, _ = self.feedback.compress(
+            update,
+            codec,
+            lora=spec,
+            seed=task.seed,
+            in_features=in_features,
+            max_norm=cap if self.misbehaviour is None else 0.0,
+        )
+        return payload
 
     def commit_feedback(self) -> None:
         """Save the error-feedback residual of the last compressed round."""

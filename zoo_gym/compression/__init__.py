@@ -18,6 +18,12 @@ from zoo_gym.compression.envelope import (
 )
 from zoo_gym.compression.error_feedback import ErrorFeedback
 from zoo_gym.compression.errors import EnvelopeError
+from zoo_gym.compression.norms import (
+    NonFiniteUpdate,
+    envelope_norm,
+    feedback_cap,
+    honest_norm_bound,
+)
 from zoo_gym.compression.ops import apply_update_, decode_accumulate
 from zoo_gym.compression.spec import CODECS, CodecSpec
 
@@ -34,6 +40,7 @@ __all__ = [
     "EnvelopeError",
     "EnvelopeHeader",
     "ErrorFeedback",
+    "NonFiniteUpdate",
     "TensorSection",
     "apply_update_",
     "bitdelta",
@@ -42,6 +49,9 @@ __all__ = [
     "decode_accumulate",
     "decode_into",
     "encode",
+    "envelope_norm",
+    "feedback_cap",
+    "honest_norm_bound",
     "inspect_envelope",
     "kernels",
 ]

@@ -23,7 +23,7 @@ from sqlalchemy import Engine
 from sqlmodel import Session
 
 from zoo_gym import ledger
-from zoo_gym.compression import EnvelopeError, inspect_envelope
+from zoo_gym.compression import EnvelopeError, NonFiniteUpdate, envelope_norm, inspect_envelope
 from zoo_gym.coordinator.metrics import CoordinatorMetrics
 from zoo_gym.coordinator.registry import ModelRegistry
 from zoo_gym.core.delta import Layout
@@ -391,17 +391,9 @@ class CoordinatorBackend:
         data = payload.read_bytes()
         if len(data) != sub.payload_size or sha256_bytes(data) != sub.payload_sha256:
             return "payload size or SHA-256 differs from the signed statement"
-        try:
-            header = inspect_envelope(data, max_elements=sum(s.numel for s in current.layout))
-        except EnvelopeError as exc:
-            return f"update envelope is invalid: {exc}"
-        if tuple((s.name, s.shape) for s in header.layout) != tuple(
-            (s.name, s.shape) for s in current.layout
-        ):
-            return "update tensors (names or shapes) differ from what this round trains; use the task's LoRA settings"
         if sub.contributor_id in current.accepted:
             return already_accepted_reason(sub.round)
-        return ""
+        return envelope_reason(data, current)
 
     def receive(
         self, sub: Submission, payload: Path, content: RecordDict, *, node_id: int
@@ -461,6 +453,40 @@ class CoordinatorBackend:
                 rnd.status,
                 rnd.new_version or "",
             )
+
+
+def envelope_reason(data: bytes, current: OpenRound) -> str:
+    """Empty string when envelope `data` fits the open round, else why it does not.
+
+    In order of cost: a valid header, exactly the round's tensors, the round's codec, then
+    one pass over the values (a tensor at a time) for NaN / Inf and the L2 norm bound.
+    """
+    try:
+        header = inspect_envelope(data, max_elements=sum(s.numel for s in current.layout))
+    except EnvelopeError as exc:
+        return f"update envelope is invalid: {exc}"
+    if tuple((s.name, s.shape) for s in header.layout) != tuple(
+        (s.name, s.shape) for s in current.layout
+    ):
+        return "update tensors (names or shapes) differ from what this round trains; use the task's LoRA settings"
+    if current.codec and header.codec != current.codec:
+        return (
+            f"update is encoded with {header.codec} but round {current.number} asks for "
+            f"{current.codec}; compress it with the task's codec"
+        )
+    try:
+        norm = envelope_norm(data, header)
+    except NonFiniteUpdate as exc:
+        return f"update has NaN or Inf values ({exc}); send finite values"
+    except EnvelopeError as exc:
+        return f"update envelope is invalid: {exc}"
+    bound = current.max_update_norm
+    if bound > 0 and not norm <= bound:
+        return (
+            f"update L2 norm {norm:.4g} exceeds round {current.number}'s norm bound {bound:.4g}; "
+            "clip your update as the task says"
+        )
+    return ""
 
 
 def _not_published(version: str) -> RequestError:

@@ -197,6 +197,12 @@ class CoordinatorConfig(HomeConfig):
         ge=1,
         description="submissions a contributor may make per round; the first one over is recorded, later ones not",
     )
+    max_update_norm: float = Field(
+        1000.0,
+        ge=0,
+        description="largest L2 norm of a decoded update when training.clip_norm is 0 (a set clip_norm "
+        "derives the bound from it); 0 = no bound",
+    )
     # -- gRPC service limits (every resource a caller can hold is bounded) --
     grpc_rate_per_s: float = Field(
         50.0, ge=0, description="gRPC calls per second per peer address; 0 = unlimited"

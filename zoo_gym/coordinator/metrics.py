@@ -60,6 +60,8 @@ REJECT_REASONS: tuple[str, ...] = (
     "replay",
     "undecodable",
     "non_finite",
+    "codec",
+    "norm",
     "other",
 )
 
@@ -82,6 +84,8 @@ _REASON_PATTERNS: tuple[tuple[str, str], ...] = (
     ("nonce", "replay"),
     ("could not be decoded", "undecodable"),
     ("nan or inf", "non_finite"),
+    ("is encoded with", "codec"),
+    ("norm bound", "norm"),
 )
 
 ROUND_BUCKETS = (1, 5, 15, 30, 60, 120, 300, 600, 1200, 3600, float("inf"))

@@ -26,7 +26,9 @@ from flwr.serverapp import Grid, ServerApp
 from sqlmodel import Session
 
 from zoo_gym import ledger
+from zoo_gym.compression import CodecSpec, honest_norm_bound
 from zoo_gym.coordinator.backend import OpenRound
+from zoo_gym.coordinator.config import CoordinatorConfig
 from zoo_gym.coordinator.control import Request
 from zoo_gym.coordinator.rewards import pay_round
 from zoo_gym.coordinator.service import Coordinator
@@ -117,6 +119,23 @@ def round_epsilon(
     if not values or any(v is None for v in values):
         return None
     return max(v for v in values if v is not None)
+
+
+def update_norm_bound(config: CoordinatorConfig, layout: Layout) -> float:
+    """The largest L2 norm intake accepts for a decoded update of `layout` (0.0: no bound).
+
+    With ``training.clip_norm`` C set, `zoo_gym.compression.honest_norm_bound`: every honest
+    update (clipped to C, Gaussian noise of std ``update_noise_multiplier * C`` per value,
+    error-feedback residual capped at `FEEDBACK_HEADROOM` times that, then compressed with the
+    task's codec) is below it. Without a clip norm, the ``max_update_norm`` setting.
+    """
+    t = config.training
+    if t.clip_norm <= 0:
+        return config.max_update_norm
+    spec = CodecSpec(codec=t.codec, group_size=t.group_size, granularity=t.granularity)
+    return honest_norm_bound(
+        spec, layout, clip_norm=t.clip_norm, noise_multiplier=t.update_noise_multiplier
+    )
 
 
 def _same(layout: Layout) -> Layout:
@@ -235,7 +254,12 @@ def run_rounds(
         for message in messages:
             message.content.config_records[TASK_CONFIG]["deadline_ms"] = deadline_ms
         co.backend.open_round = OpenRound(
-            round_number, base.version, layout, deadline_ms, codec=t.codec
+            round_number,
+            base.version,
+            layout,
+            deadline_ms,
+            codec=t.codec,
+            max_update_norm=update_norm_bound(config, layout),
         )
         replies = list(grid.send_and_receive(messages, timeout=config.round_timeout_s))
         co.backend.open_round.accepting = False

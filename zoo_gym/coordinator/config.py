@@ -198,7 +198,7 @@ class CoordinatorConfig(HomeConfig):
         description="submissions a contributor may make per round; the first one over is recorded, later ones not",
     )
     max_update_norm: float = Field(
-        1000.0,
+        10000.0,
         ge=0,
         description="largest L2 norm of a decoded update when training.clip_norm is 0 (a set clip_norm "
         "derives the bound from it); 0 = no bound",

@@ -78,6 +78,8 @@ def test_registries_are_per_coordinator() -> None:
         ("round 5 closed for submissions at its deadline", "deadline"),
         ("contributor is banned", "banned"),
         ("update contains NaN or Inf values", "non_finite"),
+        ("update is encoded with int8 but round 2 asks for bitdelta; compress it ...", "codec"),
+        ("update L2 norm 9.05e+05 exceeds round 2's norm bound 1e+04; clip ...", "norm"),
         ("stale_round", "stale_round"),
         ("something new", "other"),
     ],

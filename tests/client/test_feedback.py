@@ -53,6 +53,32 @@ def test_residuals_equal_what_was_not_sent_for_both_kinds_of_key() -> None:
     assert float((true_d - sent_d).norm()) < 0.05 * float(true_d.norm())
 
 
+def test_a_capped_update_keeps_what_the_cap_removed_in_the_residual() -> None:
+    feedback = FfaErrorFeedback()
+    true_w = torch.zeros(12, 16, dtype=torch.float64)
+    sent_w = torch.zeros(12, 16, dtype=torch.float64)
+    true_d = torch.zeros(8, 24, dtype=torch.float64)
+    sent_d = torch.zeros(8, 24, dtype=torch.float64)
+
+    for seed, update in enumerate(_updates(2, 10)):
+        _, sent = feedback.compress(
+            update, SPEC, lora=LORA, seed=seed, in_features=IN_FEATURES, max_norm=0.5
+        )
+        norm = sum(float(t.double().square().sum()) for t in sent.values()) ** 0.5
+        assert norm <= 0.5 * (1 + 1e-3)  # BitDelta never grows the capped norm
+        true_w += _weight_space(update[f"{MODULE}.lora_B"], seed)
+        sent_w += _weight_space(sent[f"{MODULE}.lora_B"], seed)
+        true_d += update[DENSE].double()
+        sent_d += sent[DENSE].double()
+
+    torch.testing.assert_close(
+        true_w - sent_w, feedback.residual[f"{MODULE}.lora_B"].double(), atol=1e-5, rtol=0
+    )
+    torch.testing.assert_close(
+        true_d - sent_d, feedback.residual[DENSE].double(), atol=1e-5, rtol=0
+    )
+
+
 def test_without_feedback_the_dense_sum_drifts_and_nothing_is_kept() -> None:
     off, on = FfaErrorFeedback(enabled=False), FfaErrorFeedback()
     true_d, sent_off, sent_on = torch.zeros(8, 24), torch.zeros(8, 24), torch.zeros(8, 24)

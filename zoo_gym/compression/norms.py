@@ -151,10 +151,12 @@ def _raw_squared_norm(payload: bytes, codec: str, section: TensorSection) -> flo
 
 
 def _sum_squares(values: torch.Tensor, name: str) -> float:
+    """Sum of squares in float64, a chunk at a time; a NaN or Inf value makes the sum non-finite
+    (finite float32 squares cannot overflow a float64 sum), so no separate pass looks for one."""
     total = 0.0
     for start in range(0, values.numel(), _CHUNK):
-        part = values[start : start + _CHUNK].double()
-        if not bool(torch.isfinite(part).all()):
-            raise NonFiniteUpdate(f"{name}: NaN or Inf value")
-        total += float(part.dot(part))
+        part = torch.linalg.vector_norm(values[start : start + _CHUNK], dtype=torch.float64)
+        total += float(part) ** 2
+    if not math.isfinite(total):
+        raise NonFiniteUpdate(f"{name}: NaN or Inf value")
     return total

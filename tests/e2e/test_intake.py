@@ -25,6 +25,7 @@ from zoo_gym.core.delta import Layout
 from zoo_gym.core.identity import Identity
 from zoo_gym.core.lora import LoraSpec
 from zoo_gym.core.protocol import TASK_CONFIG, TaskConfig
+from zoo_gym.simulation.demo import Federation
 from zoo_gym.transport.client import FederationClient, ReceivedTask
 
 pytestmark = pytest.mark.e2e
@@ -130,3 +131,42 @@ def test_intake_refuses_non_finite_wrong_codec_and_oversized_updates(tiny_home: 
         assert rows[name].startswith("rejected: ") and text in rows[name]
     summary = json.loads(summary_file.read_text().splitlines()[0])
     assert (summary["received"], summary["accepted"], summary["aggregated"]) == (5, 1, 1)
+
+
+@pytest.mark.slow
+def test_under_clip_norm_honest_noised_updates_pass_and_a_scaling_attacker_is_refused(
+    tmp_path: Path,
+) -> None:
+    # Prepare: real `gym-client join` processes; the task clips to 0.5 and adds update noise,
+    # the clients carry BitDelta error feedback from round to round
+    fed = Federation(
+        tmp_path / "fed",
+        clients=2,
+        rounds=3,
+        steps=10,
+        examples_per_client=40,
+        aggregator="median",
+        byzantine="scaling",
+        byzantine_clients=1,
+    )
+    fed.prepare()
+    config = fed.coordinator_home / "coordinator.toml"
+    config.write_text(config.read_text() + "clip_norm = 0.5\nupdate_noise_multiplier = 0.05\n")
+
+    # Execute
+    with fed:
+        fed.start()
+        fed.wait(timeout_s=420)
+
+    # Assert: every honest update of every round was accepted; every boosted one refused at intake
+    rows = fed.summaries()
+    assert [(r["received"], r["accepted"]) for r in rows] == [(3, 2)] * 3
+    db = sqlite3.connect(fed.coordinator_home / "ledger.db")
+    decisions = db.execute(
+        "SELECT c.name, s.decision, s.reason FROM submissions s "
+        "JOIN contributors c ON c.contributor_id = s.contributor_id"
+    ).fetchall()
+    attacker = [(d, r) for name, d, r in decisions if name == "byzantine-0"]
+    assert len(attacker) == 3
+    assert all(d == "rejected" and "norm bound" in r for d, r in attacker), attacker
+    assert all(d == "accepted" for name, d, _ in decisions if name != "byzantine-0")

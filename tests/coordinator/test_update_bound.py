@@ -163,7 +163,7 @@ def test_intake_refuses_an_update_above_the_bound_and_names_both_norms() -> None
     reason = envelope_reason(envelope(1e4), open_round(bound=100.0))
     assert reason == (
         f"update L2 norm {1e4 * math.sqrt(d):.4g} exceeds round 3's norm bound 100; "
-        "clip your update as the task says"
+        "send a smaller update (clipped to the task's clip_norm when it sets one)"
     )
 
 

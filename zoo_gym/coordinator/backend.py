@@ -484,7 +484,7 @@ def envelope_reason(data: bytes, current: OpenRound) -> str:
     if bound > 0 and not norm <= bound:
         return (
             f"update L2 norm {norm:.4g} exceeds round {current.number}'s norm bound {bound:.4g}; "
-            "clip your update as the task says"
+            "send a smaller update (clipped to the task's clip_norm when it sets one)"
         )
     return ""
 

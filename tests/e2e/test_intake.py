@@ -1,6 +1,6 @@
 """Intake against a real `serve` with its default limits: NaN and Inf scales, a codec other than
 the round's and a +-1e4 update are refused with their reason in the ledger, while an honest
-update in the same round is accepted and aggregated."""
+update in the same round is accepted."""
 
 from __future__ import annotations
 
@@ -130,7 +130,7 @@ def test_intake_refuses_non_finite_wrong_codec_and_oversized_updates(tiny_home: 
     for name, text in expected.items():
         assert rows[name].startswith("rejected: ") and text in rows[name]
     summary = json.loads(summary_file.read_text().splitlines()[0])
-    assert (summary["received"], summary["accepted"], summary["aggregated"]) == (5, 1, 1)
+    assert (summary["received"], summary["accepted"]) == (5, 1)
 
 
 @pytest.mark.slow

@@ -223,10 +223,31 @@ class CoordinatorConfig(HomeConfig):
     )
     api_auth_burst: int = Field(20, ge=1)
     api_max_failures: int = Field(
-        10, ge=1, description="bad REST credentials per client address before it is locked out"
+        10,
+        ge=1,
+        description="failed REST credentials an address, or a credential, may present before "
+        "further failures are answered 429; a valid credential is always served",
     )
     api_lockout_s: float = Field(
-        300.0, gt=0, description="how long a locked-out client address is refused"
+        300.0, gt=0, description="how long a spent failure budget takes to refill completely"
+    )
+    api_max_body_bytes: int = Field(
+        64 << 10,
+        ge=1024,
+        le=64 << 20,
+        description="largest REST request body (the largest legitimate one, a policy change, "
+        "is a few KiB); larger is answered 413 before it is read",
+    )
+    api_max_header_bytes: int = Field(
+        16 << 10,
+        ge=4096,
+        le=1 << 20,
+        description="largest REST request line plus headers; larger is answered 400",
+    )
+    api_docs: bool = Field(
+        False,
+        description="serve /docs and /redoc, and /openapi.json without a token; "
+        "off: /openapi.json needs a viewer key",
     )
     # -- the rest --
     seed: int = 0

@@ -1,23 +1,29 @@
-"""Brute-force resistance: bad credentials lock out their address, sign-in is rate limited."""
+"""Failed credentials: budgets per address and per credential, answered 429 past them, while a
+credential that verifies is always served; sign-in is rate limited per address."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from api_world import sign_in
 from fastapi.testclient import TestClient
 
-from zoo_gym.coordinator.api.limits import ApiGuard
+from zoo_gym.coordinator.api.app import create_app
+from zoo_gym.coordinator.api.limits import ApiGuard, credential_name
+from zoo_gym.coordinator.config import CoordinatorConfig
 
 if TYPE_CHECKING:
     from api_world import World
 
 
-def guarded(world: World, *, max_failures: int = 3, lockout_s: float = 60.0) -> list[float]:
+def guarded(
+    world: World, *, max_failures: int = 3, lockout_s: float = 60.0, auth_burst: int = 4
+) -> list[float]:
     """Give `world` a guard on a hand-driven clock; returns the clock to move."""
     now = [1000.0]
     world.app.state.zoo.guard = ApiGuard(
         auth_rate_per_s=1.0,
-        auth_burst=4,
+        auth_burst=auth_burst,
         max_failures=max_failures,
         lockout_s=lockout_s,
         clock=lambda: now[0],
@@ -29,43 +35,52 @@ def from_address(world: World, host: str) -> TestClient:
     return TestClient(world.app, client=(host, 40000))
 
 
-def test_after_n_bad_keys_even_the_right_key_waits_out_the_lockout(world: World) -> None:
+def test_past_the_budget_failures_get_429_and_the_right_key_still_gets_in(world: World) -> None:
     now = guarded(world)
     attacker = from_address(world, "203.0.113.7")
-    bad = [attacker.get("/rounds", headers=world.auth(f"zgk_0000000{i}_guess")) for i in range(3)]
+    bad = [attacker.get("/rounds", headers=world.auth(f"garbage-{i}")) for i in range(5)]
 
-    locked = attacker.get("/rounds", headers=world.as_admin)
-    bystander = from_address(world, "198.51.100.2").get("/rounds", headers=world.as_admin)
-    now[0] += 61.0
-    after = attacker.get("/rounds", headers=world.as_admin)
+    admin_same_address = attacker.get("/rounds", headers=world.as_admin)
+    now[0] += 20.0  # a budget of 3 per 60 s refills one failure every 20 s
+    refilled = attacker.get("/rounds", headers=world.auth("garbage-again"))
 
-    assert [r.status_code for r in bad] == [401, 401, 401]
-    assert locked.status_code == 429
-    assert "locked out for 60 s more" in locked.json()["detail"]
-    assert locked.headers["retry-after"] == "60"
-    assert bystander.status_code == 200  # other addresses are not affected
-    assert after.status_code == 200
+    assert [r.status_code for r in bad] == [401, 401, 401, 429, 429]
+    assert bad[3].headers["retry-after"] == "20"
+    assert "retry in 20 s" in bad[3].json()["detail"]
+    assert admin_same_address.status_code == 200
+    assert refilled.status_code == 401
 
 
-def test_failures_spread_beyond_the_window_do_not_lock(world: World) -> None:
-    now = guarded(world)
-    client = from_address(world, "203.0.113.8")
-    for _ in range(2):
-        assert client.get("/rounds", headers=world.auth("garbage")).status_code == 401
-    now[0] += 61.0  # the first two fell out of the window
-    assert client.get("/rounds", headers=world.auth("garbage")).status_code == 401
-    assert client.get("/rounds", headers=world.as_admin).status_code == 200
+def test_failures_naming_one_key_from_many_addresses_hit_its_budget(world: World) -> None:
+    guarded(world)
+    prefix = world.admin.split("_")[1]
+    guesses = [
+        from_address(world, f"203.0.113.{i}").get(
+            "/rounds", headers=world.auth(f"zgk_{prefix}_guess{i}")
+        )
+        for i in range(4)
+    ]
+    owner = from_address(world, "203.0.113.99").get("/rounds", headers=world.as_admin)
+    other_key = from_address(world, "203.0.113.98").get(
+        "/rounds", headers=world.auth("zgk_0badc0de_guess")
+    )
+
+    assert [r.status_code for r in guesses] == [401, 401, 401, 429]
+    assert owner.status_code == 200  # the key's owner is never locked out
+    assert other_key.status_code == 401  # another key, from a fresh address, has its own budget
 
 
 def test_missing_credentials_do_not_count(world: World) -> None:
     guarded(world)
     client = from_address(world, "203.0.113.9")
     assert all(client.get("/rounds").status_code == 401 for _ in range(5))
-    assert client.get("/rounds", headers=world.as_admin).status_code == 200
+    assert client.get("/rounds", headers=world.auth("garbage")).status_code == 401
 
 
-def test_forged_contributor_tokens_and_bad_signatures_count(world: World) -> None:
-    guarded(world, max_failures=2)
+def test_forged_contributor_tokens_and_bad_signatures_count_but_a_signature_gets_in(
+    world: World,
+) -> None:
+    guarded(world, max_failures=2, auth_burst=10)
     client = from_address(world, "203.0.113.10")
     cid = world.alice.contributor_id
     forged = client.get(
@@ -76,10 +91,16 @@ def test_forged_contributor_tokens_and_bad_signatures_count(world: World) -> Non
         "/auth/token",
         json={"contributor_id": cid, "nonce": challenge["nonce"], "signature": "00" * 64},
     )
-    refused = client.post("/auth/challenge", json={"contributor_id": cid})
+    spent = client.post(
+        "/auth/token",
+        json={"contributor_id": cid, "nonce": challenge["nonce"], "signature": "00" * 64},
+    )
+    token = sign_in(client, world.alice)
+    own = client.get(f"/contributors/{cid}", headers=world.auth(token))
 
     assert forged.status_code == 401 and wrong.status_code == 401
-    assert refused.status_code == 429 and "locked out" in refused.json()["detail"]
+    assert spent.status_code == 429 and spent.headers["retry-after"]
+    assert own.status_code == 200
 
 
 def test_sign_in_is_rate_limited_per_address(world: World) -> None:
@@ -96,10 +117,20 @@ def test_sign_in_is_rate_limited_per_address(world: World) -> None:
     assert refilled.status_code == 200
 
 
+def test_credential_names() -> None:
+    cid = "ab" * 16
+    assert credential_name("zgk_0123abcd_secret") == "apikey:0123abcd"
+    assert credential_name(f"zgc_{cid}_1_mac") == f"contributor:{cid}"
+    assert credential_name("zgk_NOTHEX00_secret") is None
+    assert credential_name("zgc_short_1_mac") is None
+    assert credential_name("garbage") is None
+
+
 def test_guard_comes_from_the_configuration(world: World) -> None:
-    c = world.co.config
+    c, defaults = world.co.config, CoordinatorConfig.model_validate({})
     assert (c.api_max_failures, c.api_lockout_s, c.api_auth_burst) == (10, 300.0, 20)
-    from zoo_gym.coordinator.api.app import create_app
+    assert c.api_max_body_bytes == defaults.api_max_body_bytes == 64 << 10
 
     guard = create_app(world.co).state.zoo.guard
     assert (guard.max_failures, guard.lockout_s, guard.sign_in.burst) == (10, 300.0, 20.0)
+    assert guard.address_failures.rate == guard.credential_failures.rate == 10 / 300.0

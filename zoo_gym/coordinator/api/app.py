@@ -1,9 +1,14 @@
 """REST app for operators (FastAPI): `create_app` composes the routers, `RestServer` serves them.
 
 Every route needs a bearer token except `/health` and contributor sign-in (`/auth/challenge`,
-`/auth/token`); `/docs` and `/openapi.json` describe the API and are open too. `/metrics` needs a
-viewer key (Prometheus: `authorization: {type: Bearer, credentials_file: ...}` in the scrape
-config). Each route's OpenAPI description ends with the access it needs.
+`/auth/token`). `/openapi.json` needs a viewer key (`gym-coordinator admin openapi` fetches it);
+`/docs` and `/redoc` are off unless `api_docs` is set, which also opens `/openapi.json`.
+`/metrics` needs a viewer key (Prometheus: `authorization: {type: Bearer, credentials_file: ...}`
+in the scrape config). Each route's OpenAPI description ends with the access it needs.
+
+Requests are bounded before parsing and error bodies never repeat the input (`limits`): a
+validation error names the field and the rule, and an unexpected error says only that it
+happened (its traceback goes to the coordinator's log).
 """
 
 from __future__ import annotations
@@ -14,14 +19,15 @@ from typing import TYPE_CHECKING, Any
 
 import fastapi.routing
 import uvicorn
-from fastapi import FastAPI, Request, Response, status
-from fastapi.responses import JSONResponse
+from fastapi import FastAPI, HTTPException, Request, status
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
 from fastapi.routing import APIRoute
 
 from zoo_gym import ledger
 from zoo_gym.coordinator.api.auth import ContributorAuth
-from zoo_gym.coordinator.api.deps import ACCESS_TEXT, ApiState, route_access
-from zoo_gym.coordinator.api.limits import ApiGuard
+from zoo_gym.coordinator.api.deps import ACCESS_TEXT, ApiState, ViewerDep, route_access
+from zoo_gym.coordinator.api.limits import ApiGuard, RequestLimits, short
 from zoo_gym.coordinator.api.routes import auth, contributors, models, policy, rewards, rounds
 from zoo_gym.coordinator.api.routes import ledger as ledger_routes
 from zoo_gym.coordinator.api.routes import metrics as metrics_routes
@@ -38,11 +44,50 @@ OPEN_ROUTES: frozenset[tuple[str, str]] = frozenset(
 """(method, path) of the routes that need no token."""
 
 
+MAX_ERRORS = 10
+MAX_LOC_CHARS = 64
+
+
 def _error(status_code: int) -> Any:
     def handler(request: Request, exc: Exception) -> JSONResponse:
-        return JSONResponse({"detail": str(exc)}, status_code=status_code)
+        return JSONResponse({"detail": short(str(exc))}, status_code=status_code)
 
     return handler
+
+
+def _http_error(request: Request, exc: Exception) -> Response:
+    """Starlette's answer to an HTTPException, with the detail cut short."""
+    assert isinstance(exc, HTTPException)
+    if exc.status_code in (204, 304):
+        return Response(status_code=exc.status_code, headers=exc.headers)
+    detail = short(exc.detail) if isinstance(exc.detail, str) else exc.detail
+    return JSONResponse({"detail": detail}, status_code=exc.status_code, headers=exc.headers)
+
+
+def _location(part: Any) -> str | int:
+    return part if isinstance(part, int) else short(str(part), MAX_LOC_CHARS)
+
+
+def _invalid(request: Request, exc: Exception) -> JSONResponse:
+    """422 naming each wrong field and the rule it broke, never the value sent (nor `ctx`)."""
+    assert isinstance(exc, RequestValidationError)
+    errors = [
+        {
+            "loc": [_location(p) for p in e.get("loc", ())][:8],
+            "msg": short(str(e.get("msg", ""))),
+            "type": short(str(e.get("type", "")), MAX_LOC_CHARS),
+        }
+        for e in exc.errors()[:MAX_ERRORS]
+    ]
+    return JSONResponse({"detail": errors}, status_code=status.HTTP_422_UNPROCESSABLE_CONTENT)
+
+
+def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+    """500 without the traceback (the server logs it when the exception leaves the app)."""
+    return JSONResponse(
+        {"detail": "the coordinator failed on this request; its log has the details"},
+        status_code=status.HTTP_500_INTERNAL_SERVER_ERROR,
+    )
 
 
 def api_routes(app: FastAPI) -> list[APIRoute]:
@@ -82,6 +127,24 @@ def _guard(co: Coordinator) -> ApiGuard:
     )
 
 
+def _handle_errors(app: FastAPI) -> None:
+    app.add_exception_handler(ledger.NotFound, _error(status.HTTP_404_NOT_FOUND))
+    app.add_exception_handler(ledger.LedgerError, _error(status.HTTP_409_CONFLICT))
+    app.add_exception_handler(PolicyError, _error(400))  # 422 is FastAPI's validation body
+    app.add_exception_handler(HTTPException, _http_error)
+    app.add_exception_handler(RequestValidationError, _invalid)
+    app.add_exception_handler(Exception, _unexpected)
+
+
+def _serve_schema(app: FastAPI) -> None:
+    """`/openapi.json` for viewers (with `api_docs`, FastAPI serves it open beside the docs)."""
+
+    @app.get("/openapi.json", operation_id="openapi", include_in_schema=False)
+    def openapi(viewer: ViewerDep) -> dict[str, Any]:
+        """This API's OpenAPI description."""
+        return app.openapi()
+
+
 def create_app(
     co: Coordinator,
     *,
@@ -93,10 +156,14 @@ def create_app(
 ) -> FastAPI:
     """The REST API of `co`. `control`, `metrics` and `health` are the ones the round loop uses
     (fresh ones when not given)."""
+    docs = co.config.api_docs
     app = FastAPI(
         title="zoo-gym coordinator",
         version="1",
         description="Operators' API: rounds, contributors, policy, models, ledger, rewards.",
+        openapi_url="/openapi.json" if docs else None,
+        docs_url="/docs" if docs else None,
+        redoc_url="/redoc" if docs else None,
     )
     state = ApiState(
         co=co,
@@ -144,9 +211,10 @@ def create_app(
         metrics_routes,
     ):
         app.include_router(module.router)
-    app.add_exception_handler(ledger.NotFound, _error(status.HTTP_404_NOT_FOUND))
-    app.add_exception_handler(ledger.LedgerError, _error(status.HTTP_409_CONFLICT))
-    app.add_exception_handler(PolicyError, _error(400))  # 422 is FastAPI's validation body
+    if not docs:
+        _serve_schema(app)
+    _handle_errors(app)
+    app.add_middleware(RequestLimits, max_body_bytes=co.config.api_max_body_bytes)
     _document_access(app)
     return app
 
@@ -164,7 +232,14 @@ class RestServer:
     ) -> None:
         host, port = listen.rsplit(":", 1)
         self.app = create_app(co, control=control, metrics=metrics, health=co.health)
-        config = uvicorn.Config(self.app, host=host, port=int(port), log_level="warning")
+        config = uvicorn.Config(
+            self.app,
+            host=host,
+            port=int(port),
+            log_level="warning",
+            http="h11",  # h11 bounds the request line and headers (httptools does not)
+            h11_max_incomplete_event_size=co.config.api_max_header_bytes,
+        )
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, name="rest", daemon=True)
 

@@ -26,7 +26,12 @@ from sqlmodel import Session
 
 from zoo_gym import ledger
 from zoo_gym.coordinator.api.auth import TOKEN_SCHEME, ContributorAuth
-from zoo_gym.coordinator.api.limits import ApiGuard, client_address, refuse_if_locked
+from zoo_gym.coordinator.api.limits import (
+    ApiGuard,
+    client_address,
+    credential_name,
+    refuse_credential,
+)
 from zoo_gym.coordinator.control import RoundControl
 from zoo_gym.coordinator.metrics import CoordinatorMetrics
 from zoo_gym.ledger.models import MAX_INT64
@@ -107,9 +112,8 @@ def authenticate(
     session: SessionDep,
     credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)],
 ) -> Principal:
-    """Who is calling; every bad credential counts towards its address's lockout (`limits`)."""
-    address = client_address(request)
-    refuse_if_locked(state.guard, address)
+    """Who is calling. A credential that verifies is always served; one that does not counts
+    against its address and what it names, and past their budgets is answered 429 (`limits`)."""
     if credentials is None:
         raise unauthorized(
             "this route needs a bearer token: an API key (gym-coordinator apikey create) "
@@ -118,16 +122,17 @@ def authenticate(
     token = credentials.credentials
     if token.startswith(f"{TOKEN_SCHEME}_"):
         contributor = state.auth.verify_token(token)
-        if contributor is None:
-            state.guard.failed(address)
-            raise unauthorized("the contributor token is invalid or expired; sign in again")
-        return Principal("contributor", contributor, contributor_id=contributor)
-    key = ledger.authenticate_api_key(session, token=token)
-    if key is None:
-        state.guard.failed(address)
-        raise unauthorized("the API key is unknown or revoked")
-    role: Role = "admin" if key.role == "admin" else "viewer"
-    return Principal(role, key.name, key_prefix=key.prefix)
+        if contributor is not None:
+            return Principal("contributor", contributor, contributor_id=contributor)
+        refusal = unauthorized("the contributor token is invalid or expired; sign in again")
+    else:
+        key = ledger.authenticate_api_key(session, token=token)
+        if key is not None:
+            role: Role = "admin" if key.role == "admin" else "viewer"
+            return Principal(role, key.name, key_prefix=key.prefix)
+        refusal = unauthorized("the API key is unknown or revoked")
+    address = client_address(request)
+    raise refuse_credential(state.guard, address, credential_name(token), refusal)
 
 
 PrincipalDep = Annotated[Principal, Depends(authenticate)]

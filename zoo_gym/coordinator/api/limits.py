@@ -1,41 +1,67 @@
-"""Brute-force resistance of the REST API, per client address.
+"""Limits of the REST API: what one request may carry, and how failed credentials are answered.
 
-- Sign-in calls (`/auth/challenge`, `/auth/token`) take a token from the caller's bucket
-  (`api_auth_rate_per_s`, burst `api_auth_burst`); an empty bucket is answered 429.
-- Every bad credential (unknown API key, bad contributor token, wrong challenge signature) counts
-  against the caller's address; after `api_max_failures` of them within `api_lockout_s` the address
-  is locked out for `api_lockout_s`: every authenticated call from it is answered 429 with
-  `Retry-After`, even with a right key, so guessing gains nothing. The count is per address, so a
-  lockout never reaches callers from other addresses.
+What a request may carry is bounded before anything parses it:
 
-Addresses are the socket peer (`request.client.host`); a proxy in front must keep its own limits.
+- The HTTP server reads the request line and headers into at most `api_max_header_bytes`
+  (h11's limit on an incomplete event); a longer head is answered 400 and the connection closed,
+  so neither a long URL nor a long header reaches the app.
+- `RequestLimits`, pure ASGI middleware around the app, answers a path that holds a control
+  character (NUL, ...) with 404 before routing, and bounds the body to `api_max_body_bytes`: a
+  larger `Content-Length` is answered 413 before a byte of the body is read, and a body without
+  one (chunked) is counted as it arrives and cut off with 413 at the limit. After a 413 the
+  connection is closed, so the rest of the body is never read. The body is read whole (it is
+  small) before the app runs; nothing downstream sees more than the limit.
+- Error bodies never repeat the input (`app`): validation errors name the field and the rule
+  only, and every detail is cut to `MAX_DETAIL_CHARS`.
+
+Failed credentials (`ApiGuard`). Every secret the API accepts is out of reach of guessing (API
+keys carry 256 random bits, contributor tokens an HMAC-SHA256 under a key drawn at start, sign-in
+answers an Ed25519 signature), so what failures can cost is work and noise, and what a lockout
+must never do is shut out the people who hold a right credential. Hence:
+
+- A presented credential is always verified, and one that verifies is served: no flood from its
+  address, and no failures naming it, ever refuse it. An admin behind the same proxy as an
+  attacker still gets in.
+- Each failure takes one unit from two budgets: its address's and that of the credential it
+  names (an API key's prefix, a contributor's id; a token naming nothing counts for its address
+  only). A budget holds `api_max_failures` and refills evenly over `api_lockout_s`. A failure
+  that finds either budget empty is answered 429 with `Retry-After` (the time until the budget
+  holds one again) instead of 401, so an address guessing at any rate is told to stop, and so is
+  a botnet spread over many addresses that aims at one key.
+- Why not lock the address out, as a password form would: behind a proxy or load balancer every
+  operator shares one address, and one attacker would lock them all out. Why not lock the
+  credential: a key's prefix is in the audit log, and anyone could lock its owner out.
+- Sign-in (`/auth/challenge`, `/auth/token`) also takes a token from the caller's address's
+  bucket (`api_auth_rate_per_s`, burst `api_auth_burst`); an empty bucket is answered 429.
+
+Addresses are the socket peer (`request.client.host`). Every table is bounded (least recently
+used out), so a flood of new addresses or names cannot grow memory without bound.
 """
 
 from __future__ import annotations
 
+import json
 import math
-import threading
+import re
 import time
-from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass
 
 from fastapi import HTTPException, Request, status
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from zoo_gym.ledger.apikeys import token_prefix
 from zoo_gym.transport.limits import TokenBuckets
 
 MAX_ADDRESSES = 100_000
-
-
-@dataclass
-class _Failures:
-    count: int
-    first: float
-    locked_until: float = 0.0
+MAX_CREDENTIALS = 10_000
+MAX_DETAIL_CHARS = 300
+CONTROL_CHARACTER = re.compile(r"[\x00-\x1f\x7f]")
+_CONTRIBUTOR_ID = re.compile(r"^[0-9a-f]{32}$")
 
 
 class ApiGuard:
-    """Sign-in rate and failed-credential lockout per client address. Thread-safe."""
+    """Sign-in rate per address; failed-credential budgets per address and per credential.
+    Thread-safe (each table is a `TokenBuckets`)."""
 
     def __init__(
         self,
@@ -48,35 +74,36 @@ class ApiGuard:
     ) -> None:
         self.max_failures = max_failures
         self.lockout_s = lockout_s
-        self.clock = clock
+        refill = max_failures / lockout_s
         self.sign_in = TokenBuckets(
             auth_rate_per_s, auth_burst, max_keys=MAX_ADDRESSES, clock=clock
         )
-        self._failures: OrderedDict[str, _Failures] = OrderedDict()
-        self._lock = threading.Lock()
+        self.address_failures = TokenBuckets(
+            refill, max_failures, max_keys=MAX_ADDRESSES, clock=clock
+        )
+        self.credential_failures = TokenBuckets(
+            refill, max_failures, max_keys=MAX_CREDENTIALS, clock=clock
+        )
 
-    def locked_for(self, address: str) -> float:
-        """Seconds `address` stays locked out (0.0: it is not)."""
-        with self._lock:
-            entry = self._failures.get(address)
-            if entry is None:
-                return 0.0
-            return max(0.0, entry.locked_until - self.clock())
+    def failed(self, address: str, credential: str | None) -> float:
+        """Count one failed credential; seconds until the address's and the credential's
+        budgets allow another (0.0: both had room, answer 401)."""
+        wait = self.address_failures.take(address)
+        if credential is not None:
+            wait = max(wait, self.credential_failures.take(credential))
+        return wait
 
-    def failed(self, address: str) -> None:
-        """Count one bad credential from `address`; lock it out at the limit."""
-        now = self.clock()
-        with self._lock:
-            entry = self._failures.pop(address, None)
-            if entry is None or (entry.locked_until <= now and now - entry.first > self.lockout_s):
-                entry = _Failures(0, now)
-            entry.count += 1
-            if entry.count >= self.max_failures:
-                entry.locked_until = now + self.lockout_s
-                entry.count, entry.first = 0, now + self.lockout_s
-            self._failures[address] = entry
-            while len(self._failures) > MAX_ADDRESSES:
-                self._failures.popitem(last=False)
+
+def credential_name(token: str) -> str | None:
+    """What a presented bearer token names: an API key's prefix or a contributor's id (None:
+    nothing; such a token counts for its address only)."""
+    prefix = token_prefix(token)
+    if prefix is not None:
+        return f"apikey:{prefix}"
+    parts = token.split("_")
+    if len(parts) == 4 and parts[0] == "zgc" and _CONTRIBUTOR_ID.match(parts[1]):
+        return f"contributor:{parts[1]}"
+    return None
 
 
 def client_address(request: Request) -> str:
@@ -91,17 +118,121 @@ def too_many(detail: str, retry_after_s: float) -> HTTPException:
     )
 
 
-def refuse_if_locked(guard: ApiGuard, address: str) -> None:
-    wait = guard.locked_for(address)
-    if wait > 0:
-        raise too_many(
-            f"too many bad credentials from {address}; this address is locked out for {wait:.0f} s more",
-            wait,
-        )
+def refuse_credential(
+    guard: ApiGuard, address: str, credential: str | None, unauthorized: HTTPException
+) -> HTTPException:
+    """The answer to a credential that did not verify: `unauthorized` (401) within the failure
+    budgets, else 429 with `Retry-After`."""
+    wait = guard.failed(address, credential)
+    if wait <= 0:
+        return unauthorized
+    return too_many(
+        f"too many failed credentials from this address or for this credential; "
+        f"retry in {math.ceil(wait)} s with a valid one (a valid credential is always served)",
+        wait,
+    )
 
 
 def take_sign_in(guard: ApiGuard, address: str) -> None:
-    refuse_if_locked(guard, address)
     wait = guard.sign_in.take(address)
     if wait > 0:
         raise too_many(f"too many sign-in requests from {address}; retry in {wait:.1f} s", wait)
+
+
+def short(text: str, limit: int = MAX_DETAIL_CHARS) -> str:
+    """`text` cut to `limit` characters (an error detail must stay small)."""
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+# --- before parsing -----------------------------------------------------------------------------
+
+
+class BodyTooLarge(Exception):
+    """The body grew past the limit while it was read."""
+
+
+class RequestLimits:
+    """Pure ASGI middleware: refuse a path with control characters (404) and a body over
+    `max_body_bytes` (413, connection closed) before the app parses anything."""
+
+    def __init__(self, app: ASGIApp, *, max_body_bytes: int) -> None:
+        self.app = app
+        self.max_body_bytes = max_body_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        if CONTROL_CHARACTER.search(scope["path"]):
+            await answer(send, 404, "no such path: a path never holds control characters (NUL)")
+            return
+        declared = content_length(scope)
+        if declared is not None and declared > self.max_body_bytes:
+            await answer(send, 413, self.too_large(), close=True)
+            return
+        try:
+            first = await read_body(receive, self.max_body_bytes)
+        except BodyTooLarge:
+            await answer(send, 413, self.too_large(), close=True)
+            return
+        if first is None:  # the client went away
+            return
+        await self.app(scope, replay(first, receive), send)
+
+    def too_large(self) -> str:
+        return (
+            f"the request body is larger than {self.max_body_bytes} bytes, "
+            "the most this API accepts; send a smaller one"
+        )
+
+
+def content_length(scope: Scope) -> int | None:
+    """The declared `Content-Length` (None: not declared; the HTTP parser refused bad ones)."""
+    for name, value in scope["headers"]:
+        if name == b"content-length":
+            text = value.decode("latin-1").strip()
+            return int(text) if text.isdigit() else None
+    return None
+
+
+async def read_body(receive: Receive, limit: int) -> Message | None:
+    """The whole body as one `http.request` message; BodyTooLarge past `limit` bytes, None
+    when the client disconnected first."""
+    chunks: list[bytes] = []
+    size = 0
+    while True:
+        message = await receive()
+        if message["type"] != "http.request":
+            return None
+        chunk: bytes = message.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            raise BodyTooLarge
+        chunks.append(chunk)
+        if not message.get("more_body", False):
+            return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+
+
+def replay(first: Message, receive: Receive) -> Receive:
+    """`receive` that hands out `first` once, then what the server sends (a disconnect)."""
+    pending = [first]
+
+    async def replayed() -> Message:
+        if pending:
+            return pending.pop()
+        return await receive()
+
+    return replayed
+
+
+async def answer(send: Send, status_code: int, detail: str, *, close: bool = False) -> None:
+    """A JSON error `{"detail": ...}` straight from the middleware."""
+    body = json.dumps({"detail": detail}).encode()
+    headers: list[tuple[bytes, bytes]] = [
+        (b"content-type", b"application/json"),
+        (b"content-length", str(len(body)).encode()),
+    ]
+    if close:
+        headers.append((b"connection", b"close"))
+    await send({"type": "http.response.start", "status": status_code, "headers": headers})
+    await send({"type": "http.response.body", "body": body})

@@ -7,7 +7,7 @@ from fastapi import APIRouter, HTTPException, Request, status
 from zoo_gym import ledger
 from zoo_gym.coordinator.api.auth import TooManyChallenges
 from zoo_gym.coordinator.api.deps import SessionDep, StateDep, unauthorized
-from zoo_gym.coordinator.api.limits import client_address, take_sign_in
+from zoo_gym.coordinator.api.limits import client_address, refuse_credential, take_sign_in
 from zoo_gym.coordinator.api.schemas import (
     ChallengeCreate,
     ChallengePublic,
@@ -44,10 +44,15 @@ def create_token(
     """Exchange a signed challenge for a bearer token scoped to that contributor."""
     address = client_address(request)
     take_sign_in(state.guard, address)
+    named = f"contributor:{body.contributor_id}"
     issued = state.auth.redeem(body.contributor_id, body.nonce)
     if issued is None:
-        state.guard.failed(address)
-        raise unauthorized("the challenge is unknown, used or expired; request a new one")
+        raise refuse_credential(
+            state.guard,
+            address,
+            named,
+            unauthorized("the challenge is unknown, used or expired; request a new one"),
+        )
     contributor = ledger.get_contributor(session, contributor_id=body.contributor_id)
     try:
         signature = bytes.fromhex(body.signature)
@@ -56,8 +61,12 @@ def create_token(
     if contributor is None or not verify(
         bytes(contributor.public_key), signature, issued.statement
     ):
-        state.guard.failed(address)
-        raise unauthorized("the signature does not match the contributor's registered key")
+        raise refuse_credential(
+            state.guard,
+            address,
+            named,
+            unauthorized("the signature does not match the contributor's registered key"),
+        )
     token, expires = state.auth.issue_token(body.contributor_id)
     return TokenPublic(
         contributor_id=body.contributor_id, access_token=token, expires_at_ms=expires

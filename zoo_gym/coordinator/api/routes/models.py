@@ -94,10 +94,13 @@ def download_model_file(
     """Stream one file of `version`; only files the signed manifest lists are served."""
     published = _published(state, version)
     entry = published.manifest.files.get(name)
+    missing = HTTPException(status.HTTP_404_NOT_FOUND, f"{name!r} is not a file of {version}")
+    if entry is None:  # only names the signed manifest lists reach the file system
+        raise missing
     directory = published.directory.resolve()
     path = (published.directory / name).resolve()
-    if entry is None or path.parent != directory or not path.is_file():
-        raise HTTPException(status.HTTP_404_NOT_FOUND, f"{name!r} is not a file of {version}")
+    if path.parent != directory or not path.is_file():
+        raise missing
     digest = base64.b64encode(bytes.fromhex(entry.sha256)).decode()
     return FileResponse(
         path,

@@ -105,13 +105,14 @@ def oversized_body(
     size: int = 64 << 20,
     chunked: bool = False,
     path: str = "/auth/token",
+    method: str = "POST",
     token: str | None = None,
     source: str = "127.0.0.1",
     timeout: float = 30.0,
 ) -> Answer:
-    """POST a `size`-byte JSON-ish body, declared by `Content-Length` or sent chunked, and
+    """Send (`method`, POST by default) a `size`-byte JSON-ish body, declared by `Content-Length` or sent chunked, and
     keep sending until the server answers or closes; what it answered."""
-    head = [f"POST {path} HTTP/1.1", "Host: coordinator", "Content-Type: application/json"]
+    head = [f"{method} {path} HTTP/1.1", "Host: coordinator", "Content-Type: application/json"]
     head.append("Transfer-Encoding: chunked" if chunked else f"Content-Length: {size}")
     if token is not None:
         head.append(f"Authorization: Bearer {token}")

@@ -100,7 +100,14 @@ def test_oversized_bodies_and_heads_are_refused_and_memory_stays_flat(
         for path in ("/auth/token", "/auth/challenge")
     ]
     answers.append(
-        oversized_body(served.rest, size=64 * MIB, path="/policy", token=ops.admin, chunked=True)
+        oversized_body(
+            served.rest,
+            size=64 * MIB,
+            path="/policy",
+            method="PATCH",
+            token=ops.admin,
+            chunked=True,
+        )
     )
     head = long_head(served.rest, size=64 * MIB)
     after = served.rss_kib(), served.rss_kib("VmHWM")

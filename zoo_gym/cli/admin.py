@@ -764,3 +764,24 @@ def audit(
         format,
         table(data, ["id", "at", "actor", "action", "target", "detail"], title="audit"),
     )
+
+
+@app.command("openapi")
+@command
+def openapi(
+    ctx: typer.Context,
+    output: Annotated[
+        Path | None,
+        typer.Option("--output", "-o", help="write the description to FILE instead of stdout"),
+    ] = None,
+) -> None:
+    """The API's OpenAPI description (JSON); a viewer key is enough."""
+    text = json.dumps(_api(ctx).call("GET", "/openapi.json"), indent=2, sort_keys=True) + "\n"
+    if output is None:
+        typer.echo(text, nl=False)
+        return
+    try:
+        output.write_text(text)
+    except OSError as exc:
+        raise AdminError(f"cannot write {output}: {exc.strerror}") from None
+    err_console.print(f"wrote {output}", markup=False)

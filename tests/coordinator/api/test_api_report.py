@@ -225,7 +225,8 @@ def test_a_contributor_may_read_checkpoints_and_inclusion_proofs(world: World) -
 
 
 def test_report_schema_documents_exact_amounts_and_log_indices(world: World) -> None:
-    schemas = world.client.get("/openapi.json").json()["components"]["schemas"]
+    schema = world.client.get("/openapi.json", headers=world.as_viewer).json()
+    schemas = schema["components"]["schemas"]
     row = schemas["ReportRow"]["properties"]
     assert row["amount"]["type"] == "string"
     assert {"decision", "reason", "score", "quality", "reputation_after", "epsilon"} <= set(row)

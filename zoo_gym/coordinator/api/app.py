@@ -19,10 +19,11 @@ from typing import TYPE_CHECKING, Any
 
 import fastapi.routing
 import uvicorn
-from fastapi import FastAPI, HTTPException, Request, status
+from fastapi import FastAPI, Request, status
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from fastapi.routing import APIRoute
+from starlette.exceptions import HTTPException
 
 from zoo_gym import ledger
 from zoo_gym.coordinator.api.auth import ContributorAuth
@@ -56,7 +57,7 @@ def _error(status_code: int) -> Any:
 
 
 def _http_error(request: Request, exc: Exception) -> Response:
-    """Starlette's answer to an HTTPException, with the detail cut short."""
+    """Starlette's answer to an HTTPException (FastAPI's too), with the detail cut short."""
     assert isinstance(exc, HTTPException)
     if exc.status_code in (204, 304):
         return Response(status_code=exc.status_code, headers=exc.headers)

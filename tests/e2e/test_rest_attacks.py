@@ -12,7 +12,9 @@ contributor, from the attacker's own address, are still answered:
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -75,9 +77,9 @@ def contributor_token(rest: str, who: Identity, *, source: str = "127.0.0.1") ->
     return token
 
 
-def honest_calls_work(ops: Operators, contributor: str) -> None:
+def honest_calls_work(ops: Operators, contributor: str, *, source: str = "127.0.0.1") -> None:
     """The admin and the contributor, from the attacker's address, are answered."""
-    with client(ops.served.rest) as http:
+    with client(ops.served.rest, source=source) as http:
         assert http.get("/rounds", headers=ops.as_(ops.admin)).status_code == 200
         own = http.get(f"/contributors/{ops.alice.contributor_id}", headers=ops.as_(contributor))
         assert own.status_code == 200, own.text
@@ -159,6 +161,18 @@ def test_a_bad_token_flood_is_answered_429_and_locks_nobody_out(operators: Opera
     assert refused.status_code == 429 and int(refused.headers["retry-after"]) <= 30
     # a contributor can still sign in from the flooding address
     assert contributor_token(rest, ops.alice)
+
+
+def test_honest_callers_are_answered_while_their_address_floods(operators: Operators) -> None:
+    ops, rest, source = operators, operators.served.rest, "127.0.0.5"
+    contributor = contributor_token(rest, ops.alice, source=source)
+    with ThreadPoolExecutor(4) as pool:
+        floods = [pool.submit(bad_token_flood, rest, count=50, source=source) for _ in range(4)]
+        for _ in range(5):
+            honest_calls_work(ops, contributor, source=source)
+        answered = sum((f.result() for f in floods), Counter[int]())
+
+    assert set(answered) == {401, 429} and answered[401] <= 11  # 10, one more per 30 s
 
 
 def test_the_schema_needs_a_viewer_key_and_docs_are_off(operators: Operators) -> None:

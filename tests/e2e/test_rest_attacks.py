@@ -159,6 +159,7 @@ def test_a_bad_token_flood_is_answered_429_and_locks_nobody_out(operators: Opera
     assert aimed == {401: 10, 429: 5}
     assert elsewhere == {401: 1}  # another address has its own budget
     assert refused.status_code == 429 and int(refused.headers["retry-after"]) <= 30
+    assert "failed credentials past their budget" in ops.served.log  # operators see it
     # a contributor can still sign in from the flooding address
     assert contributor_token(rest, ops.alice)
 

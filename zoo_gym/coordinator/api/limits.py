@@ -41,6 +41,7 @@ used out), so a flood of new addresses or names cannot grow memory without bound
 from __future__ import annotations
 
 import json
+import logging
 import math
 import re
 import time
@@ -52,6 +53,9 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from zoo_gym.ledger.apikeys import token_prefix
 from zoo_gym.transport.limits import TokenBuckets
 
+log = logging.getLogger(__name__)
+
+WARN_EVERY_S = 60
 MAX_ADDRESSES = 100_000
 MAX_CREDENTIALS = 10_000
 MAX_DETAIL_CHARS = 300
@@ -74,6 +78,8 @@ class ApiGuard:
     ) -> None:
         self.max_failures = max_failures
         self.lockout_s = lockout_s
+        self.clock = clock
+        self._warned_at = -math.inf
         refill = max_failures / lockout_s
         self.sign_in = TokenBuckets(
             auth_rate_per_s, auth_burst, max_keys=MAX_ADDRESSES, clock=clock
@@ -91,6 +97,15 @@ class ApiGuard:
         wait = self.address_failures.take(address)
         if credential is not None:
             wait = max(wait, self.credential_failures.take(credential))
+        if wait > 0 and self.clock() - self._warned_at > WARN_EVERY_S:
+            self._warned_at = self.clock()  # a race here costs one extra line, no more
+            log.warning(
+                "REST: failed credentials past their budget (from %s, naming %s); "
+                "answering 429 (at most one such line per %d s)",
+                address,
+                credential or "nothing",
+                WARN_EVERY_S,
+            )
         return wait
 
 

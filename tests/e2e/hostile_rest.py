@@ -10,6 +10,7 @@ from __future__ import annotations
 import secrets
 import select
 import socket
+import time
 from collections import Counter
 from dataclasses import dataclass
 from urllib.parse import urlsplit
@@ -150,7 +151,7 @@ def long_head(
         return _read_answer(sock)
 
 
-NUL_PATHS = (
+MALFORMED_PATHS = (
     "/models/v0000/files/config%00.json",
     "/models/v0000%00/manifest",
     "/contributors/%00",
@@ -162,7 +163,7 @@ NUL_PATHS = (
 
 
 def malformed_paths(
-    rest: str, *, token: str, source: str = "127.0.0.1", paths: tuple[str, ...] = NUL_PATHS
+    rest: str, *, token: str, source: str = "127.0.0.1", paths: tuple[str, ...] = MALFORMED_PATHS
 ) -> dict[str, int | None]:
     """GET each of `paths` with `token` over raw HTTP (no client normalises them); path -> status."""
     statuses: dict[str, int | None] = {}
@@ -172,3 +173,30 @@ def malformed_paths(
             sock.sendall((request + "\r\nConnection: close\r\n\r\n").encode())
             statuses[path] = _read_answer(sock).status
     return statuses
+
+
+def trickle(
+    rest: str,
+    *,
+    body: bool = False,
+    every_s: float = 0.5,
+    give_up_s: float = 60.0,
+    source: str = "127.0.0.1",
+) -> tuple[float, Answer]:
+    """Send a request one byte every `every_s`: its head, or (`body`) a whole head and then
+    its declared 1 KiB body. Seconds until the server answered or closed, and what it answered."""
+    start = time.monotonic()
+    with _connect(rest, source, give_up_s) as sock:
+        if body:
+            sock.sendall(
+                b"POST /auth/challenge HTTP/1.1\r\nHost: coordinator\r\n"
+                b"Content-Type: application/json\r\nContent-Length: 1024\r\n\r\n"
+            )
+        try:
+            while time.monotonic() - start < give_up_s and not _answered(sock):
+                sock.sendall(b"{" if body else b"X")
+                time.sleep(every_s)
+        except OSError:
+            pass
+        answer = _read_answer(sock) if _answered(sock) else Answer(None, {})
+        return time.monotonic() - start, answer

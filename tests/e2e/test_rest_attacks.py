@@ -7,7 +7,8 @@ contributor, from the attacker's own address, are still answered:
 - validation errors do not repeat the input;
 - malformed paths (NUL, bad percent-encoding, traversal, overlong) are 404, never 500;
 - a flood of bad tokens is answered 429 past its budget and locks nobody out;
-- `/openapi.json` needs a viewer key, `/docs` is off.
+- `/openapi.json` needs a viewer key, `/docs` is off;
+- clients that trickle a head or a body are cut off at the read deadline (slow).
 """
 
 from __future__ import annotations
@@ -20,7 +21,14 @@ from pathlib import Path
 
 import httpx
 import pytest
-from hostile_rest import bad_token_flood, client, long_head, malformed_paths, oversized_body
+from hostile_rest import (
+    bad_token_flood,
+    client,
+    long_head,
+    malformed_paths,
+    oversized_body,
+    trickle,
+)
 from serve_process import ServeProcess, serve
 from sqlmodel import Session
 
@@ -185,6 +193,20 @@ def test_the_schema_needs_a_viewer_key_and_docs_are_off(operators: Operators) ->
     assert anonymous.status_code == 401
     assert docs.status_code == redoc.status_code == 404
     assert "/rounds" in viewer.json()["paths"]
+
+
+@pytest.mark.slow
+def test_trickling_clients_are_cut_off_at_the_default_deadline(operators: Operators) -> None:
+    ops, rest = operators, operators.served.rest
+    contributor = contributor_token(rest, ops.alice)
+    with ThreadPoolExecutor(20) as pool:
+        heads = [pool.submit(trickle, rest, every_s=1.0) for _ in range(10)]
+        bodies = [pool.submit(trickle, rest, body=True, every_s=1.0) for _ in range(10)]
+        honest_calls_work(ops, contributor)
+        cut = [f.result() for f in heads + bodies]
+
+    assert all(9 < took < 20 for took, _ in cut), [took for took, _ in cut]  # default 10 s
+    assert [a.status for _, a in cut] == [None] * 10 + [408] * 10
 
 
 def test_health_stays_open(operators: Operators) -> None:

@@ -244,6 +244,13 @@ class CoordinatorConfig(HomeConfig):
         le=1 << 20,
         description="largest REST request line plus headers; larger is answered 400",
     )
+    api_read_timeout_s: float = Field(
+        10.0,
+        gt=0,
+        le=600,
+        description="seconds a REST client has to send a request's head, and again its body; "
+        "a connection that trickles is closed",
+    )
     api_docs: bool = Field(
         False,
         description="serve /docs and /redoc, and /openapi.json without a token; "

@@ -28,7 +28,7 @@ from starlette.exceptions import HTTPException
 from zoo_gym import ledger
 from zoo_gym.coordinator.api.auth import ContributorAuth
 from zoo_gym.coordinator.api.deps import ACCESS_TEXT, ApiState, ViewerDep, route_access
-from zoo_gym.coordinator.api.limits import ApiGuard, RequestLimits, short
+from zoo_gym.coordinator.api.limits import ApiGuard, RequestLimits, head_deadline, short
 from zoo_gym.coordinator.api.routes import auth, contributors, models, policy, rewards, rounds
 from zoo_gym.coordinator.api.routes import ledger as ledger_routes
 from zoo_gym.coordinator.api.routes import metrics as metrics_routes
@@ -215,7 +215,11 @@ def create_app(
     if not docs:
         _serve_schema(app)
     _handle_errors(app)
-    app.add_middleware(RequestLimits, max_body_bytes=co.config.api_max_body_bytes)
+    app.add_middleware(
+        RequestLimits,
+        max_body_bytes=co.config.api_max_body_bytes,
+        read_timeout_s=co.config.api_read_timeout_s,
+    )
     _document_access(app)
     return app
 
@@ -238,7 +242,8 @@ class RestServer:
             host=host,
             port=int(port),
             log_level="warning",
-            http="h11",  # h11 bounds the request line and headers (httptools does not)
+            # h11 bounds the request line and headers (httptools does not), within a deadline
+            http=head_deadline(co.config.api_read_timeout_s),
             h11_max_incomplete_event_size=co.config.api_max_header_bytes,
         )
         self.server = uvicorn.Server(config)

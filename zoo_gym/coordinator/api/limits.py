@@ -4,13 +4,16 @@ What a request may carry is bounded before anything parses it:
 
 - The HTTP server reads the request line and headers into at most `api_max_header_bytes`
   (h11's limit on an incomplete event); a longer head is answered 400 and the connection closed,
-  so neither a long URL nor a long header reaches the app.
+  so neither a long URL nor a long header reaches the app. A connection that has not sent a
+  whole head within `api_read_timeout_s` of opening (or of its last answer) is closed
+  (`head_deadline`), so a client trickling bytes cannot hold a connection for ever.
 - `RequestLimits`, pure ASGI middleware around the app, answers a path that holds a control
   character (NUL, ...) with 404 before routing, and bounds the body to `api_max_body_bytes`: a
   larger `Content-Length` is answered 413 before a byte of the body is read, and a body without
   one (chunked) is counted as it arrives and cut off with 413 at the limit. After a 413 the
   connection is closed, so the rest of the body is never read. The body is read whole (it is
-  small) before the app runs; nothing downstream sees more than the limit.
+  small) before the app runs, within `api_read_timeout_s` (else 408); nothing downstream sees
+  more than the limit.
 - Error bodies never repeat the input (`app`): validation errors name the field and the rule
   only, and every detail is cut to `MAX_DETAIL_CHARS`.
 
@@ -40,15 +43,19 @@ used out), so a flood of new addresses or names cannot grow memory without bound
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import math
 import re
 import time
 from collections.abc import Callable
+from typing import Any
 
+import h11
 from fastapi import HTTPException, Request, status
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from zoo_gym.ledger.apikeys import token_prefix
 from zoo_gym.transport.limits import TokenBuckets
@@ -167,12 +174,14 @@ class BodyTooLarge(Exception):
 
 
 class RequestLimits:
-    """Pure ASGI middleware: refuse a path with control characters (404) and a body over
-    `max_body_bytes` (413, connection closed) before the app parses anything."""
+    """Pure ASGI middleware: refuse a path with control characters (404), a body over
+    `max_body_bytes` (413) and one not sent within `read_timeout_s` (408) before the app parses
+    anything; the connection is closed after a 413 or 408."""
 
-    def __init__(self, app: ASGIApp, *, max_body_bytes: int) -> None:
+    def __init__(self, app: ASGIApp, *, max_body_bytes: int, read_timeout_s: float) -> None:
         self.app = app
         self.max_body_bytes = max_body_bytes
+        self.read_timeout_s = read_timeout_s
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -186,9 +195,16 @@ class RequestLimits:
             await answer(send, 413, self.too_large(), close=True)
             return
         try:
-            first = await read_body(receive, self.max_body_bytes)
+            async with asyncio.timeout(self.read_timeout_s):
+                first = await read_body(receive, self.max_body_bytes)
         except BodyTooLarge:
             await answer(send, 413, self.too_large(), close=True)
+            return
+        except TimeoutError:
+            late = (
+                f"the request body did not arrive within {self.read_timeout_s:g} s; send it at once"
+            )
+            await answer(send, 408, late, close=True)
             return
         if first is None:  # the client went away
             return
@@ -251,3 +267,36 @@ async def answer(send: Send, status_code: int, detail: str, *, close: bool = Fal
         headers.append((b"connection", b"close"))
     await send({"type": "http.response.start", "status": status_code, "headers": headers})
     await send({"type": "http.response.body", "body": body})
+
+
+def head_deadline(timeout_s: float) -> type[H11Protocol]:
+    """uvicorn's h11 protocol, closing a connection that has not sent a whole request head
+    within `timeout_s` of opening or of its last answer (uvicorn itself waits for ever)."""
+
+    class HeadDeadline(H11Protocol):
+        head_timer: asyncio.TimerHandle | None = None
+
+        def connection_made(self, transport: Any) -> None:
+            super().connection_made(transport)
+            self._arm()
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            self._arm()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            if self.head_timer is not None:
+                self.head_timer.cancel()
+            super().connection_lost(exc)
+
+        def _arm(self) -> None:
+            if self.head_timer is not None:
+                self.head_timer.cancel()
+            self.head_timer = self.loop.call_later(timeout_s, self._late)
+
+        def _late(self) -> None:
+            # IDLE: no whole head since the timer was armed (a request in progress is not)
+            if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+                self.timeout_keep_alive_handler()
+
+    return HeadDeadline

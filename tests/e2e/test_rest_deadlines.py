@@ -1,0 +1,58 @@
+"""Read deadlines of the REST server (uvicorn, in this process, on 127.0.0.1): a connection
+that trickles its head is closed, and a trickled body is answered 408, while others are served.
+
+The deadline is 1 s here so the test is quick; test_rest_attacks.py checks the default (slow).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from hostile_rest import trickle
+
+from zoo_gym.coordinator.api.app import RestServer
+from zoo_gym.coordinator.config import load_config
+from zoo_gym.coordinator.service import Coordinator
+from zoo_gym.simulation.demo import free_port
+
+
+@pytest.fixture(scope="module")
+def rest(tiny_home_template: Path) -> Iterator[str]:
+    config = load_config(tiny_home_template / "coordinator.toml")
+    co = Coordinator(config.model_copy(update={"api_read_timeout_s": 1.0}))
+    port = free_port()
+    server = RestServer(co, f"127.0.0.1:{port}")
+    server.start(wait_s=10)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.stop()
+        co.engine.dispose()
+
+
+def test_a_trickled_head_is_closed_at_the_deadline(rest: str) -> None:
+    took, answer = trickle(rest, every_s=0.2, give_up_s=15)
+
+    assert answer.status is None  # closed without an answer
+    assert 0.9 < took < 6
+    assert httpx.get(f"{rest}/health", timeout=5).status_code == 200
+
+
+def test_a_trickled_body_is_408(rest: str) -> None:
+    took, answer = trickle(rest, body=True, every_s=0.2, give_up_s=15)
+
+    assert answer.status == 408
+    assert answer.headers.get("connection") == "close"
+    assert 0.9 < took < 6
+
+
+def test_keep_alive_requests_are_served_past_the_deadline(rest: str) -> None:
+    with httpx.Client(base_url=rest, timeout=5) as http:
+        first = http.get("/health")
+        time.sleep(1.5)  # longer than the deadline: an idle kept-alive connection may close
+        second = http.get("/health")
+    assert first.status_code == second.status_code == 200

@@ -7,8 +7,9 @@ Roles, from most to least power:
 - ``contributor`` (token from ``POST /auth/token``): its own contributor record, submissions,
   rewards and report, the latest checkpoint and ledger proofs.
 
-No or a bad token is answered 401 with ``WWW-Authenticate: Bearer``; a valid token without the
-role a route needs is answered 403. Each route states its access with exactly one of `AdminDep`,
+No or a bad token is answered 401 with ``WWW-Authenticate: Bearer`` (a bad one past its failure
+budgets 429, see `limits`; a valid one is never refused for others' failures); a valid token
+without the role a route needs is answered 403. Each route states its access with exactly one of `AdminDep`,
 `ViewerDep`, `SelfDep` (a viewer, or the contributor named in the path) or `ReaderDep` (anyone
 authenticated); `route_access` reads that back, for the OpenAPI description and for the tests.
 """

@@ -45,6 +45,7 @@ OPEN_ROUTES: frozenset[tuple[str, str]] = frozenset(
 """(method, path) of the routes that need no token."""
 
 
+ROUTERS = (auth, rounds, contributors, policy, models, ledger_routes, rewards, metrics_routes)
 MAX_ERRORS = 10
 MAX_LOC_CHARS = 64
 
@@ -201,16 +202,7 @@ def create_app(
             "model_version": co.backend.current_version(),
         }
 
-    for module in (
-        auth,
-        rounds,
-        contributors,
-        policy,
-        models,
-        ledger_routes,
-        rewards,
-        metrics_routes,
-    ):
+    for module in ROUTERS:
         app.include_router(module.router)
     if not docs:
         _serve_schema(app)

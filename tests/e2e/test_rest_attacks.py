@@ -104,28 +104,23 @@ def test_oversized_bodies_and_heads_are_refused_and_memory_stays_flat(
     long_head(served.rest, size=MIB)
     before = served.rss_kib(), served.rss_kib("VmHWM")
 
-    answers = [
-        oversized_body(served.rest, size=64 * MIB, chunked=chunked, path=path)
+    attacks = [
+        {"chunked": chunked, "path": path}
         for chunked in (False, True)
         for path in ("/auth/token", "/auth/challenge")
-    ]
-    answers.append(
-        oversized_body(
-            served.rest,
-            size=64 * MIB,
-            path="/policy",
-            method="PATCH",
-            token=ops.admin,
-            chunked=True,
-        )
-    )
-    head = long_head(served.rest, size=64 * MIB)
+    ] * 3
+    attacks.append({"chunked": True, "path": "/policy", "method": "PATCH", "token": ops.admin})
+    with ThreadPoolExecutor(8) as pool:  # 13 bodies of 64 MiB, 8 at a time
+        sent = [pool.submit(oversized_body, served.rest, size=64 * MIB, **a) for a in attacks]
+        heads = [pool.submit(long_head, served.rest, size=64 * MIB) for _ in range(3)]
+        answers = [f.result() for f in sent]
+        head_answers = [f.result() for f in heads]
     after = served.rss_kib(), served.rss_kib("VmHWM")
 
-    assert [a.status for a in answers] == [413] * 5, answers
+    assert [a.status for a in answers] == [413] * len(attacks), answers
     assert all(a.headers.get("connection") == "close" for a in answers)
     assert b"larger than 65536 bytes" in answers[0].body
-    assert head.status == 400
+    assert [a.status for a in head_answers] == [400] * 3
     growth_mib = (after[0] - before[0]) / 1024
     peak_growth_mib = (after[1] - before[1]) / 1024
     print(f"\nRSS {before[0] / 1024:.0f} -> {after[0] / 1024:.0f} MiB, peak +{peak_growth_mib:.1f}")

@@ -7,11 +7,13 @@ server on 127.0.0.1, so one test can play several clients. Nothing here listens.
 
 from __future__ import annotations
 
+import contextlib
 import secrets
 import select
 import socket
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
@@ -44,7 +46,8 @@ def client(rest: str, *, source: str = "127.0.0.1", timeout: float = 30.0) -> ht
 def bad_token_flood(
     rest: str, *, count: int, source: str = "127.0.0.1", path: str = "/rounds", named: str = ""
 ) -> Counter[int]:
-    """`count` calls with bearer tokens that verify for nothing; the statuses answered.
+    """`count` calls with bearer tokens that verify for nothing; the statuses answered (0: no
+    answer, the connection failed or timed out).
 
     `named`: an API key prefix to put in every token (aiming at that key), else random ones.
     """
@@ -53,7 +56,11 @@ def bad_token_flood(
         for _ in range(count):
             prefix = named or secrets.token_hex(4)
             token = f"zgk_{prefix}_{secrets.token_urlsafe(32)}"
-            response = http.get(path, headers={"Authorization": f"Bearer {token}"})
+            try:
+                response = http.get(path, headers={"Authorization": f"Bearer {token}"})
+            except httpx.HTTPError:
+                answered[0] += 1
+                continue
             answered[response.status_code] += 1
     return answered
 
@@ -62,6 +69,9 @@ def _connect(rest: str, source: str, timeout: float) -> socket.socket:
     sock = socket.create_connection(_host_port(rest), timeout=timeout, source_address=(source, 0))
     sock.settimeout(timeout)
     return sock
+
+
+NO_ANSWER = Answer(None, {})
 
 
 def _read_answer(sock: socket.socket) -> Answer:
@@ -78,7 +88,7 @@ def _read_answer(sock: socket.socket) -> Answer:
     head, _, body = data.partition(b"\r\n\r\n")
     lines = head.decode("latin-1").split("\r\n")
     if not lines[0].startswith("HTTP/"):
-        return Answer(None, {})
+        return NO_ANSWER
     headers = {}
     for line in lines[1:]:
         name, _, value = line.partition(":")
@@ -100,6 +110,37 @@ def _answered(sock: socket.socket) -> bool:
     return bool(readable)
 
 
+def _exchange(
+    rest: str, source: str, timeout: float, send: Callable[[socket.socket], None]
+) -> Answer:
+    """Connect, `send` (the server may close meanwhile), read the answer; NO_ANSWER when the
+    connection could not be made."""
+    try:
+        sock = _connect(rest, source, timeout)
+    except OSError:
+        return NO_ANSWER
+    with sock:
+        with contextlib.suppress(OSError):  # the server closed while we sent: read what it said
+            send(sock)
+        return _read_answer(sock)
+
+
+def _sends(raw: bytes) -> Callable[[socket.socket], None]:
+    def send(sock: socket.socket) -> None:
+        sock.sendall(raw)
+
+    return send
+
+
+def _stream(sock: socket.socket, piece: bytes, size: int) -> int:
+    """Send `piece` until `size` bytes went or the server answered; bytes sent."""
+    sent = 0
+    while sent < size and not _answered(sock):
+        sock.sendall(piece)
+        sent += len(piece)
+    return sent
+
+
 def oversized_body(
     rest: str,
     *,
@@ -111,8 +152,8 @@ def oversized_body(
     source: str = "127.0.0.1",
     timeout: float = 30.0,
 ) -> Answer:
-    """Send (`method`, POST by default) a `size`-byte JSON-ish body, declared by `Content-Length` or sent chunked, and
-    keep sending until the server answers or closes; what it answered."""
+    """Send a `size`-byte JSON-ish body (`method`, POST by default), declared by
+    `Content-Length` or sent chunked, until the server answers or closes; what it answered."""
     head = [f"{method} {path} HTTP/1.1", "Host: coordinator", "Content-Type: application/json"]
     head.append("Transfer-Encoding: chunked" if chunked else f"Content-Length: {size}")
     if token is not None:
@@ -120,35 +161,26 @@ def oversized_body(
     piece = b"[" + b"1," * (CHUNK // 2 - 1) + b"1"
     if chunked:
         piece = f"{len(piece):x}\r\n".encode() + piece + b"\r\n"
-    with _connect(rest, source, timeout) as sock:
-        try:
-            sock.sendall(("\r\n".join(head) + "\r\n\r\n").encode())
-            sent = 0
-            while sent < size and not _answered(sock):
-                sock.sendall(piece)
-                sent += CHUNK
-            if chunked and sent >= size:
-                sock.sendall(b"0\r\n\r\n")
-        except OSError:
-            pass  # the server closed while we sent: read what it said before
-        return _read_answer(sock)
+
+    def send(sock: socket.socket) -> None:
+        sock.sendall(("\r\n".join(head) + "\r\n\r\n").encode())
+        if _stream(sock, piece, size) >= size and chunked:
+            sock.sendall(b"0\r\n\r\n")
+
+    return _exchange(rest, source, timeout, send)
 
 
 def long_head(
     rest: str, *, size: int = 64 << 20, source: str = "127.0.0.1", timeout: float = 30.0
 ) -> Answer:
     """A GET whose one header is `size` bytes long; what the server answered."""
-    with _connect(rest, source, timeout) as sock:
-        try:
-            sock.sendall(b"GET /health HTTP/1.1\r\nHost: coordinator\r\nX-Pad: ")
-            sent = 0
-            while sent < size and not _answered(sock):
-                sock.sendall(b"a" * CHUNK)
-                sent += CHUNK
-            sock.sendall(b"\r\n\r\n")
-        except OSError:
-            pass
-        return _read_answer(sock)
+
+    def send(sock: socket.socket) -> None:
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: coordinator\r\nX-Pad: ")
+        _stream(sock, b"a" * CHUNK, size)
+        sock.sendall(b"\r\n\r\n")
+
+    return _exchange(rest, source, timeout, send)
 
 
 MALFORMED_PATHS = (
@@ -168,10 +200,9 @@ def malformed_paths(
     """GET each of `paths` with `token` over raw HTTP (no client normalises them); path -> status."""
     statuses: dict[str, int | None] = {}
     for path in paths:
-        with _connect(rest, source, 30.0) as sock:
-            request = f"GET {path} HTTP/1.1\r\nHost: coordinator\r\nAuthorization: Bearer {token}"
-            sock.sendall((request + "\r\nConnection: close\r\n\r\n").encode())
-            statuses[path] = _read_answer(sock).status
+        request = f"GET {path} HTTP/1.1\r\nHost: coordinator\r\nAuthorization: Bearer {token}"
+        raw = (request + "\r\nConnection: close\r\n\r\n").encode()
+        statuses[path] = _exchange(rest, source, 30.0, _sends(raw)).status
     return statuses
 
 
@@ -198,5 +229,5 @@ def trickle(
                 time.sleep(every_s)
         except OSError:
             pass
-        answer = _read_answer(sock) if _answered(sock) else Answer(None, {})
+        answer = _read_answer(sock) if _answered(sock) else NO_ANSWER
         return time.monotonic() - start, answer

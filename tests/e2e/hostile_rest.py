@@ -217,13 +217,17 @@ def trickle(
     """Send a request one byte every `every_s`: its head, or (`body`) a whole head and then
     its declared 1 KiB body. Seconds until the server answered or closed, and what it answered."""
     start = time.monotonic()
-    with _connect(rest, source, give_up_s) as sock:
-        if body:
-            sock.sendall(
-                b"POST /auth/challenge HTTP/1.1\r\nHost: coordinator\r\n"
-                b"Content-Type: application/json\r\nContent-Length: 1024\r\n\r\n"
-            )
+    try:
+        sock = _connect(rest, source, give_up_s)
+    except OSError:
+        return time.monotonic() - start, NO_ANSWER
+    with sock:
         try:
+            if body:
+                sock.sendall(
+                    b"POST /auth/challenge HTTP/1.1\r\nHost: coordinator\r\n"
+                    b"Content-Type: application/json\r\nContent-Length: 1024\r\n\r\n"
+                )
             while time.monotonic() - start < give_up_s and not _answered(sock):
                 sock.sendall(b"{" if body else b"X")
                 time.sleep(every_s)

@@ -147,6 +147,30 @@ def _serve_schema(app: FastAPI) -> None:
         return app.openapi()
 
 
+def _fastapi(*, docs: bool) -> FastAPI:
+    """The app; `/docs`, `/redoc` and an open `/openapi.json` only with `docs`."""
+    return FastAPI(
+        title="zoo-gym coordinator",
+        version="1",
+        description="Operators' API: rounds, contributors, policy, models, ledger, rewards.",
+        openapi_url="/openapi.json" if docs else None,
+        docs_url="/docs" if docs else None,
+        redoc_url="/redoc" if docs else None,
+    )
+
+
+def _guard_requests(app: FastAPI, co: Coordinator) -> None:
+    """The viewer-only schema (unless docs are on), the error handlers and the request limits."""
+    if not co.config.api_docs:
+        _serve_schema(app)
+    _handle_errors(app)
+    app.add_middleware(
+        RequestLimits,
+        max_body_bytes=co.config.api_max_body_bytes,
+        read_timeout_s=co.config.api_read_timeout_s,
+    )
+
+
 def create_app(
     co: Coordinator,
     *,
@@ -158,15 +182,7 @@ def create_app(
 ) -> FastAPI:
     """The REST API of `co`. `control`, `metrics` and `health` are the ones the round loop uses
     (fresh ones when not given)."""
-    docs = co.config.api_docs
-    app = FastAPI(
-        title="zoo-gym coordinator",
-        version="1",
-        description="Operators' API: rounds, contributors, policy, models, ledger, rewards.",
-        openapi_url="/openapi.json" if docs else None,
-        docs_url="/docs" if docs else None,
-        redoc_url="/redoc" if docs else None,
-    )
+    app = _fastapi(docs=co.config.api_docs)
     state = ApiState(
         co=co,
         control=control if control is not None else RoundControl(),
@@ -204,14 +220,7 @@ def create_app(
 
     for module in ROUTERS:
         app.include_router(module.router)
-    if not docs:
-        _serve_schema(app)
-    _handle_errors(app)
-    app.add_middleware(
-        RequestLimits,
-        max_body_bytes=co.config.api_max_body_bytes,
-        read_timeout_s=co.config.api_read_timeout_s,
-    )
+    _guard_requests(app, co)
     _document_access(app)
     return app
 

@@ -266,6 +266,12 @@ class CoordinatorConfig(HomeConfig):
         description="how often serve checks tls_cert/tls_key for a renewed pair; 0 = never",
     )
     signing_key: Path = Path("coordinator.key")
+    checkpoint_copy: Path | None = Field(
+        None,
+        description="a file every newly signed ledger checkpoint is appended to (JSON lines), "
+        "for `gym-coordinator ledger verify --checkpoint`; put it on other storage than the "
+        "database or ship it off the host. Unset: checkpoints are kept in the database only",
+    )
     training: TrainingPolicy = Field(default_factory=lambda: TrainingPolicy.model_validate({}))
     rewards: RewardSettings = Field(default_factory=lambda: RewardSettings.model_validate({}))
 

@@ -351,9 +351,7 @@ def run_rounds(
                 new_version=published or None,
                 metrics=closing,
             )
-            ledger.checkpoint(
-                session, signer=co.signer
-            )  # contributors verify their rewards against it
+            co.sign_checkpoint(session)  # contributors verify their rewards against it
         co.metrics.observe_round(round_number, summary.seconds, status=status)
         co.control.round_finished(round_number)
         if status == "published":

@@ -2,9 +2,10 @@
 
 SQLModel tables (`models`), repository functions that change them (`repository`), the RFC 9162
 Merkle tree (`merkle`, pure), the log with signed checkpoints, proofs and `verify_ledger` (`log`),
-operators' hashed API keys (`apikeys`), hashed invitation codes (`invites`), counts for monitoring (`stats`), and `open_database` with
-the Alembic migrations shipped in this package (`db`). This is the only package that imports the
-database; it never imports torch.
+signed checkpoints as they are kept outside the database (`checkpoints`), operators' hashed API
+keys (`apikeys`), hashed invitation codes (`invites`), counts for monitoring (`stats`), and
+`open_database` with the Alembic migrations shipped in this package (`db`). This is the only
+package that imports the database; it never imports torch.
 """
 
 from zoo_gym.ledger.apikeys import (
@@ -13,6 +14,12 @@ from zoo_gym.ledger.apikeys import (
     create_api_key,
     list_api_keys,
     revoke_api_key,
+)
+from zoo_gym.ledger.checkpoints import (
+    CheckpointFileError,
+    SignedCheckpoint,
+    append_checkpoint,
+    read_checkpoints,
 )
 from zoo_gym.ledger.db import open_database
 from zoo_gym.ledger.invites import (
@@ -98,6 +105,7 @@ __all__ = [
     "AuditEvent",
     "AuditEventPublic",
     "Checkpoint",
+    "CheckpointFileError",
     "CheckpointPublic",
     "ConsistencyProof",
     "Contributor",
@@ -125,9 +133,11 @@ __all__ = [
     "RewardPublic",
     "Round",
     "RoundPublic",
+    "SignedCheckpoint",
     "Submission",
     "SubmissionPublic",
     "VerifyReport",
+    "append_checkpoint",
     "append_entry",
     "authenticate_api_key",
     "checkpoint",
@@ -154,6 +164,7 @@ __all__ = [
     "log_size",
     "open_database",
     "open_round",
+    "read_checkpoints",
     "record_aggregation",
     "record_audit",
     "record_model_version",

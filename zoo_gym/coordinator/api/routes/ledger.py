@@ -73,8 +73,8 @@ def get_checkpoint(state: StateDep, session: SessionDep, reader: ReaderDep) -> C
     status_code=status.HTTP_201_CREATED,
 )
 def create_checkpoint(state: StateDep, session: SessionDep, admin: AdminDep) -> CheckpointSigned:
-    """Sign the log's current tree head now."""
-    return _signed(state, ledger.checkpoint(session, signer=state.co.signer))
+    """Sign the log's current tree head now (also appended to `checkpoint_copy` when set)."""
+    return _signed(state, state.co.sign_checkpoint(session))
 
 
 def _default_size(session: Session, tree_size: int | None) -> int:

@@ -16,7 +16,9 @@ from zoo_gym.cli.common import console, friendly, setup_logging
 if TYPE_CHECKING:
     from rich.table import Table
 
+    from zoo_gym.client.config import ClientConfig
     from zoo_gym.client.privacy import PrivacyBudget
+    from zoo_gym.client.rewards import Statement, Verification
     from zoo_gym.client.state import LocalState
 
 app = typer.Typer(
@@ -271,6 +273,31 @@ class RewardsFormat(StrEnum):
     html = "html"
 
 
+def _statement(
+    home: Path, cfg: ClientConfig, url: str, *, verify: bool
+) -> tuple[Statement, Verification | None]:
+    """The reward statement and, with `verify`, its check against the signed log; a checkpoint
+    that verified (signature, consistency with the one kept before) is kept for next time."""
+    from zoo_gym.client import rewards as report
+    from zoo_gym.core.identity import Identity
+
+    identity = Identity.load(cfg.path(cfg.key))
+    state_path = home / "state" / "state.json"
+    pinned = report.pinned_coordinator_key(state_path) if verify else b""
+    kept = report.kept_checkpoint(state_path, pinned) if verify else None
+    with report.connect(url, ca_cert=cfg.ca_cert and cfg.path(cfg.ca_cert)) as http:
+        session = report.ReportApi(http, identity)
+        statement = report.fetch_statement(session)
+        checked = (
+            report.verify_statement(session, statement, coordinator_key=pinned, kept=kept)
+            if verify
+            else None
+        )
+    if checked is not None and checked.checkpoint is not None:
+        report.keep_checkpoint(state_path, pinned, checked.checkpoint)
+    return statement, checked
+
+
 @app.command()
 @friendly
 def rewards(
@@ -297,7 +324,7 @@ def rewards(
         bool,
         typer.Option(
             "--verify",
-            help="check every reward against the ledger's checkpoint signed by the coordinator key pinned at join",
+            help="check every reward against the ledger's checkpoint signed by the coordinator key pinned at join, and that the log only grew since the checkpoint verified last time",
         ),
     ] = False,
 ) -> None:
@@ -307,18 +334,10 @@ def rewards(
     from zoo_gym.cli.common import err_console
     from zoo_gym.client import rewards as report
     from zoo_gym.client.config import load_client_config
-    from zoo_gym.core.identity import Identity
 
     cfg = load_client_config(home / CONFIG)
-    identity = Identity.load(cfg.path(cfg.key))
-    pinned = report.pinned_coordinator_key(home / "state" / "state.json") if verify else b""
     url = report.api_base(api or cfg.api_url)
-    with report.connect(url, ca_cert=cfg.ca_cert and cfg.path(cfg.ca_cert)) as http:
-        session = report.ReportApi(http, identity)
-        statement = report.fetch_statement(session)
-        checked = (
-            report.verify_statement(session, statement, coordinator_key=pinned) if verify else None
-        )
+    statement, checked = _statement(home, cfg, url, verify=verify)
     if format is RewardsFormat.html:
         target = out or Path("rewards.html")
         target.write_text(report.to_html(statement, checked, source=url), encoding="utf-8")

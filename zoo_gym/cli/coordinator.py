@@ -15,6 +15,7 @@ if TYPE_CHECKING:
     from sqlalchemy import Engine
 
     from zoo_gym.coordinator.config import CoordinatorConfig
+    from zoo_gym.ledger import VerifyReport
 
 CONFIG = "coordinator.toml"  # zoo_gym.coordinator.setup.CONFIG, not imported: it loads torch
 
@@ -384,26 +385,34 @@ def ledger_verify(
             help="hex Ed25519 key the checkpoints must be signed with (default: this coordinator's key)",
         ),
     ] = None,
+    checkpoint: Annotated[
+        Path | None,
+        typer.Option(
+            "--checkpoint",
+            help="a checkpoint kept outside the database (JSON, or JSON lines such as the checkpoint_copy file); the log must be consistent with each",
+        ),
+    ] = None,
     format: FormatOpt = "table",
 ) -> None:
     """Recompute the Merkle log, every row it describes and every checkpoint; exit 1 on tampering."""
     from sqlmodel import Session
 
     from zoo_gym import ledger
-    from zoo_gym.core.identity import Identity
     from zoo_gym.ledger import merkle
     from zoo_gym.ledger.log import leaf_hashes
 
-    cfg, engine = _open_ledger(config, migrate=False)
-    if public_key is not None:
+    kept: list[ledger.SignedCheckpoint] = []
+    if checkpoint is not None:
         try:
-            key = bytes.fromhex(public_key)
-        except ValueError:
-            _fail("--public-key must be 64 hex digits")
-    else:
-        key = Identity.load(cfg.path(cfg.signing_key)).public_key
+            kept = ledger.read_checkpoints(checkpoint)
+        except ledger.CheckpointFileError as exc:
+            _fail(
+                f"{exc}; pass a file written by checkpoint_copy or `ledger checkpoint --format json`"
+            )
+    cfg, engine = _open_ledger(config, migrate=False)
+    key = _verifying_key(cfg, public_key)
     with Session(engine) as session:
-        report = ledger.verify_ledger(session, public_key=key)
+        report = ledger.verify_ledger(session, public_key=key, kept=kept)
         root = merkle.root(leaf_hashes(session, size=report.size)).hex()
     if format == "json":
         typer.echo(
@@ -412,6 +421,8 @@ def ledger_verify(
                     "ok": report.ok,
                     "size": report.size,
                     "checkpoints": report.checkpoints,
+                    "covered": report.covered,
+                    "kept": report.kept,
                     "root": root,
                     "problems": [str(p) for p in report.problems],
                 },
@@ -419,10 +430,7 @@ def ledger_verify(
             )
         )
     elif report.ok:
-        console.print(
-            f"OK: {report.size} entries, {report.checkpoints} checkpoints, root {root}",
-            soft_wrap=True,
-        )
+        _print_verified(report, root)
     else:
         err_console.print(f"TAMPERED: {report.first}", markup=False, soft_wrap=True)
         more = len(report.problems) - 1
@@ -432,6 +440,74 @@ def ledger_verify(
             )
     if not report.ok:
         raise typer.Exit(1)
+
+
+def _verifying_key(cfg: CoordinatorConfig, public_key: str | None) -> bytes:
+    """`--public-key` when given, else the public half of the coordinator's signing key."""
+    from zoo_gym.core.identity import Identity
+
+    if public_key is None:
+        return Identity.load(cfg.path(cfg.signing_key)).public_key
+    try:
+        return bytes.fromhex(public_key)
+    except ValueError:
+        _fail("--public-key must be 64 hex digits")
+
+
+def _print_verified(report: VerifyReport, root: str) -> None:
+    text = f"OK: {report.size} entries, {report.checkpoints} checkpoints, root {root}"
+    if report.kept:
+        text += f"; consistent with {report.kept} checkpoint(s) kept outside the database"
+    console.print(text, soft_wrap=True)
+    if report.uncovered:
+        console.print(
+            f"entries {report.covered}..{report.size - 1} were recorded after the newest "
+            "checkpoint and are not signed yet (a checkpoint is signed at each round's end)",
+            soft_wrap=True,
+        )
+
+
+@ledger_app.command("checkpoint")
+@friendly
+def ledger_checkpoint(
+    config: ConfigOpt = Path("coordinator") / CONFIG,
+    new: Annotated[
+        bool,
+        typer.Option(
+            "--new", help="sign the log's current tree head first (appended to checkpoint_copy)"
+        ),
+    ] = False,
+    format: FormatOpt = "table",
+) -> None:
+    """The newest signed checkpoint; --format json prints one line to keep outside the database."""
+    from sqlmodel import Session
+
+    from zoo_gym import ledger
+    from zoo_gym.core.identity import Identity
+
+    cfg, engine = _open_ledger(config, migrate=new)
+    signer = Identity.load(cfg.path(cfg.signing_key))
+    with Session(engine) as session:
+        head = (
+            ledger.checkpoint(session, signer=signer) if new else ledger.latest_checkpoint(session)
+        )
+    if head is None:
+        _fail("no checkpoint is signed yet; one is signed at each round's end, or pass --new")
+    signed = ledger.SignedCheckpoint.of(head, signer.public_key)
+    if new and cfg.checkpoint_copy is not None:
+        try:
+            ledger.append_checkpoint(cfg.path(cfg.checkpoint_copy), signed)
+        except OSError as exc:
+            _fail(
+                f"signed {signed.describe()} but cannot append it to checkpoint_copy "
+                f"{cfg.path(cfg.checkpoint_copy)} ({exc.strerror or exc})"
+            )
+    if format == "json":
+        typer.echo(signed.line())
+    else:
+        console.print(
+            f"{signed.describe()}\nroot {signed.root}\nkey {signed.public_key}", soft_wrap=True
+        )
 
 
 def main() -> None:

@@ -14,6 +14,11 @@ ledger's signed checkpoint, and rendered for people (table, HTML page with a plo
    leaf SHA-256(0x00 || record) reaches the signed root by its audit path (RFC 9162 §2.1.3.2).
    A reward recorded after the latest checkpoint cannot be checked yet: it is *pending*, reported
    but not a failure; only what contradicts the signed log fails.
+4. Rollback and fork: the client keeps the newest checkpoint it verified per coordinator key in
+   its state file. The coordinator's checkpoint now must be at least as large, the same root at
+   the same size, and otherwise come with ``GET /ledger/proofs/consistency`` from the kept size
+   to the new one that verifies (RFC 9162 §2.1.4.2) from the kept root to the new root. A log
+   that shrank, forked or lost the kept checkpoint fails; a consistent one is kept instead.
 
 The REST address is `--api` or `api_url` in client.toml; an https address is checked against the
 config's `ca_cert` when one is set, else against the system's trusted CAs.
@@ -39,10 +44,10 @@ from rich.console import JustifyMethod
 from rich.table import Table
 
 from zoo_gym.client.state import LocalState
-from zoo_gym.core.identity import Identity, verify
+from zoo_gym.core.identity import Identity
 from zoo_gym.core.protocol import rest_challenge_statement
 from zoo_gym.ledger import merkle
-from zoo_gym.ledger.log import checkpoint_message
+from zoo_gym.ledger.checkpoints import SignedCheckpoint
 
 AMOUNT_PLACES = 9
 
@@ -342,6 +347,8 @@ class Verification:
     signed_at: str
     checks: dict[int, Check]
     problem: str | None = None
+    checkpoint: SignedCheckpoint | None = None  # verified: signature and consistency
+    grew_from: int | None = None  # size of the kept checkpoint the log was proven to extend
 
     @property
     def ok(self) -> bool:
@@ -365,6 +372,8 @@ class Verification:
             f"{n['ok']} reward(s) verified against the checkpoint of size {self.size} "
             f"(root {self.root[:16]}…, signed {self.signed_at})"
         )
+        if self.grew_from is not None:
+            text += f"; the log extends the checkpoint of size {self.grew_from} verified before"
         if n["pending"]:
             text += (
                 f"; {n['pending']} recorded after it cannot be checked yet "
@@ -380,6 +389,7 @@ class Verification:
             "verified": self.counts["ok"],
             "failed": self.counts["failed"],
             "pending": self.counts["pending"],
+            "extends_kept_size": self.grew_from,
         }
 
 
@@ -474,55 +484,143 @@ def _all(statement: Statement, status: CheckStatus, detail: str) -> dict[int, Ch
     }
 
 
-def _checkpoint(head: Any) -> tuple[int, str, datetime, bytes]:
-    """(size, root, signed_at, signature) of a served checkpoint."""
+def _checkpoint(head: Any) -> SignedCheckpoint:
+    """The checkpoint the coordinator served."""
     try:
-        size, root, signed_at = int(head["size"]), str(head["root"]), str(head["signed_at"])
-        return size, root, datetime.fromisoformat(signed_at), _unhex(head["signature"])
-    except MALFORMED:
+        return SignedCheckpoint.from_json(head)
+    except ValueError as exc:
         raise RewardsError(
-            "the coordinator served a malformed checkpoint; nothing can be verified"
+            f"the coordinator served a malformed checkpoint ({exc}); nothing can be verified"
         ) from None
 
 
+def _forged(head: Any, signed: SignedCheckpoint, coordinator_key: bytes) -> str | None:
+    """Why `signed` cannot be trusted, or None when the pinned key signed it."""
+    if signed.signed_by(coordinator_key):
+        return None
+    served = str(head.get("public_key", ""))
+    why = (
+        "is signed by another key than the coordinator key pinned at join"
+        if served and served != coordinator_key.hex()
+        else "carries a signature that does not verify with the pinned coordinator key"
+    )
+    return f"the latest checkpoint (size {signed.size}) {why}; none of its entries can be trusted"
+
+
+def consistency_problem(
+    api: ReportApi, kept: SignedCheckpoint, current: SignedCheckpoint
+) -> str | None:
+    """Why the log behind `current` is not an extension of the one `kept` signed (None: it is).
+
+    RFC 9162 §2.1.4: equal sizes need equal roots; a larger tree needs a consistency proof from
+    `kept.size` to `current.size` that verifies from `kept.root` to `current.root`.
+    """
+    was = (
+        f"the checkpoint of size {kept.size} you verified (signed {kept.signed_at:%Y-%m-%d %H:%M})"
+    )
+    if current.size < kept.size:
+        return (
+            f"the log shrank: the coordinator's newest checkpoint has size {current.size}, "
+            f"smaller than {was}; entries were removed (a rollback)"
+        )
+    if current.size == kept.size:
+        if current.root == kept.root:
+            return None
+        return f"the log forked: its checkpoint of size {current.size} has another root than {was}"
+    params = {"old_size": kept.size, "new_size": current.size}
+    try:
+        proof = api.get("/ledger/proofs/consistency", params=params)
+        path, served_old = [_unhex(p) for p in proof["path"]], str(proof["old_root"])
+    except ApiRefused as exc:
+        return f"the coordinator cannot prove that its log extends {was} ({exc})"
+    except MALFORMED:
+        return f"the coordinator served a malformed consistency proof from {was}"
+    if served_old != kept.root:
+        return (
+            f"the log forked: its tree of size {kept.size} now has root {served_old[:16]}…, "
+            f"not the root {kept.root[:16]}… of {was}; an entry before {kept.size} was rewritten"
+        )
+    if not merkle.verify_consistency(
+        kept.size, current.size, _unhex(kept.root), _unhex(current.root), path
+    ):
+        return (
+            f"the log forked: the proof that the checkpoint of size {current.size} extends "
+            f"{was} does not verify (RFC 9162 consistency)"
+        )
+    return None
+
+
+def _fetch_records(api: ReportApi, statement: Statement, size: int) -> dict[int, bytes]:
+    """The records of this contributor's reward entries, when any is in the signed tree."""
+    if not any(line.log_index is not None and line.log_index < size for line in statement.rounds):
+        return {}
+    entries = api.get(f"/contributors/{api.contributor_id}/rewards/entries")
+    try:
+        return {int(e["index"]): str(e["record"]).encode() for e in entries}
+    except MALFORMED:
+        raise RewardsError("the coordinator served malformed log entries") from None
+
+
 def verify_statement(
-    api: ReportApi, statement: Statement, *, coordinator_key: bytes
+    api: ReportApi,
+    statement: Statement,
+    *,
+    coordinator_key: bytes,
+    kept: SignedCheckpoint | None = None,
 ) -> Verification:
     """Check every reward of `statement` against the latest checkpoint signed by
-    `coordinator_key`; `problem` names the first entry (or the checkpoint) that fails."""
+    `coordinator_key`, and that checkpoint against `kept`, the newest one verified before
+    (`consistency_problem`); `problem` names the first entry (or the checkpoint) that fails.
+    `checkpoint` of the answer is the served one once its signature and consistency held."""
     try:
         head = api.get("/ledger/checkpoint")
     except ApiRefused as exc:
         if exc.status_code != 404:
             raise
+        if kept is not None:
+            gone = (
+                f"the coordinator serves no checkpoint, but you verified one of size {kept.size} "
+                "before: its checkpoints were deleted (a rollback)"
+            )
+            return Verification(0, "", "", _all(statement, "failed", gone), gone)
         return Verification(0, "", "", _all(statement, "pending", "no checkpoint is signed yet"))
-    size, root, signed_at, signature = _checkpoint(head)
-    stamp = signed_at.isoformat()
-    message = checkpoint_message(size=size, root=root, signed_at=signed_at)
-    if not verify(coordinator_key, signature, message):
-        served = str(head.get("public_key", ""))
-        why = (
-            "is signed by another key than the coordinator key pinned at join"
-            if served and served != coordinator_key.hex()
-            else "carries a signature that does not verify with the pinned coordinator key"
-        )
-        forged = f"the latest checkpoint (size {size}) {why}; none of its entries can be trusted"
-        return Verification(size, root, stamp, _all(statement, "failed", forged), forged)
-    records: dict[int, bytes] = {}
-    if any(line.log_index is not None and line.log_index < size for line in statement.rounds):
-        entries = api.get(f"/contributors/{api.contributor_id}/rewards/entries")
-        try:
-            records = {int(e["index"]): str(e["record"]).encode() for e in entries}
-        except MALFORMED:
-            raise RewardsError("the coordinator served malformed log entries") from None
+    signed = _checkpoint(head)
+    size, root, stamp = signed.size, signed.root, signed.signed_at.isoformat()
+    problem = _forged(head, signed, coordinator_key)
+    if problem is None and kept is not None:
+        problem = consistency_problem(api, kept, signed)
+    if problem is not None:
+        return Verification(size, root, stamp, _all(statement, "failed", problem), problem)
+    records = _fetch_records(api, statement, size)
     checks: dict[int, Check] = {}
-    problem: str | None = None
     for line in statement.rounds:
         check = _check_line(api, line, size=size, root=_unhex(root), records=records)
         checks[line.round] = check
         if check.status == "failed" and problem is None:
             problem = f"ledger entry {line.log_index} (round {line.round}): {check.detail}"
-    return Verification(size, root, stamp, checks, problem)
+    grew_from = kept.size if kept is not None else None
+    return Verification(size, root, stamp, checks, problem, signed, grew_from)
+
+
+def kept_checkpoint(state_path: Path, coordinator_key: bytes) -> SignedCheckpoint | None:
+    """The newest checkpoint signed by `coordinator_key` verified before, from the state file."""
+    stored = LocalState.load(state_path).checkpoints.get(coordinator_key.hex())
+    if stored is None:
+        return None
+    try:
+        return SignedCheckpoint.from_json(stored)
+    except ValueError as exc:
+        raise RewardsError(
+            f"{state_path}: the checkpoint kept for this coordinator is malformed ({exc}); "
+            "restore the file from a backup"
+        ) from None
+
+
+def keep_checkpoint(state_path: Path, coordinator_key: bytes, head: SignedCheckpoint) -> None:
+    """Remember `head` (verified) as the newest checkpoint of `coordinator_key`."""
+    state = LocalState.load(state_path)
+    state.checkpoints[coordinator_key.hex()] = head.to_json()
+    state.save()
 
 
 # --- rendering ----------------------------------------------------------------------------------

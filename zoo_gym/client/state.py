@@ -1,7 +1,10 @@
 """What a contributor's machine remembers between runs (a JSON file).
 
-It pins the coordinator key seen at first registration, and records every
-round submitted to, so a restarted client never submits twice for a round.
+It pins the coordinator key seen at first registration, records every
+round submitted to, so a restarted client never submits twice for a round, and
+keeps the newest ledger checkpoint it verified per coordinator key (the JSON
+form of `zoo_gym.ledger.checkpoints`), so `gym-client rewards --verify` can
+require that the coordinator's log only ever grew from it.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ class LocalState:
     contributor_id: str = ""
     contributions: dict[str, Contribution] = field(default_factory=dict)
     privacy: PrivacyAccount = field(default_factory=PrivacyAccount)  # every DP mechanism so far
+    checkpoints: dict[str, dict[str, Any]] = field(default_factory=dict)  # key hex -> checkpoint
 
     @classmethod
     def load(cls, path: Path) -> LocalState:
@@ -54,9 +58,11 @@ class LocalState:
             data.get("contributor_id", ""),
             contributions,
             privacy=PrivacyAccount.from_json(data.get("privacy", {})),
+            checkpoints=dict(data.get("checkpoints", {})),
         )
 
     def save(self) -> None:
+        self.checkpoints = _newest(self.checkpoints, _stored_checkpoints(self.path))
         body = {
             "format": STATE_FORMAT,
             "coordinator": self.coordinator,
@@ -64,6 +70,7 @@ class LocalState:
             "contributor_id": self.contributor_id,
             "contributions": {k: asdict(v) for k, v in self.contributions.items()},
             "privacy": self.privacy.to_json(),
+            "checkpoints": self.checkpoints,
         }
         write_atomic(self.path, json.dumps(body, indent=1).encode())
 
@@ -74,3 +81,25 @@ class LocalState:
     def record(self, contribution: Contribution) -> None:
         self.contributions[str(contribution.round)] = contribution
         self.save()
+
+
+def _stored_checkpoints(path: Path) -> dict[str, dict[str, Any]]:
+    """The checkpoints in the state file on disk now (another command may have added one)."""
+    try:
+        stored = json.loads(path.read_text()).get("checkpoints", {})
+    except (OSError, ValueError, AttributeError):
+        return {}
+    return stored if isinstance(stored, dict) else {}
+
+
+def _newest(
+    ours: dict[str, dict[str, Any]], theirs: dict[str, dict[str, Any]]
+) -> dict[str, dict[str, Any]]:
+    """Per coordinator key the larger of two remembered checkpoints, so that `join` saving its
+    state never replaces a newer checkpoint `rewards --verify` stored meanwhile."""
+    merged = dict(theirs)
+    for key, head in ours.items():
+        other = merged.get(key)
+        if not isinstance(other, dict) or int(head.get("size", 0)) >= int(other.get("size", 0)):
+            merged[key] = head
+    return merged

@@ -345,24 +345,30 @@ def test_verify_fails_on_a_reward_row_edited_after_the_fact(network: Network) ->
     assert round_four.split("│")[-2].strip() == "✗"
 
 
-def test_verify_fails_when_the_log_was_rewritten_to_match(network: Network) -> None:
-    # Prepare: row and log entry both say 1000, the leaf hash recomputed; the checkpoint was
-    # signed before
-    entry = reward_entry(network, 4)
+def rewrite_reward(net: Network, number: int, amount: str) -> None:
+    """Alice's reward of round `number` says `amount` in its row and in its log entry, whose leaf
+    hash is recomputed: the database agrees with itself, the checkpoints signed before do not."""
+    entry = reward_entry(net, number)
     record = json.loads(bytes(entry.record))
     for row in record["rows"]:
         if row["table"] == "rewards":
-            row["fields"]["amount"] = "1000.000000000"
+            row["fields"]["amount"] = amount
     forged = canonical_json(record)
-    with network.co.engine.begin() as db:
+    with net.co.engine.begin() as db:
         db.exec_driver_sql(
-            "UPDATE rewards SET amount = 1000 WHERE round_number = 4 AND contributor_id = ?",
-            (network.alice.contributor_id,),
+            "UPDATE rewards SET amount = ? WHERE round_number = ? AND contributor_id = ?",
+            (amount, number, net.alice.contributor_id),
         )
         db.exec_driver_sql(
             'UPDATE log_entries SET record = ?, leaf_hash = ? WHERE "index" = ?',
             (forged, merkle.leaf_hash(forged), entry.index),
         )
+
+
+def test_verify_fails_when_the_log_was_rewritten_to_match(network: Network) -> None:
+    # Prepare: row and log entry both say 1000, the leaf hash recomputed; the checkpoint was
+    # signed before
+    rewrite_reward(network, 4, "1000.000000000")
 
     # Execute
     result = network.rewards("--verify")
@@ -412,6 +418,124 @@ def test_rewards_after_the_checkpoint_are_pending(network: Network) -> None:
     round_five = next(x for x in result.stdout.splitlines() if x.startswith("│     5"))
     assert round_five.split("│")[-2].strip() == "…"
     assert "1 recorded after it cannot be checked yet" in result.stdout
+
+
+# --- rollback and fork: the newest checkpoint verified is kept -----------------------------------
+
+
+def kept_size(net: Network) -> int:
+    state = LocalState.load(net.home / "state" / "state.json")
+    return int(state.checkpoints[net.co.signer.public_key.hex()]["size"])
+
+
+def log_size(net: Network) -> int:
+    with net.session() as s:
+        return ledger.log_size(s)
+
+
+def pay_round_five(net: Network) -> None:
+    """Round 5 pays alice and ends published, with the checkpoint the round loop signs."""
+    with net.session() as s:
+        submit(s, net.alice, 5, "accepted", "ok", None)
+        pay(s, net.alice, 5, 0.5, "1", 0.4)
+        ledger.close_round(s, number=5, status="published", metrics={})
+        ledger.checkpoint(s, signer=net.co.signer)
+
+
+def test_verify_keeps_the_checkpoint_and_requires_the_log_to_grow_from_it(
+    network: Network,
+) -> None:
+    # Prepare
+    first = network.rewards("--verify")
+    size = kept_size(network)
+    pay_round_five(network)
+
+    # Execute
+    second = network.rewards("--verify")
+
+    # Assert
+    assert first.exit_code == 0 and second.exit_code == 0, second.output
+    assert f"the log extends the checkpoint of size {size} verified before" in second.stdout
+    assert kept_size(network) == log_size(network) > size
+
+
+def test_verify_fails_when_the_log_shrank(network: Network) -> None:
+    # Prepare: alice verified the checkpoint of round 5; then it was deleted
+    before = log_size(network)
+    pay_round_five(network)
+    assert network.rewards("--verify").exit_code == 0
+    with network.co.engine.begin() as db:
+        db.exec_driver_sql("DELETE FROM checkpoints WHERE id = (SELECT MAX(id) FROM checkpoints)")
+
+    # Execute
+    line = error_line(network.rewards("--verify"))
+
+    # Assert
+    assert line.startswith(
+        f"error: verification failed: the log shrank: the coordinator's newest checkpoint has "
+        f"size {before}, smaller than the checkpoint of size {log_size(network)} you verified"
+    )
+    assert kept_size(network) == log_size(network)  # the failed one is not kept
+
+
+def test_verify_fails_when_the_log_forked_before_the_kept_checkpoint(network: Network) -> None:
+    # Prepare: alice verified; round 4's reward is rewritten, and a later checkpoint signs it
+    assert network.rewards("--verify").exit_code == 0
+    size = kept_size(network)
+    rewrite_reward(network, 4, "1000.000000000")
+    pay_round_five(network)
+
+    # Execute
+    line = error_line(network.rewards("--verify"))
+
+    # Assert
+    assert line.startswith(
+        f"error: verification failed: the log forked: its tree of size {size} now has root "
+    )
+    assert f"an entry before {size} was rewritten" in line
+
+
+def test_verify_fails_when_a_rewritten_log_is_signed_again_at_the_same_size(
+    network: Network,
+) -> None:
+    # Prepare: the finding: the newest checkpoint deleted, the log rewritten, signed again
+    assert network.rewards("--verify").exit_code == 0
+    size = kept_size(network)
+    with network.co.engine.begin() as db:
+        db.exec_driver_sql("DELETE FROM checkpoints")
+    rewrite_reward(network, 4, "1000.000000000")
+    with network.session() as s:
+        ledger.checkpoint(s, signer=network.co.signer)
+
+    # Execute
+    line = error_line(network.rewards("--verify"))
+
+    # Assert
+    assert line.startswith(
+        f"error: verification failed: the log forked: its checkpoint of size {size} has "
+        f"another root than the checkpoint of size {size} you verified"
+    )
+
+
+def test_verify_fails_when_every_checkpoint_was_deleted(network: Network) -> None:
+    assert network.rewards("--verify").exit_code == 0
+    with network.co.engine.begin() as db:
+        db.exec_driver_sql("DELETE FROM checkpoints")
+    line = error_line(network.rewards("--verify"))
+    assert "the coordinator serves no checkpoint, but you verified one of size" in line
+
+
+def test_a_join_saving_its_state_keeps_the_newer_checkpoint(network: Network) -> None:
+    # Prepare: a `join` process loaded the state before `rewards --verify` kept a checkpoint
+    path = network.home / "state" / "state.json"
+    running = LocalState.load(path)
+    assert network.rewards("--verify").exit_code == 0
+
+    # Execute
+    running.save()
+
+    # Assert
+    assert kept_size(network) == log_size(network)
 
 
 # --- what a user can get wrong ------------------------------------------------------------------

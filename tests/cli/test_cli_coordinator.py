@@ -108,3 +108,54 @@ def test_ledger_verify_with_another_key_flags_checkpoints(home: Path) -> None:
 def test_ledger_verify_without_a_ledger(tiny_home: Path) -> None:
     result = gym("ledger", "verify", "-c", str(tiny_home / "coordinator.toml"))
     assert result.exit_code == 1 and result.output.startswith("error: no ledger at ")
+
+
+def test_ledger_checkpoint_json_is_a_line_verify_checks_the_log_against(
+    home: Path, tmp_path: Path
+) -> None:
+    # Prepare: the newest checkpoint kept in a file, then a newer one signed and copied
+    config = str(home / "coordinator.toml")
+    kept = tmp_path / "kept.jsonl"
+    shown = gym("ledger", "checkpoint", "-c", config, "--format", "json")
+    kept.write_text(shown.stdout)
+    toml = home / "coordinator.toml"
+    toml.write_text(f'checkpoint_copy = "{kept}"\n' + toml.read_text())  # before any [table]
+    signed = gym("ledger", "checkpoint", "-c", config, "--new")
+
+    # Execute
+    result = gym("ledger", "verify", "-c", config, "--checkpoint", str(kept))
+
+    # Assert
+    assert shown.exit_code == 0 and len(shown.stdout.splitlines()) == 1, shown.output
+    assert signed.exit_code == 0 and signed.stdout.startswith("checkpoint of size "), signed.output
+    assert len(kept.read_text().splitlines()) == 2  # --new appended to checkpoint_copy
+    assert result.exit_code == 0, result.output
+    assert "consistent with 2 checkpoint(s) kept outside the database" in result.stdout
+
+
+def test_ledger_verify_fails_on_a_kept_checkpoint_whose_row_was_deleted(
+    home: Path, tmp_path: Path
+) -> None:
+    config = str(home / "coordinator.toml")
+    kept = tmp_path / "kept.json"
+    kept.write_text(gym("ledger", "checkpoint", "-c", config, "--format", "json").stdout)
+    db = sqlite3.connect(home / "ledger.db")
+    db.execute("DELETE FROM checkpoints")
+    db.commit()
+    db.close()
+
+    result = gym("ledger", "verify", "-c", config, "--checkpoint", str(kept))
+
+    assert result.exit_code == 1 and "Traceback" not in result.output
+    assert result.output.startswith(
+        "TAMPERED: kept: no entry (checkpoint): kept checkpoint of size"
+    )
+    assert "is missing from the database: its row was deleted" in result.output
+
+
+def test_ledger_verify_with_a_malformed_checkpoint_file(home: Path, tmp_path: Path) -> None:
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("not json\n")
+    result = gym("ledger", "verify", "-c", str(home / "coordinator.toml"), "--checkpoint", str(bad))
+    assert result.exit_code == 1 and len(result.output.strip().splitlines()) == 1
+    assert result.output.startswith(f"error: {bad} line 1: ")

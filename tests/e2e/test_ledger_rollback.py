@@ -161,7 +161,7 @@ def test_a_rolled_back_ledger_is_caught_by_the_copy_and_by_a_contributor(
         forked = rewards_verify(served, alice_home)
 
     # Assert: before the attack every check passes and each checkpoint went to the copy
-    assert seen_first.exit_code == 0 and seen_second.exit_code == 0, seen_second.stderr
+    assert seen_first.exit_code == 0 and seen_second.exit_code == 0, seen_second.output
     assert "the log extends the checkpoint of size" in seen_second.stdout
     copied = [json.loads(line) for line in copy.read_text().splitlines()]
     assert [c["root"] for c in copied] == [first["root"], second["root"], third["root"]]
@@ -170,7 +170,7 @@ def test_a_rolled_back_ledger_is_caught_by_the_copy_and_by_a_contributor(
     # the database alone: the missing checkpoint is seen only until the coordinator signs again
     assert alone.exit_code == 1
     assert "round 2 ended (published) but no checkpoint covers it" in first_error(alone)
-    assert alone_resigned.exit_code == 0, alone_resigned.stderr  # the finding
+    assert alone_resigned.exit_code == 0, alone_resigned.output  # the finding
     # the copy outside the database catches it either way, naming the checkpoint
     for result in (against_copy, against_copy_resigned):
         line = first_error(result)

@@ -72,6 +72,7 @@ def populate(co: Coordinator) -> tuple[Identity, str, str]:
             reputation_after=0.5,
         )
         ledger.close_round(s, number=1, status="published", metrics={})
+        ledger.checkpoint(s, signer=co.signer)  # the round loop signs one at each round's end
         admin = ledger.create_api_key(s, name="ops", role="admin", actor="test").token
         viewer = ledger.create_api_key(s, name="dash", role="viewer", actor="test").token
     return alice, admin, viewer

@@ -42,6 +42,7 @@ def test_ban_then_unban_are_recorded_with_who_did_it(world: World) -> None:
     assert [e.detail["status"] for e in events] == ["banned", "active"]
     assert all(e.actor.startswith("apikey:ops/") for e in events)
     with world.session() as s:
+        ledger.checkpoint(s, signer=world.co.signer)  # as the round loop does at a round's end
         assert ledger.verify_ledger(s, public_key=world.co.signer.public_key).ok
 
 

@@ -99,7 +99,14 @@ def _newest(
     state never replaces a newer checkpoint `rewards --verify` stored meanwhile."""
     merged = dict(theirs)
     for key, head in ours.items():
-        other = merged.get(key)
-        if not isinstance(other, dict) or int(head.get("size", 0)) >= int(other.get("size", 0)):
+        if _size(head) >= _size(merged.get(key)):
             merged[key] = head
     return merged
+
+
+def _size(head: Any) -> int:
+    """The size of a remembered checkpoint; -1 for anything that is not one."""
+    try:
+        return int(head["size"])
+    except (KeyError, TypeError, ValueError):
+        return -1

@@ -415,20 +415,7 @@ def ledger_verify(
         report = ledger.verify_ledger(session, public_key=key, kept=kept)
         root = merkle.root(leaf_hashes(session, size=report.size)).hex()
     if format == "json":
-        typer.echo(
-            json.dumps(
-                {
-                    "ok": report.ok,
-                    "size": report.size,
-                    "checkpoints": report.checkpoints,
-                    "covered": report.covered,
-                    "kept": report.kept,
-                    "root": root,
-                    "problems": [str(p) for p in report.problems],
-                },
-                indent=2,
-            )
-        )
+        _print_report_json(report, root)
     elif report.ok:
         _print_verified(report, root)
     else:
@@ -452,6 +439,19 @@ def _verifying_key(cfg: CoordinatorConfig, public_key: str | None) -> bytes:
         return bytes.fromhex(public_key)
     except ValueError:
         _fail("--public-key must be 64 hex digits")
+
+
+def _print_report_json(report: VerifyReport, root: str) -> None:
+    body = {
+        "ok": report.ok,
+        "size": report.size,
+        "checkpoints": report.checkpoints,
+        "covered": report.covered,
+        "kept": report.kept,
+        "root": root,
+        "problems": [str(p) for p in report.problems],
+    }
+    typer.echo(json.dumps(body, indent=2))
 
 
 def _print_verified(report: VerifyReport, root: str) -> None:

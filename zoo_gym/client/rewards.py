@@ -515,9 +515,8 @@ def consistency_problem(
     RFC 9162 §2.1.4: equal sizes need equal roots; a larger tree needs a consistency proof from
     `kept.size` to `current.size` that verifies from `kept.root` to `current.root`.
     """
-    was = (
-        f"the checkpoint of size {kept.size} you verified (signed {kept.signed_at:%Y-%m-%d %H:%M})"
-    )
+    stamp = f"{kept.signed_at:%Y-%m-%d %H:%M} UTC"
+    was = f"the checkpoint of size {kept.size} you verified (signed {stamp})"
     if current.size < kept.size:
         return (
             f"the log shrank: the coordinator's newest checkpoint has size {current.size}, "

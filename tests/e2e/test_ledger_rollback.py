@@ -154,6 +154,9 @@ def test_a_rolled_back_ledger_is_caught_by_the_copy_and_by_a_contributor(
         roll_back(tiny_home, 2, "0.000000000")
         alone = ledger_verify(tiny_home)
         against_copy = ledger_verify(tiny_home, "--checkpoint", str(copy))
+        from_rest = tmp_path / "second.json"  # the REST answer, kept by hand
+        from_rest.write_text(json.dumps(second))
+        against_rest_answer = ledger_verify(tiny_home, "--checkpoint", str(from_rest))
         shrank = rewards_verify(served, alice_home)
         third = sign(served, token)
         alone_resigned = ledger_verify(tiny_home)
@@ -172,7 +175,7 @@ def test_a_rolled_back_ledger_is_caught_by_the_copy_and_by_a_contributor(
     assert "round 2 ended (published) but no checkpoint covers it" in first_error(alone)
     assert alone_resigned.exit_code == 0, alone_resigned.output  # the finding
     # the copy outside the database catches it either way, naming the checkpoint
-    for result in (against_copy, against_copy_resigned):
+    for result in (against_copy, against_rest_answer, against_copy_resigned):
         line = first_error(result)
         assert result.exit_code == 1
         assert line.startswith(

@@ -26,6 +26,7 @@ from zoo_gym.ledger import (
     append_checkpoint,
     checkpoint,
     get_consistency_proof,
+    latest_checkpoint,
     log_size,
     merkle,
     read_checkpoints,
@@ -210,6 +211,19 @@ def test_consistency_proofs_hold_until_the_rollback(
     assert not merkle.verify_consistency(
         old.size, new.size, bytes.fromhex(old.root), bytes.fromhex(new.root), after.path
     )
+
+
+def test_a_round_closed_with_a_signer_is_covered_in_the_same_transaction(
+    session: Session, populated: Populated
+) -> None:
+    repo.open_round(session, number=2, base_version="v0001", seed=8, aggregator="krum", codec="bd")
+    closed = repo.close_round(
+        session, number=2, status="rolled_back", metrics={}, signer=populated.signer
+    )
+    head = latest_checkpoint(session)
+    assert closed.status == "rolled_back" and head is not None
+    assert head.size == log_size(session)  # the close is the last entry it covers
+    assert verify_ledger(session, public_key=populated.signer.public_key).ok
 
 
 def test_a_round_aborted_by_a_restart_needs_no_checkpoint(

@@ -350,8 +350,9 @@ def run_rounds(
                 status=status,
                 new_version=published or None,
                 metrics=closing,
+                signer=co.signer,  # the checkpoint contributors verify their rewards against
             )
-            co.sign_checkpoint(session)  # contributors verify their rewards against it
+            co.copy_checkpoint(ledger.latest_checkpoint(session))
         co.metrics.observe_round(round_number, summary.seconds, status=status)
         co.control.round_finished(round_number)
         if status == "published":

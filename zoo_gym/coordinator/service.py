@@ -115,28 +115,33 @@ class Coordinator:
         self.backend.max_submissions_per_round = config.max_submissions_per_round
 
     def sign_checkpoint(self, session: Session) -> ledger.Checkpoint:
-        """Sign the ledger's current tree head and append it to `checkpoint_copy` when set.
+        """Sign the ledger's current tree head and append it to `checkpoint_copy` when set."""
+        head = ledger.checkpoint(session, signer=self.signer)
+        self.copy_checkpoint(head)
+        return head
+
+    def copy_checkpoint(self, head: ledger.Checkpoint | None) -> None:
+        """Append `head` to `checkpoint_copy`, when set.
 
         A copy that cannot be written is logged, not raised: the checkpoint is signed and stored,
         and the round goes on; the operator repairs the copy's storage.
         """
-        head = ledger.checkpoint(session, signer=self.signer)
         copy = self.config.checkpoint_copy
-        if copy is not None:
-            target = self.config.path(copy)
-            try:
-                ledger.append_checkpoint(
-                    target, ledger.SignedCheckpoint.of(head, self.signer.public_key)
-                )
-            except OSError as exc:
-                log.error(
-                    "checkpoint of size %d was not copied to %s (%s); fix checkpoint_copy's "
-                    "storage, the next checkpoint is copied again",
-                    head.size,
-                    target,
-                    exc.strerror or exc,
-                )
-        return head
+        if copy is None or head is None:
+            return
+        target = self.config.path(copy)
+        try:
+            ledger.append_checkpoint(
+                target, ledger.SignedCheckpoint.of(head, self.signer.public_key)
+            )
+        except OSError as exc:
+            log.error(
+                "checkpoint of size %d was not copied to %s (%s); fix checkpoint_copy's "
+                "storage, the next checkpoint is copied again",
+                head.size,
+                target,
+                exc.strerror or exc,
+            )
 
     def make_strategy(self, layout: Callable[[], Layout]) -> ZooStrategy:
         c = self.config

@@ -215,18 +215,27 @@ def _checked_size(session: Session, size: int) -> int:
     return current
 
 
+def sign_head(session: Session, *, signer: Identity) -> Checkpoint:
+    """Sign the tree head as the current transaction sees it and add it, without committing: the
+    checkpoint commits with whatever the transaction wrote before it (e.g. a round's close)."""
+    lock_log(session)
+    session.flush()
+    size = log_size(session)
+    root_hex = merkle.root(leaf_hashes(session, size=size)).hex()
+    signed_at = utcnow()
+    message = checkpoint_message(size=size, root=root_hex, signed_at=signed_at)
+    head = Checkpoint(
+        size=size, root=root_hex, signature=signer.sign(message).hex(), signed_at=signed_at
+    )
+    session.add(head)
+    session.flush()
+    return head
+
+
 def checkpoint(session: Session, *, signer: Identity) -> Checkpoint:
     """Sign the current tree head (size, RFC 9162 root) with `signer` and store it."""
     try:
-        lock_log(session)
-        size = log_size(session)
-        root_hex = merkle.root(leaf_hashes(session, size=size)).hex()
-        signed_at = utcnow()
-        message = checkpoint_message(size=size, root=root_hex, signed_at=signed_at)
-        head = Checkpoint(
-            size=size, root=root_hex, signature=signer.sign(message).hex(), signed_at=signed_at
-        )
-        session.add(head)
+        head = sign_head(session, signer=signer)
         session.commit()
     except BaseException:
         session.rollback()
@@ -311,8 +320,8 @@ def get_consistency_proof(session: Session, *, old_size: int, new_size: int) -> 
 # --- verification -------------------------------------------------------------------------------
 
 SCHEDULED_CLOSES = frozenset({"published", "rolled_back"})
-"""Round outcomes the round loop signs a checkpoint after (`zoo_gym.coordinator.rounds`); a round
-aborted by a restart is closed without one."""
+"""Round outcomes the round loop closes together with a signed checkpoint, in one transaction
+(`zoo_gym.coordinator.rounds`); a round aborted by a restart is closed without one."""
 
 
 @dataclass(frozen=True)
@@ -533,9 +542,9 @@ def _check_schedule(
                     "checkpoint",
                     index,
                     "round_close",
-                    f"round {number} ended ({status}) but no checkpoint covers it; the one "
-                    "signed at its end is missing (deleted?); compare the log with a checkpoint "
-                    "kept outside the database (ledger verify --checkpoint FILE)",
+                    f"round {number} ended ({status}) but no checkpoint covers it: the one "
+                    "signed with its close was deleted; compare the log with a checkpoint kept "
+                    "outside the database (ledger verify --checkpoint FILE)",
                 )
             )
             return

@@ -14,7 +14,8 @@ from typing import Any
 
 from sqlmodel import Session, col, select
 
-from zoo_gym.ledger.log import append_entry, lock_log
+from zoo_gym.core.identity import Identity
+from zoo_gym.ledger.log import append_entry, lock_log, sign_head
 from zoo_gym.ledger.models import (
     CLOSED_ROUND_STATUSES,
     CONTRIBUTOR_STATUSES,
@@ -184,8 +185,14 @@ def close_round(
     status: str,
     new_version: str | None = None,
     metrics: dict[str, Any],
+    signer: Identity | None = None,
 ) -> Round:
-    """Close a round as published, rolled_back or aborted, with its metrics."""
+    """Close a round as published, rolled_back or aborted, with its metrics.
+
+    With `signer`, the checkpoint that covers the close is signed in the same transaction: a
+    round is never closed without it (`verify_ledger` requires one after every published or
+    rolled-back round); `latest_checkpoint` returns it.
+    """
     _check(status, CLOSED_ROUND_STATUSES, "closing status")
     with _writing(session):
         round_ = _open_round_row(session, number)
@@ -200,6 +207,8 @@ def close_round(
             kind="round_close",
             changes=[(round_, ["status", "closed_at", "new_version", "metrics"])],
         )
+        if signer is not None:
+            sign_head(session, signer=signer)
     session.refresh(round_)
     return round_
 

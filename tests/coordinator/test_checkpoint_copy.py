@@ -11,6 +11,7 @@ from sqlmodel import Session, col, select
 
 from zoo_gym import ledger
 from zoo_gym.coordinator.config import CoordinatorConfig, load_config
+from zoo_gym.coordinator.control import PolicyError, merge_policy
 from zoo_gym.coordinator.service import Coordinator
 from zoo_gym.core.synthetic import make_examples, shard
 from zoo_gym.simulation.inprocess import InProcessFederation
@@ -59,3 +60,9 @@ def test_a_copy_that_cannot_be_written_is_logged_and_the_checkpoint_kept(
     assert latest is not None and latest.id == head.id
     assert f"was not copied to {missing}" in caplog.text
     assert "fix checkpoint_copy's storage" in caplog.text
+
+
+def test_an_api_key_cannot_redirect_the_copy(tiny_home: Path, tmp_path: Path) -> None:
+    config = load_config(tiny_home / "coordinator.toml")
+    with pytest.raises(PolicyError, match="checkpoint_copy is not a policy setting"):
+        merge_policy(config, {"checkpoint_copy": str(tmp_path / "elsewhere.jsonl")})

@@ -42,6 +42,7 @@ NOT_POLICY: frozenset[str] = frozenset(
         "base_model",
         "validation_data",
         "signing_key",
+        "checkpoint_copy",
         "tls_cert",
         "tls_key",
         "seed",
@@ -49,7 +50,8 @@ NOT_POLICY: frozenset[str] = frozenset(
     }
 )
 """Top-level settings that are not policy: addresses, files, keys, the database, the run's seed
-and length. They change only by editing coordinator.toml and restarting."""
+and length. They change only by editing coordinator.toml and restarting (an API key must not be
+able to redirect or switch off `checkpoint_copy`, the record kept against the database)."""
 
 
 class PolicyError(ValueError):

@@ -338,5 +338,5 @@ class Coordinator:
         with Session(self.engine) as session:
             stats = ledger.ledger_stats(session)
             if stats.entries > stats.checkpoint_size:
-                head = ledger.checkpoint(session, signer=self.signer)
+                head = self.sign_checkpoint(session)  # to checkpoint_copy too
                 log.info("signed checkpoint at log size %d", head.size)

@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
-from conftest import entry_index
 from sqlalchemy import text
 from sqlmodel import Session
 
@@ -27,6 +26,7 @@ from zoo_gym.ledger import (
     checkpoint,
     get_consistency_proof,
     latest_checkpoint,
+    list_entries,
     log_size,
     merkle,
     read_checkpoints,
@@ -74,8 +74,17 @@ def two_rounds(session: Session, populated: Populated) -> TwoRounds:
         SignedCheckpoint.of(first, signer.public_key),
         SignedCheckpoint.of(second, signer.public_key),
         second.id,
-        entry_index(session, kind="reward", table="rewards", key=reward.id),
+        reward_entry(session, reward.id),
     )
+
+
+def reward_entry(session: Session, reward_id: object) -> int:
+    """Index of the log entry that recorded reward `reward_id`."""
+    for entry in list_entries(session, limit=1000):
+        rows = json.loads(bytes(entry.record))["rows"]
+        if any(r["table"] == "rewards" and r["key"] == reward_id for r in rows):
+            return entry.index
+    raise LookupError(f"no entry for reward {reward_id!r}")
 
 
 def sql(session: Session, statement: str, **params: object) -> None:

@@ -193,10 +193,12 @@ def _forged_auth(contributor_id: str, method: str, digest: str):  # type: ignore
 
     ts = int(time.time() * 1000)
     other = Identity.generate()
+    nonce = os.urandom(16)
     return pb.Auth(
         contributor_id=contributor_id,
         timestamp_ms=ts,
-        signature=other.sign(request_statement(method, contributor_id, ts, digest)),
+        nonce=nonce,
+        signature=other.sign(request_statement(method, contributor_id, ts, nonce, digest)),
     )
 
 

@@ -13,6 +13,7 @@ a message of more than one line stops the run with the input that caused it.
 
 from __future__ import annotations
 
+import os
 import sys
 import tempfile
 import time
@@ -45,10 +46,12 @@ def main() -> None:
     def signed(method: str, digest: str) -> pb.Auth:
         ts = int(time.time() * 1000)
         cid = me.contributor_id
+        nonce = os.urandom(16)
         return pb.Auth(
             contributor_id=cid,
             timestamp_ms=ts,
-            signature=me.sign(request_statement(method, cid, ts, digest)),
+            nonce=nonce,
+            signature=me.sign(request_statement(method, cid, ts, nonce, digest)),
         )
 
     def one_input(data: bytes) -> None:

@@ -76,6 +76,12 @@ def join(
     ca_cert: Annotated[
         Path | None, typer.Option(help="CA certificate for a TLS coordinator")
     ] = None,
+    invite: Annotated[
+        str | None,
+        typer.Option(
+            metavar="CODE", help="invitation code from the operator, sent when registering"
+        ),
+    ] = None,
     max_rounds: Annotated[
         int | None, typer.Option(help="leave after this many submissions")
     ] = None,
@@ -120,6 +126,7 @@ def join(
         "coordinator": coordinator,
         "data": data and data.resolve(),
         "ca_cert": ca_cert and ca_cert.resolve(),
+        "invite": invite,
         "method": method,
         "max_rounds": max_rounds,
         "device": device,

@@ -25,6 +25,11 @@ class ClientConfig(HomeConfig):
         "",
         description="the coordinator's REST address, e.g. http://HOST:8080 (`gym-client rewards`)",
     )
+    invite: str = Field(
+        "",
+        description="the invitation code the operator gave you, sent when registering "
+        "(needed where the coordinator admits by invitation)",
+    )
     data: Path | None = None
     ca_cert: Path | None = Field(
         None, description="CA certificate of the coordinator's TLS; unset: the system's trusted CAs"

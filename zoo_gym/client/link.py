@@ -41,9 +41,11 @@ class Link:
         reconnect_for_s: float,
         stop: threading.Event | None = None,
         say: Callable[[str], None] = print,
+        invite: str = "",
     ) -> None:
         self.client = client
         self.name = name
+        self.invite = invite  # the operator's invitation code, sent with every registration
         self.reconnect_for_s = reconnect_for_s
         self.stop = stop or threading.Event()
         self.say = say
@@ -51,7 +53,7 @@ class Link:
 
     def register(self) -> Registration:
         """First contact. Not retried: a wrong address must fail at once, not hang."""
-        self.registration = self.client.register(self.name)
+        self.registration = self.client.register(self.name, self.invite)
         return self.registration
 
     def call(self, fn: Callable[[], T]) -> T | None:
@@ -114,7 +116,7 @@ class Link:
             if self.stop.wait(min(delay * random.uniform(1 - JITTER, 1 + JITTER), remaining)):
                 return False
             try:
-                registration = self.client.register(self.name)
+                registration = self.client.register(self.name, self.invite)
             except TransportError as exc:
                 if not exc.transient:
                     raise

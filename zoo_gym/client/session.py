@@ -58,7 +58,14 @@ def join(
         plaintext=True if config.plaintext else None,
         clock=(lambda: time.time() + offset) if offset else time.time,
     )
-    link = Link(client, config.name, reconnect_for_s=config.reconnect_for_s, stop=stop, say=say)
+    link = Link(
+        client,
+        config.name,
+        reconnect_for_s=config.reconnect_for_s,
+        stop=stop,
+        say=say,
+        invite=config.invite,
+    )
     try:
         reg = link.register()
         home = config.home

@@ -26,10 +26,12 @@ from zoo_gym import ledger
 from zoo_gym.compression import EnvelopeError, NonFiniteUpdate, envelope_norm, inspect_envelope
 from zoo_gym.coordinator.metrics import CoordinatorMetrics
 from zoo_gym.coordinator.registry import ModelRegistry
+from zoo_gym.coordinator.replay import NonceCache
 from zoo_gym.core.delta import Layout
 from zoo_gym.core.hashing import sha256_bytes
 from zoo_gym.core.identity import CONTRIBUTOR_ID, Identity, contributor_id, node_id, verify
 from zoo_gym.core.protocol import (
+    CALL_NONCE_BYTES,
     SUBMISSION,
     TRAIN_METRICS,
     Outcome,
@@ -93,6 +95,7 @@ class CoordinatorBackend:
         metrics: CoordinatorMetrics | None = None,
         max_submissions_per_round: int = 3,
         admission: AdmissionPolicy | None = None,
+        nonces: NonceCache | None = None,
     ) -> None:
         self.engine = engine
         self.metrics = metrics
@@ -101,6 +104,8 @@ class CoordinatorBackend:
         self.payload_dir = payload_dir
         self.max_upload_bytes = max_upload_bytes
         self.clock_skew_s = clock_skew_s
+        # single use of each signed call; remembered as long as its timestamp passes _check_clock
+        self.nonces = nonces or NonceCache(clock_skew_s)
         self.max_submissions_per_round = max_submissions_per_round
         self.admission = AdmissionPolicy() if admission is None else admission
         if require_approval:
@@ -253,17 +258,41 @@ class CoordinatorBackend:
             return key, row.status, row.status_reason or ""
 
     def authenticate(
-        self, *, method: str, contributor_id: str, timestamp_ms: int, digest: str, signature: bytes
+        self,
+        *,
+        method: str,
+        contributor_id: str,
+        timestamp_ms: int,
+        nonce: bytes,
+        digest: str,
+        signature: bytes,
     ) -> int:
+        if not nonce:
+            raise RequestError(
+                "UNAUTHENTICATED",
+                "this client does not send per-call nonces; upgrade zoo-gym",
+            )
+        if len(nonce) != CALL_NONCE_BYTES:
+            raise RequestError(
+                "UNAUTHENTICATED",
+                f"a call's nonce must be {CALL_NONCE_BYTES} random bytes, not {len(nonce)}; "
+                "upgrade zoo-gym",
+            )
         key, status, reason = self._contributor(contributor_id)
-        if not verify(
-            key, signature, request_statement(method, contributor_id, timestamp_ms, digest)
-        ):
+        statement = request_statement(method, contributor_id, timestamp_ms, nonce, digest)
+        if not verify(key, signature, statement):
             raise RequestError(
                 "UNAUTHENTICATED",
                 "request signature does not match your registered key; use the key you registered with",
             )
         self._check_clock(timestamp_ms)
+        # only a verified call is remembered, so strangers cannot fill the cache
+        if not self.nonces.admit(contributor_id, nonce, timestamp_ms):
+            raise RequestError(
+                "UNAUTHENTICATED",
+                "replayed request: this call's nonce was used before (or the call is older than "
+                "replays can still be told apart); make it again with a fresh nonce and timestamp",
+            )
         if status == "banned":
             raise RequestError(
                 "PERMISSION_DENIED",

@@ -28,9 +28,21 @@ def register_statement(public_key: bytes, name: str, timestamp_ms: int) -> bytes
     return f"{PREFIX}|register|{public_key.hex()}|{name}|{timestamp_ms}".encode()
 
 
-def request_statement(method: str, contributor_id: str, timestamp_ms: int, digest: str) -> bytes:
-    """Bytes a contributor signs to authenticate one call (`digest` names its arguments)."""
-    return f"{PREFIX}|{method}|{contributor_id}|{timestamp_ms}|{digest}".encode()
+REQUEST_PREFIX = "zoo-gym/request/v2"
+CALL_NONCE_BYTES = 16
+
+
+def request_statement(
+    method: str, contributor_id: str, timestamp_ms: int, nonce: bytes, digest: str
+) -> bytes:
+    """Bytes a contributor signs to authenticate one call (`digest` names its arguments).
+
+    `nonce` is CALL_NONCE_BYTES random bytes, fresh for every call: the coordinator accepts
+    each (contributor, nonce) once, so a captured call cannot be sent again. Version 2 of the
+    statement (version 1 had no nonce) has its own prefix, so no signature of one version is
+    valid for the other.
+    """
+    return f"{REQUEST_PREFIX}|{method}|{contributor_id}|{timestamp_ms}|{nonce.hex()}|{digest}".encode()
 
 
 REST_AUTH_PREFIX = "zoo-gym/rest-auth/v1"

@@ -32,9 +32,19 @@ class FederationBackend(Protocol):
         caller's network address (None for a caller in this process). Raises RequestError."""
 
     def authenticate(
-        self, *, method: str, contributor_id: str, timestamp_ms: int, digest: str, signature: bytes
+        self,
+        *,
+        method: str,
+        contributor_id: str,
+        timestamp_ms: int,
+        nonce: bytes,
+        digest: str,
+        signature: bytes,
     ) -> int:
-        """Check a signed call; return the caller's node id. Raises RequestError."""
+        """Check a signed call and spend its nonce; return the caller's node id.
+
+        Raises RequestError, also for a call without a nonce and for a nonce already spent.
+        """
 
     def current_version(self) -> str: ...
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import ipaddress
+import secrets
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -21,6 +22,7 @@ from zoo_gym.core.hashing import sha256_file
 from zoo_gym.core.identity import Identity, verify
 from zoo_gym.core.manifest import MANIFEST, SIGNATURE, FileEntry, ModelManifest
 from zoo_gym.core.protocol import (
+    CALL_NONCE_BYTES,
     PROTOCOL_VERSION,
     Outcome,
     Registration,
@@ -148,15 +150,19 @@ class FederationClient:
         return int(self.clock() * 1000)
 
     def _auth(self, method: str, digest: str) -> pb.Auth:
+        """Sign one call; its fresh random nonce makes the signature good for this call only."""
         ts = self._now_ms()
         cid = self.identity.contributor_id
+        nonce = secrets.token_bytes(CALL_NONCE_BYTES)
         return pb.Auth(
             contributor_id=cid,
             timestamp_ms=ts,
-            signature=self.identity.sign(request_statement(method, cid, ts, digest)),
+            nonce=nonce,
+            signature=self.identity.sign(request_statement(method, cid, ts, nonce, digest)),
         )
 
-    def register(self, name: str) -> Registration:
+    def register(self, name: str, invite: str = "") -> Registration:
+        """Register this key; `invite` is the operator's invitation code where one is needed."""
         ts = self._now_ms()
         key = self.identity.public_key
         request = pb.RegisterRequest(
@@ -165,6 +171,7 @@ class FederationClient:
             name=name,
             timestamp_ms=ts,
             signature=self.identity.sign(register_statement(key, name, ts)),
+            invite=invite,
         )
         try:
             reply = self.stub.Register(request, timeout=self.timeout_s, wait_for_ready=False)

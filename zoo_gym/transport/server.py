@@ -73,6 +73,7 @@ class FederationServicer(pb_grpc.FederationServicer):
                 method=method,
                 contributor_id=auth.contributor_id,
                 timestamp_ms=auth.timestamp_ms,
+                nonce=auth.nonce,
                 digest=digest,
                 signature=auth.signature,
             )

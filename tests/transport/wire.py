@@ -103,7 +103,8 @@ class Wire:
         self.co.engine.dispose()
 
 
-def build_wire(home: Path, *, limits: RateLimits = UNLIMITED, settings: str = "") -> Wire:
+def build_wire(home: Path, *, limits: RateLimits | None = UNLIMITED, settings: str = "") -> Wire:
+    """A wire on `home`; `limits=None` serves with start_server's own default limits."""
     TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = (
         1,
         0,
@@ -114,8 +115,9 @@ def build_wire(home: Path, *, limits: RateLimits = UNLIMITED, settings: str = ""
         config.write_text(config.read_text().replace("[training]", f"{settings}\n\n[training]", 1))
     co = Coordinator(load_config(config))
     mailbox = Mailbox()
+    limited = {} if limits is None else {"limits": limits}
     server = start_server(
-        co.backend, mailbox, address="127.0.0.1:0", spool=home / "spool", limits=limits
+        co.backend, mailbox, address="127.0.0.1:0", spool=home / "spool", **limited
     )
     state = co.registry.load_state_dict(co.registry.latest().version)
     layout = update_layout(state, lora_spec(co))  # type: ignore[arg-type]

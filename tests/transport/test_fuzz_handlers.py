@@ -6,6 +6,9 @@ server must still be serving, and every failure must be a gRPC status other than
 is what an unhandled exception becomes) with a one-line message. Uploads claiming huge sizes must
 be refused without the server holding them.
 
+The server runs with start_server's default limits. A call refused for its rate is made again
+after the wait the refusal names, signed anew (a signed call is good once), as a client would.
+
 `ZOO_FUZZ_EXAMPLES` sets the examples per strategy (default 40): for a longer run,
 `ZOO_FUZZ_EXAMPLES=500 .venv/bin/pytest tests/transport/test_fuzz_handlers.py -s`.
 The envelope decoder is fuzzed where it lives (tests/compression).
@@ -15,11 +18,12 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import resource
 import shutil
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import grpc
@@ -44,6 +48,9 @@ FUZZ = settings(
 METHODS = ("Register", "PollTask", "GetManifest", "DownloadFile", "SubmitUpdate", "GetOutcome")
 CASES: Counter[str] = Counter()
 PROBE = Identity.generate()  # registered when the wire starts: a known key answers at any rate
+PACED: Counter[str] = Counter()
+RETRY_IN = re.compile(r"retry in ([0-9.]+) s")
+MAX_PACED = 30
 
 u32 = st.integers(0, 2**32 - 1)
 u64 = st.integers(0, 2**64 - 1)
@@ -56,13 +63,14 @@ blob = st.binary(max_size=96)
 def wire(tiny_home_template: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Wire]:
     home = tmp_path_factory.mktemp("fuzz") / "coordinator"
     shutil.copytree(tiny_home_template, home)
-    built = build_wire(home, settings="max_upload_bytes = 65536")
+    built = build_wire(home, limits=None, settings="max_upload_bytes = 65536")
     probe = FederationClient(built.address, PROBE, timeout_s=5)
     probe.register("probe")  # known before the fuzzing spends the address's new-key allowance
     probe.close()
     yield built
     built.close()
     print("\nfuzz cases per RPC:", dict(CASES), "total", sum(CASES.values()))
+    print("calls made again after a rate-limit refusal:", dict(PACED))
 
 
 @pytest.fixture(scope="module")
@@ -80,31 +88,58 @@ def parties(wire: Wire) -> dict[str, tuple[Identity, FederationClient, ReceivedT
 
 
 def auth(identity: Identity, method: str, digest: str, *, skew_ms: int = 0) -> pb.Auth:
+    """A correctly signed Auth, with a fresh nonce (each call needs its own)."""
     ts = int(time.time() * 1000) + skew_ms
     cid = identity.contributor_id
+    nonce = os.urandom(16)
     return pb.Auth(
         contributor_id=cid,
         timestamp_ms=ts,
-        signature=identity.sign(request_statement(method, cid, ts, digest)),
+        nonce=nonce,
+        signature=identity.sign(request_statement(method, cid, ts, nonce, digest)),
     )
 
 
-fuzzed_auth = st.builds(pb.Auth, contributor_id=text, timestamp_ms=i64, signature=blob)
+def auth_of(
+    signed: bool, raw: pb.Auth, identity: Identity, method: str, digest: str, skew_ms: int = 0
+) -> Callable[[], pb.Auth]:
+    """What each attempt of a call sends: a fresh signature, or the fuzzed Auth as drawn."""
+    if signed:
+        return lambda: auth(identity, method, digest, skew_ms=skew_ms)
+    return lambda: raw
 
 
-def expect_clean(call: object, wire: Wire, method: str) -> object:
+fuzzed_auth = st.builds(pb.Auth, contributor_id=text, timestamp_ms=i64, signature=blob, nonce=blob)
+
+
+def paced(call: Callable[[], object], method: str) -> tuple[object, grpc.RpcError | None]:
+    """`call()`'s reply or error. A refusal for the caller's request rate is not the handler's
+    answer: the call is made again after the wait it names (`call` builds its request anew, so
+    it is signed anew)."""
+    for _ in range(MAX_PACED):
+        try:
+            return call(), None
+        except grpc.RpcError as err:
+            wait = RETRY_IN.search(err.details() or "")
+            if err.code() != grpc.StatusCode.RESOURCE_EXHAUSTED or wait is None:
+                return None, err
+            PACED[method] += 1
+            time.sleep(min(float(wait.group(1)), 5.0) + 0.05)
+    raise AssertionError(f"{method}: still refused for its rate after {MAX_PACED} waits")
+
+
+def expect_clean(call: Callable[[], object], wire: Wire, method: str) -> object:
     """Run `call`; a failure must be a clear status. Counts the case."""
     CASES[method] += 1
-    try:
-        return call()  # type: ignore[operator]
-    except grpc.RpcError as err:
+    reply, err = paced(call, method)
+    if err is not None:
         code, details = err.code(), err.details() or ""
         assert code != grpc.StatusCode.UNKNOWN, f"{method}: unhandled exception: {details}"
         assert details.strip() and "\n" not in details, (
             f"{method}: {code} with unclear message {details!r}"
         )
         assert "Traceback" not in details and "Exception calling application" not in details
-        return None
+    return reply
 
 
 def still_serving(wire: Wire) -> None:
@@ -166,9 +201,9 @@ def test_poll(
     wire: Wire, parties: dict, raw_auth: pb.Auth, signed: bool, wait: float, skew: int
 ) -> None:  # type: ignore[type-arg]
     me, client, _ = parties["poller"]
-    a = auth(me, "poll", "", skew_ms=skew) if signed else raw_auth
+    a = auth_of(signed, raw_auth, me, "poll", "", skew)
     reply = expect_clean(
-        lambda: client.stub.PollTask(pb.PollRequest(auth=a, wait_s=wait), timeout=35),
+        lambda: client.stub.PollTask(pb.PollRequest(auth=a(), wait_s=wait), timeout=35),
         wire,
         "PollTask",
     )
@@ -184,9 +219,9 @@ def test_poll(
 )
 def test_manifest(wire: Wire, parties: dict, version: str, signed: bool, raw_auth: pb.Auth) -> None:  # type: ignore[type-arg]
     me, client, _ = parties["poller"]
-    a = auth(me, "manifest", version) if signed else raw_auth
+    a = auth_of(signed, raw_auth, me, "manifest", version)
     reply = expect_clean(
-        lambda: client.stub.GetManifest(pb.ManifestRequest(auth=a, version=version), timeout=10),
+        lambda: client.stub.GetManifest(pb.ManifestRequest(auth=a(), version=version), timeout=10),
         wire,
         "GetManifest",
     )
@@ -224,11 +259,13 @@ def test_download(
     raw_auth: pb.Auth,
 ) -> None:
     me, client, _ = parties["poller"]
-    a = auth(me, "download", f"{version}/{file}") if signed else raw_auth
-    request = pb.DownloadRequest(auth=a, version=version, file=file, offset=offset)
-    chunks = expect_clean(
-        lambda: list(client.stub.DownloadFile(request, timeout=10)), wire, "DownloadFile"
-    )
+    a = auth_of(signed, raw_auth, me, "download", f"{version}/{file}")
+
+    def download() -> list[pb.FileChunk]:
+        request = pb.DownloadRequest(auth=a(), version=version, file=file, offset=offset)
+        return list(client.stub.DownloadFile(request, timeout=10))
+
+    chunks = expect_clean(download, wire, "DownloadFile")
     if chunks:
         assert (
             "key" not in file and ".." not in file
@@ -270,20 +307,20 @@ def test_submit(
     sha = hashlib.sha256(payload).hexdigest() if right_sha else hashlib.sha256(nonce).hexdigest()
     if right_sha:
         size = len(payload)
-    header = pb.SubmissionHeader(
-        auth=auth(me, "submit", f"{message_id}|{sha}"),
-        message_id=message_id,
-        round=rnd,
-        base_version=base,
-        nonce=nonce,
-        payload_sha256=sha,
-        payload_size=size,
-        signature=signature,
-        flower_reply=flower_reply,
-    )
 
     def stream() -> Iterator[pb.UpdateChunk]:
         if lead == "header":
+            header = pb.SubmissionHeader(
+                auth=auth(me, "submit", f"{message_id}|{sha}"),
+                message_id=message_id,
+                round=rnd,
+                base_version=base,
+                nonce=nonce,
+                payload_sha256=sha,
+                payload_size=size,
+                signature=signature,
+                flower_reply=flower_reply,
+            )
             yield pb.UpdateChunk(header=header)
         elif lead == "data":
             yield pb.UpdateChunk(data=b"no header first")
@@ -303,9 +340,9 @@ def test_submit(
 @given(rnd=u32, signed=st.booleans(), raw_auth=fuzzed_auth)
 def test_outcome(wire: Wire, parties: dict, rnd: int, signed: bool, raw_auth: pb.Auth) -> None:  # type: ignore[type-arg]
     me, client, _ = parties["poller"]
-    a = auth(me, "outcome", str(rnd)) if signed else raw_auth
+    a = auth_of(signed, raw_auth, me, "outcome", str(rnd))
     reply = expect_clean(
-        lambda: client.stub.GetOutcome(pb.OutcomeRequest(auth=a, round=rnd), timeout=10),
+        lambda: client.stub.GetOutcome(pb.OutcomeRequest(auth=a(), round=rnd), timeout=10),
         wire,
         "GetOutcome",
     )
@@ -349,36 +386,33 @@ def test_huge_claims_are_refused_without_holding_the_upload(wire: Wire, parties:
         )
 
     # a header claiming 2^64 - 1 bytes is refused before any payload is read
-    with pytest.raises(grpc.RpcError) as huge:
-        client.stub.SubmitUpdate(iter([header(2**64 - 1)]), timeout=10)
+    _, huge = paced(lambda: client.stub.SubmitUpdate(iter([header(2**64 - 1)]), timeout=10), "huge")
     # a stream running past its declared size is cut at the first chunk beyond it
     sent = [0]
 
     def flood() -> Iterator[pb.UpdateChunk]:
+        sent[0] = 0
         yield header(1000)
         for _ in range(200):  # up to 200 MiB if the server kept reading
             sent[0] += 1
             yield pb.UpdateChunk(data=b"\0" * (1 << 20))
 
-    with pytest.raises(grpc.RpcError) as long:
-        client.stub.SubmitUpdate(flood(), timeout=30)
+    _, long = paced(lambda: client.stub.SubmitUpdate(flood(), timeout=30), "long")
     # one message bigger than the transport allows
-    with pytest.raises(grpc.RpcError) as big:
-        client.stub.SubmitUpdate(
+    _, big = paced(
+        lambda: client.stub.SubmitUpdate(
             iter([header(1000), pb.UpdateChunk(data=b"\0" * (8 << 20))]), timeout=10
-        )
+        ),
+        "big",
+    )
     grown_mib = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024
 
-    assert (
-        huge.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-        and "exceeds the 65536-byte limit" in huge.value.details()
-    )
-    assert (
-        long.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-        and "longer than its declared 1000 bytes" in long.value.details()
-    )
+    assert huge is not None and huge.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "exceeds the 65536-byte limit" in huge.details()
+    assert long is not None and long.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "longer than its declared 1000 bytes" in long.details()
     assert sent[0] < 40  # the server stopped reading long before the flood ended
-    assert big.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert big is not None and big.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert grown_mib < 64, f"peak memory grew by {grown_mib:.0f} MiB"
     spool = wire.co.config.path("spool")
     for _ in range(50):  # the handler threads finish after their callers saw the status

@@ -136,8 +136,13 @@ def test_a_call_without_a_nonce_is_refused_with_the_upgrade_line(wire: Wire) -> 
     with pytest.raises(grpc.RpcError) as refused:
         client.stub.GetOutcome(pb.OutcomeRequest(auth=old, round=1), timeout=10)
 
+    short = raw_auth(me, "outcome", "1", b"1234")
+    with pytest.raises(grpc.RpcError) as too_short:
+        client.stub.GetOutcome(pb.OutcomeRequest(auth=short, round=1), timeout=10)
+
     assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
     assert refused.value.details() == UPGRADE
+    assert "nonce must be 16 random bytes, not 4" in too_short.value.details()
     assert client.outcome(1).decision == "none"
 
 

@@ -267,6 +267,7 @@ class CoordinatorBackend:
         digest: str,
         signature: bytes,
     ) -> int:
+        """Check a signed call, cheapest first, and spend its nonce once the signature verified."""
         if not nonce:
             raise RequestError(
                 "UNAUTHENTICATED",
@@ -276,7 +277,7 @@ class CoordinatorBackend:
             raise RequestError(
                 "UNAUTHENTICATED",
                 f"a call's nonce must be {CALL_NONCE_BYTES} random bytes, not {len(nonce)}; "
-                "upgrade zoo-gym",
+                "send a fresh one with every call",
             )
         key, status, reason = self._contributor(contributor_id)
         statement = request_statement(method, contributor_id, timestamp_ms, nonce, digest)

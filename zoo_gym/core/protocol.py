@@ -42,7 +42,9 @@ def request_statement(
     statement (version 1 had no nonce) has its own prefix, so no signature of one version is
     valid for the other.
     """
-    return f"{REQUEST_PREFIX}|{method}|{contributor_id}|{timestamp_ms}|{nonce.hex()}|{digest}".encode()
+    return (
+        f"{REQUEST_PREFIX}|{method}|{contributor_id}|{timestamp_ms}|{nonce.hex()}|{digest}".encode()
+    )
 
 
 REST_AUTH_PREFIX = "zoo-gym/rest-auth/v1"

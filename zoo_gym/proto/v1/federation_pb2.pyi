@@ -26,8 +26,9 @@ DESCRIPTOR: google.protobuf.descriptor.FileDescriptor
 
 @typing.final
 class Auth(google.protobuf.message.Message):
-    """Proof that the caller holds the contributor key. `signature` covers
-    "zoo-gym/v1|<method>|<contributor_id>|<timestamp_ms>|<request digest>".
+    """Proof that the caller holds the contributor key, good for one call. `signature` covers
+    "zoo-gym/request/v2|<method>|<contributor_id>|<timestamp_ms>|<hex nonce>|<request digest>";
+    the coordinator serves each (contributor_id, nonce) once, and refuses a call without a nonce.
     """
 
     DESCRIPTOR: google.protobuf.descriptor.Descriptor

@@ -5,12 +5,17 @@ poll (they sit behind NAT, so the coordinator never dials out). A task stays
 assigned to its node until a reply arrives or the Grid withdraws it, so a
 contributor that restarts mid-round is handed the same task again. `close` wakes every waiter
 for good when the coordinator stops.
+
+`take` blocks its thread while it waits. A server that must not hold a thread per long poll
+registers a `watch` callback instead: it is told the node id of every task put (and None once
+the mailbox is closed), and takes the task with `take(node_id, 0)`.
 """
 
 from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from flwr.app import Message
@@ -32,6 +37,18 @@ class Mailbox:
         self._last_seen: dict[int, float] = {}
         self._closed = False
         self.online_window_s = online_window_s
+        self._watchers: list[Callable[[int | None], None]] = []
+
+    def watch(self, callback: Callable[[int | None], None]) -> None:
+        """Call `callback(node_id)` (from the putting thread) after every `put`, and
+        `callback(None)` on `close`."""
+        with self._cond:
+            self._watchers.append(callback)
+
+    def unwatch(self, callback: Callable[[int | None], None]) -> None:
+        with self._cond:
+            if callback in self._watchers:
+                self._watchers.remove(callback)
 
     def close(self) -> None:
         """Stop waiting, for good: `take` hands out nothing more and `wait_replies` returns at
@@ -39,11 +56,17 @@ class Mailbox:
         with self._cond:
             self._closed = True
             self._cond.notify_all()
+            watchers = list(self._watchers)
+        for callback in watchers:
+            callback(None)
 
     def put(self, node_id: int, task: PendingTask) -> None:
         with self._cond:
             self._pending.setdefault(node_id, {})[task.message.metadata.message_id] = task
             self._cond.notify_all()
+            watchers = list(self._watchers)
+        for callback in watchers:
+            callback(node_id)
 
     def take(self, node_id: int, wait_s: float) -> PendingTask | None:
         """The oldest task assigned to `node_id`, waiting up to `wait_s` for one."""

@@ -4,40 +4,65 @@ Every handler turns protobuf into domain values, asks the backend, and turns
 the answer back; a `RequestError` becomes a gRPC status with its one-line
 message. Uploads are spooled to disk while hashed, never held whole in memory,
 and refused as soon as they exceed their declared or the configured size.
+
+The server runs on `grpc.aio` in an event loop of its own thread, so a call that waits (a long
+poll, an upload between chunks, a call whose request has not come) holds no thread. Blocking
+work runs on a bounded pool shared fairly between addresses and contributors (`WorkerShares`).
+Every call is admitted by the `CallGate` before anything is read, and must send its first
+message within `first_message_timeout_s`; every method is registered as a client-streaming one
+(the same bytes on the wire as a unary request) so that wait can be bounded.
 """
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import hashlib
 import logging
+import os
 import tempfile
-from collections.abc import Callable, Iterator
-from concurrent import futures
-from dataclasses import dataclass
+import threading
+from collections.abc import AsyncIterator, Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import asynccontextmanager, suppress
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, NoReturn, TypeAlias, TypeVar
 
 import grpc
+import grpc.aio
 from flwr.app import Message
 from flwr.common.serde import message_from_proto, message_to_proto
 from flwr.proto.message_pb2 import Message as FlowerMessageProto  # type: ignore[attr-defined,unused-ignore]
 
 from zoo_gym.core.protocol import RequestError, Submission
 from zoo_gym.proto.v1 import federation_pb2 as pb
-from zoo_gym.proto.v1 import federation_pb2_grpc as pb_grpc
 from zoo_gym.transport.backend import FederationBackend
-from zoo_gym.transport.limits import RateLimitInterceptor, RateLimits, TokenBuckets, peer_host
-from zoo_gym.transport.mailbox import Mailbox
+from zoo_gym.transport.limits import (
+    Admission,
+    CallGate,
+    RateLimits,
+    Refused,
+    WorkerShares,
+    peer_host,
+    peer_key,
+)
+from zoo_gym.transport.mailbox import Mailbox, PendingTask
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
+SERVICE = "zoo_gym.v1.Federation"
 CHUNK_BYTES = 1 << 20
 MAX_POLL_WAIT_S = 30.0
 MAX_HEADER_BYTES = 1 << 20
+MAX_STREAMS_PER_CONNECTION = 100
 
 
-def _abort(context: grpc.ServicerContext, error: RequestError) -> None:
+async def _abort(context: grpc.aio.ServicerContext[Any, Any], error: RequestError) -> NoReturn:
     code = getattr(grpc.StatusCode, error.code, grpc.StatusCode.INVALID_ARGUMENT)
-    context.abort(code, error.message)
+    await context.abort(code, error.message)
+    raise AssertionError("unreachable")  # abort raises
 
 
 def serialize_message(message: Message) -> bytes:
@@ -50,66 +75,157 @@ def parse_message(data: bytes) -> Message:
     return message_from_proto(proto)
 
 
-class FederationServicer(pb_grpc.FederationServicer):
+Context: TypeAlias = "grpc.aio.ServicerContext[Any, Any]"
+
+
+@dataclass(eq=False)
+class _Poll:
+    """A contributor's open long poll: woken when a task is put for it, or when replaced."""
+
+    call: Admission
+    wake: asyncio.Event = field(default_factory=asyncio.Event)
+    replaced: bool = False
+
+
+class FederationServicer:
     def __init__(
         self,
         backend: FederationBackend,
         mailbox: Mailbox,
         spool: Path,
         limits: RateLimits | None = None,
+        *,
+        executor: ThreadPoolExecutor,
     ) -> None:
         self.backend = backend
         self.mailbox = mailbox
         self.spool = spool
         self.limits = limits or RateLimits()
-        self.per_contributor = TokenBuckets(
-            self.limits.contributor_rate_per_s, self.limits.contributor_burst
+        self.gate = CallGate(self.limits)
+        self.shares = WorkerShares(
+            executor,
+            workers=self.limits.workers,
+            per_peer=self.limits.workers_per_peer,
+            per_contributor=self.limits.workers_per_contributor,
         )
+        self.polls: dict[int, _Poll] = {}
+        self.closed = False  # the mailbox closed: long polls answer idle at once
         spool.mkdir(parents=True, exist_ok=True)
 
-    def _auth(self, auth: pb.Auth, method: str, digest: str, context: grpc.ServicerContext) -> int:
+    # -- admission ------------------------------------------------------------
+    @asynccontextmanager
+    async def _admitted(self, context: Context) -> AsyncIterator[Admission]:
+        """The call counted by the gate for as long as it runs; refused when over a limit."""
         try:
-            node = self.backend.authenticate(
-                method=method,
-                contributor_id=auth.contributor_id,
-                timestamp_ms=auth.timestamp_ms,
-                nonce=auth.nonce,
-                digest=digest,
-                signature=auth.signature,
+            call = self.gate.admit(peer_key(context.peer()))
+        except Refused as exc:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+        try:
+            yield call
+        finally:
+            self.gate.close(call)
+
+    async def _first(self, context: Context) -> Any:
+        """The call's first message, which must come within `first_message_timeout_s`."""
+        timeout = self.limits.first_message_timeout_s
+        try:
+            message = await asyncio.wait_for(context.read(), timeout)
+        except TimeoutError:
+            await context.abort(
+                grpc.StatusCode.DEADLINE_EXCEEDED,
+                f"no request arrived within {timeout:g} s of opening the call; send it at once",
+            )
+        if message is grpc.aio.EOF:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, "the call ended before its request was sent"
+            )
+        return message
+
+    async def _blocking(self, call: Admission, work: Callable[[], T]) -> T:
+        return await self.shares.run(call, work)
+
+    async def _auth(
+        self,
+        call: Admission,
+        auth: pb.Auth,
+        method: str,
+        digest: str,
+        context: Context,
+        *,
+        before_counting: Callable[[int], None] | None = None,
+    ) -> int:
+        try:
+            node = await self._blocking(
+                call,
+                lambda: self.backend.authenticate(
+                    method=method,
+                    contributor_id=auth.contributor_id,
+                    timestamp_ms=auth.timestamp_ms,
+                    nonce=auth.nonce,
+                    digest=digest,
+                    signature=auth.signature,
+                ),
             )
         except RequestError as exc:
-            _abort(context, exc)
-            raise AssertionError("unreachable") from exc
-        # counted only once the caller proved its key, so nobody can spend another's allowance
-        wait = self.per_contributor.take(auth.contributor_id)
-        if wait > 0:
-            context.abort(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"too many requests from contributor {auth.contributor_id[:12]} "
-                f"({self.limits.contributor_rate_per_s:g}/s allowed); retry in {wait:.1f} s",
-            )
+            await _abort(context, exc)
+        if before_counting is not None:
+            before_counting(node)
+        try:
+            self.gate.sign_in(call, auth.contributor_id)
+        except Refused as exc:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
         return node
 
-    def Register(
-        self, request: pb.RegisterRequest, context: grpc.ServicerContext
+    async def _unary(
+        self,
+        context: Context,
+        handle: Callable[[Admission, Any, Context], Awaitable[T]],
+    ) -> T:
+        async with self._admitted(context) as call:
+            request = await self._first(context)
+            return await handle(call, request, context)
+
+    # -- the methods (each registered as client-streaming; see `handlers`) --------
+    async def Register(self, _requests: Any, context: Context) -> pb.RegisterReply:
+        return await self._unary(context, self._register)
+
+    async def PollTask(self, _requests: Any, context: Context) -> pb.PollReply:
+        return await self._unary(context, self._poll)
+
+    async def GetManifest(self, _requests: Any, context: Context) -> pb.ManifestReply:
+        return await self._unary(context, self._manifest)
+
+    async def GetOutcome(self, _requests: Any, context: Context) -> pb.OutcomeReply:
+        return await self._unary(context, self._outcome)
+
+    async def DownloadFile(self, _requests: Any, context: Context) -> None:
+        await self._unary(context, self._download)
+
+    async def SubmitUpdate(self, _requests: Any, context: Context) -> pb.SubmitReply:
+        return await self._unary(context, self._submit)
+
+    async def _register(
+        self, call: Admission, request: pb.RegisterRequest, context: Context
     ) -> pb.RegisterReply:
         if request.protocol_version != 1:
-            context.abort(
+            await context.abort(
                 grpc.StatusCode.FAILED_PRECONDITION,
                 f"protocol version {request.protocol_version} is not served here (v1); upgrade zoo-gym",
             )
         try:
-            reg = self.backend.register(
-                public_key=request.public_key,
-                name=request.name,
-                timestamp_ms=request.timestamp_ms,
-                signature=request.signature,
-                invite=request.invite,
-                peer=peer_host(context.peer()),
+            reg = await self._blocking(
+                call,
+                lambda: self.backend.register(
+                    public_key=request.public_key,
+                    name=request.name,
+                    timestamp_ms=request.timestamp_ms,
+                    signature=request.signature,
+                    invite=request.invite,
+                    peer=peer_host(context.peer()),
+                ),
             )
         except RequestError as exc:
-            _abort(context, exc)
-            raise
+            await _abort(context, exc)
         return pb.RegisterReply(
             contributor_id=reg.contributor_id,
             node_id=reg.node_id,
@@ -118,14 +234,53 @@ class FederationServicer(pb_grpc.FederationServicer):
             coordinator_key=reg.coordinator_key,
         )
 
-    def PollTask(self, request: pb.PollRequest, context: grpc.ServicerContext) -> pb.PollReply:
-        node_id = self._auth(request.auth, "poll", "", context)
-        wait_s = min(max(request.wait_s, 0.0), MAX_POLL_WAIT_S)
-        task = self.mailbox.take(node_id, wait_s)
+    # -- long polls -------------------------------------------------------------
+    def _replace_poll(self, node: int) -> None:
+        """A newer poll of `node` replaces its open one, which answers idle and frees its slot."""
+        older = self.polls.pop(node, None)
+        if older is not None:
+            older.replaced = True
+            self.gate.close(older.call)
+            older.wake.set()
+
+    def _task_put(self, node: int | None) -> None:
+        """Wake `node`'s long poll: a task was put for it; every poll (None): the mailbox closed."""
+        if node is None:
+            self.closed = True
+        polls = list(self.polls.values()) if node is None else [self.polls.get(node)]
+        for poll in polls:
+            if poll is not None:
+                poll.wake.set()
+
+    async def _wait_task(self, node: int, poll: _Poll, wait_s: float) -> PendingTask | None:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + wait_s
+        while not poll.replaced and not self.closed:
+            poll.wake.clear()
+            task = self.mailbox.take(node, 0.0)
+            remaining = deadline - loop.time()
+            if task is not None or remaining <= 0:
+                return task
+            with suppress(TimeoutError):
+                await asyncio.wait_for(poll.wake.wait(), remaining)
+        return None
+
+    async def _poll(
+        self, call: Admission, request: pb.PollRequest, context: Context
+    ) -> pb.PollReply:
+        node = await self._auth(
+            call, request.auth, "poll", "", context, before_counting=self._replace_poll
+        )
+        poll = self.polls[node] = _Poll(call)
+        try:
+            wait_s = min(max(request.wait_s, 0.0), MAX_POLL_WAIT_S)
+            task = await self._wait_task(node, poll, wait_s)
+        finally:
+            if self.polls.get(node) is poll:
+                del self.polls[node]
         if task is None:
-            return pb.PollReply(
-                idle=pb.Idle(retry_after_s=1.0, current_version=self.backend.current_version())
-            )
+            version = await self._blocking(call, self.backend.current_version)
+            return pb.PollReply(idle=pb.Idle(retry_after_s=1.0, current_version=version))
         return pb.PollReply(
             task=pb.Task(
                 message_id=task.message.metadata.message_id,
@@ -137,113 +292,64 @@ class FederationServicer(pb_grpc.FederationServicer):
             )
         )
 
-    def GetManifest(
-        self, request: pb.ManifestRequest, context: grpc.ServicerContext
+    # -- models -----------------------------------------------------------------
+    async def _manifest(
+        self, call: Admission, request: pb.ManifestRequest, context: Context
     ) -> pb.ManifestReply:
-        self._auth(request.auth, "manifest", request.version, context)
+        await self._auth(call, request.auth, "manifest", request.version, context)
         try:
-            manifest, signature = self.backend.manifest(request.version)
+            manifest, signature = await self._blocking(
+                call, lambda: self.backend.manifest(request.version)
+            )
         except RequestError as exc:
-            _abort(context, exc)
-            raise
+            await _abort(context, exc)
         return pb.ManifestReply(manifest=manifest, signature=signature)
 
-    def DownloadFile(
-        self, request: pb.DownloadRequest, context: grpc.ServicerContext
-    ) -> Iterator[pb.FileChunk]:
-        self._auth(request.auth, "download", f"{request.version}/{request.file}", context)
+    async def _download(
+        self, call: Admission, request: pb.DownloadRequest, context: Context
+    ) -> None:
+        digest = f"{request.version}/{request.file}"
+        await self._auth(call, request.auth, "download", digest, context)
         try:
-            path = self.backend.model_file(request.version, request.file)
+            path = await self._blocking(
+                call, lambda: self.backend.model_file(request.version, request.file)
+            )
         except RequestError as exc:
-            _abort(context, exc)
-            raise
-        total = path.stat().st_size
+            await _abort(context, exc)
+        total = (await self._blocking(call, path.stat)).st_size
         if request.offset > total:
-            context.abort(
+            await context.abort(
                 grpc.StatusCode.OUT_OF_RANGE,
                 f"offset {request.offset} is past the end ({total} bytes)",
             )
-        with path.open("rb") as fh:
-            fh.seek(request.offset)
-            offset = request.offset
-            while chunk := fh.read(CHUNK_BYTES):
-                yield pb.FileChunk(offset=offset, data=chunk, total_size=total)
-                offset += len(chunk)
-        if total == 0:
-            yield pb.FileChunk(offset=0, data=b"", total_size=0)
+        offset = request.offset
+        while offset < total or total == 0:
+            chunk = await self._blocking(
+                call, functools.partial(_read_at, path, offset, CHUNK_BYTES)
+            )
+            await self._send(context, pb.FileChunk(offset=offset, data=chunk, total_size=total))
+            if not chunk:
+                return
+            offset += len(chunk)
 
-    def SubmitUpdate(
-        self, request_iterator: Iterator[pb.UpdateChunk], context: grpc.ServicerContext
-    ) -> pb.SubmitReply:
-        first = next(request_iterator, None)
-        if first is None or not first.HasField("header"):
-            context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT, "a submission must start with its header"
-            )
-            raise AssertionError("unreachable")
-        header = first.header
-        node_id = self._auth(
-            header.auth, "submit", f"{header.message_id}|{header.payload_sha256}", context
-        )
-        limit = self.backend.max_upload_bytes
-        if header.payload_size > limit:
-            self.backend.refuse(
-                _submission(header),
-                f"update of {header.payload_size} bytes exceeds the {limit}-byte limit",
-            )
-            context.abort(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"update of {header.payload_size} bytes exceeds the {limit}-byte limit; use a smaller codec or group size",
-            )
-        task = self.mailbox.task(node_id, header.message_id)
-        if task is None:
-            reason = f"no open task {header.message_id[:12]!r} for you (round {header.round} is closed, already answered or was never yours)"
-            self.backend.refuse(_submission(header), reason)
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"{reason}; wait for the next round")
-            raise AssertionError("unreachable")
+    async def _send(self, context: Context, message: Any) -> None:
+        """Write `message`, giving up on a reader that takes none for `upload_idle_timeout_s`."""
+        idle = self.limits.upload_idle_timeout_s
         try:
-            reply = parse_message(header.flower_reply)
-        except Exception:
-            context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                "the header's flower_reply is not a serialised Flower Message; send the reply your ClientApp produced",
+            await asyncio.wait_for(context.write(message), idle)
+        except TimeoutError:
+            await context.abort(
+                grpc.StatusCode.DEADLINE_EXCEEDED,
+                f"the download was not read for {idle:g} s; start it again from its offset",
             )
-            raise AssertionError("unreachable") from None
-        # A broken transmission is not a decision about the submission: nothing is recorded
-        # (its nonce stays unused), so the same signed submission can simply be sent again.
-        try:
-            spooled = _Spool.receive(self.spool, request_iterator, header.payload_size)
-        except RequestError as exc:
-            _abort(context, exc)
-            raise
-        try:
-            if spooled.sha256 != header.payload_sha256:
-                context.abort(
-                    grpc.StatusCode.DATA_LOSS,
-                    f"payload SHA-256 {spooled.sha256[:16]}... differs from the header's; the upload was corrupted, send it again",
-                )
-            submission = _submission(header)
-            try:
-                verdict, content = self.backend.receive(
-                    submission, spooled.path, reply.content, node_id=node_id
-                )
-            except RequestError as exc:
-                _abort(context, exc)
-                raise
-            self.mailbox.reply(node_id, header.message_id, Message(content, reply_to=task.message))
-        finally:
-            spooled.path.unlink(missing_ok=True)
-        return pb.SubmitReply(
-            decision="accepted" if verdict.accepted else "rejected",
-            reason=verdict.reason,
-            submission_id=verdict.submission_id,
-        )
 
-    def GetOutcome(
-        self, request: pb.OutcomeRequest, context: grpc.ServicerContext
+    async def _outcome(
+        self, call: Admission, request: pb.OutcomeRequest, context: Context
     ) -> pb.OutcomeReply:
-        self._auth(request.auth, "outcome", str(request.round), context)
-        out = self.backend.outcome(request.auth.contributor_id, request.round)
+        await self._auth(call, request.auth, "outcome", str(request.round), context)
+        out = await self._blocking(
+            call, lambda: self.backend.outcome(request.auth.contributor_id, request.round)
+        )
         return pb.OutcomeReply(
             decision=out.decision,
             reason=out.reason,
@@ -252,6 +358,134 @@ class FederationServicer(pb_grpc.FederationServicer):
             round_status=out.round_status,
             published_version=out.published_version,
         )
+
+    # -- submissions ------------------------------------------------------------
+    async def _refuse(
+        self,
+        call: Admission,
+        context: Context,
+        header: pb.SubmissionHeader,
+        reason: str,
+        *,
+        code: grpc.StatusCode,
+        advice: str,
+    ) -> NoReturn:
+        """Record the refusal of a signed submission in the ledger, then end the call."""
+        await self._blocking(call, lambda: self.backend.refuse(_submission(header), reason))
+        await context.abort(code, f"{reason}; {advice}")
+        raise AssertionError("unreachable")  # abort raises
+
+    async def _submit(
+        self, call: Admission, first: pb.UpdateChunk, context: Context
+    ) -> pb.SubmitReply:
+        if not first.HasField("header"):
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, "a submission must start with its header"
+            )
+        header = first.header
+        digest = f"{header.message_id}|{header.payload_sha256}"
+        node = await self._auth(call, header.auth, "submit", digest, context)
+        limit = self.backend.max_upload_bytes
+        if header.payload_size > limit:
+            reason = f"update of {header.payload_size} bytes exceeds the {limit}-byte limit"
+            await self._refuse(
+                call,
+                context,
+                header,
+                reason,
+                code=grpc.StatusCode.RESOURCE_EXHAUSTED,
+                advice="use a smaller codec or group size",
+            )
+        task = self.mailbox.task(node, header.message_id)
+        if task is None:
+            reason = f"no open task {header.message_id[:12]!r} for you (round {header.round} is closed, already answered or was never yours)"
+            await self._refuse(
+                call,
+                context,
+                header,
+                reason,
+                code=grpc.StatusCode.FAILED_PRECONDITION,
+                advice="wait for the next round",
+            )
+        try:
+            reply = await self._blocking(call, lambda: parse_message(header.flower_reply))
+        except Exception:
+            reason = "the header's flower_reply is not a serialised Flower Message"
+            await self._refuse(
+                call,
+                context,
+                header,
+                reason,
+                code=grpc.StatusCode.INVALID_ARGUMENT,
+                advice="send the reply your ClientApp produced",
+            )
+        spooled = await self._receive(call, context, header)
+        try:
+            verdict, content = await self._blocking(
+                call,
+                lambda: self.backend.receive(
+                    _submission(header), spooled.path, reply.content, node_id=node
+                ),
+            )
+        except RequestError as exc:
+            await _abort(context, exc)
+        finally:
+            spooled.path.unlink(missing_ok=True)
+        self.mailbox.reply(node, header.message_id, Message(content, reply_to=task.message))
+        return pb.SubmitReply(
+            decision="accepted" if verdict.accepted else "rejected",
+            reason=verdict.reason,
+            submission_id=verdict.submission_id,
+        )
+
+    async def _receive(
+        self, call: Admission, context: Context, header: pb.SubmissionHeader
+    ) -> _Spool:
+        """The payload spooled to disk and hashed; the call ends when it is broken or too long.
+
+        A broken transmission (truncated, or silent for `upload_idle_timeout_s`) is not a
+        decision about the submission: nothing is recorded (its nonce stays unused), so the same
+        signed submission can simply be sent again. One longer than its signed size is refused
+        and recorded.
+        """
+        spool = await self._blocking(call, lambda: _Spool.open(self.spool, header.payload_size))
+        idle = self.limits.upload_idle_timeout_s
+        try:
+            while True:
+                try:
+                    chunk = await asyncio.wait_for(context.read(), idle)
+                except TimeoutError:
+                    raise RequestError(
+                        "DEADLINE_EXCEEDED",
+                        f"no upload data for {idle:g} s; the upload was dropped, send it again",
+                    ) from None
+                if chunk is grpc.aio.EOF:
+                    break
+                await self._blocking(call, functools.partial(spool.write, chunk.data))
+            spool.finish()
+        except _TooLong as exc:
+            spool.discard()
+            await self._refuse(
+                call,
+                context,
+                header,
+                exc.message,
+                code=grpc.StatusCode.INVALID_ARGUMENT,
+                advice="send the header that matches the payload",
+            )
+        except RequestError as exc:
+            spool.discard()
+            await _abort(context, exc)
+        except BaseException:
+            spool.discard()
+            raise
+        return spool
+
+
+def _read_at(path: Path, offset: int, size: int) -> bytes:
+    with path.open("rb") as fh:
+        fh.seek(offset)
+        return fh.read(size)
 
 
 def _submission(header: pb.SubmissionHeader) -> Submission:
@@ -267,48 +501,102 @@ def _submission(header: pb.SubmissionHeader) -> Submission:
     )
 
 
+class _TooLong(RequestError):
+    pass
+
+
 @dataclass
 class _Spool:
+    """A payload being written to a file in the spool directory while it is hashed."""
+
     path: Path
-    sha256: str
+    declared: int
+    fd: int
+    received: int = 0
+    digest: Any = field(default_factory=hashlib.sha256)
 
     @classmethod
-    def receive(cls, spool: Path, chunks: Iterator[pb.UpdateChunk], declared: int) -> _Spool:
-        """Write `chunks` to a file in `spool` while hashing; RequestError when the length is wrong."""
-        digest = hashlib.sha256()
-        received = 0
+    def open(cls, spool: Path, declared: int) -> _Spool:
         fd, name = tempfile.mkstemp(dir=spool, suffix=".part")
-        path = Path(name)
-        try:
-            with open(fd, "wb") as fh:
-                for chunk in chunks:
-                    data = chunk.data
-                    received += len(data)
-                    if received > declared:
-                        raise RequestError(
-                            "INVALID_ARGUMENT",
-                            f"upload is longer than its declared {declared} bytes; send the header that matches the payload",
-                        )
-                    digest.update(data)
-                    fh.write(data)
-            if received != declared:
-                raise RequestError(
-                    "DATA_LOSS",
-                    f"upload ended after {received} of {declared} bytes (truncated); send it again",
-                )
-        except BaseException:
-            path.unlink(missing_ok=True)
-            raise
-        return cls(path, digest.hexdigest())
+        return cls(Path(name), declared, fd)
+
+    @property
+    def sha256(self) -> str:
+        return str(self.digest.hexdigest())
+
+    def write(self, data: bytes) -> None:
+        self.received += len(data)
+        if self.received > self.declared:
+            raise _TooLong(
+                "INVALID_ARGUMENT",
+                f"upload is longer than its declared {self.declared} bytes",
+            )
+        self.digest.update(data)
+        os.write(self.fd, data)
+
+    def finish(self) -> None:
+        os.close(self.fd)
+        self.fd = -1
+        if self.received != self.declared:
+            raise RequestError(
+                "DATA_LOSS",
+                f"upload ended after {self.received} of {self.declared} bytes (truncated); send it again",
+            )
+
+    def discard(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+        self.path.unlink(missing_ok=True)
+
+
+def handlers(servicer: FederationServicer) -> dict[str, grpc.RpcMethodHandler]:
+    """Every method as a client-streaming handler, so the server sees a call before its request
+    has arrived and can bound the wait for it (a unary handler is only called afterwards)."""
+
+    def one(behaviour: Any, request: Any, reply: Any) -> grpc.RpcMethodHandler:
+        return grpc.stream_unary_rpc_method_handler(
+            behaviour,
+            request_deserializer=request.FromString,
+            response_serializer=reply.SerializeToString,
+        )
+
+    return {
+        "Register": one(servicer.Register, pb.RegisterRequest, pb.RegisterReply),
+        "PollTask": one(servicer.PollTask, pb.PollRequest, pb.PollReply),
+        "GetManifest": one(servicer.GetManifest, pb.ManifestRequest, pb.ManifestReply),
+        "DownloadFile": grpc.stream_stream_rpc_method_handler(
+            servicer.DownloadFile,
+            request_deserializer=pb.DownloadRequest.FromString,
+            response_serializer=pb.FileChunk.SerializeToString,
+        ),
+        "SubmitUpdate": one(servicer.SubmitUpdate, pb.UpdateChunk, pb.SubmitReply),
+        "GetOutcome": one(servicer.GetOutcome, pb.OutcomeRequest, pb.OutcomeReply),
+    }
 
 
 @dataclass
 class ServerHandle:
-    server: grpc.Server
+    """The service running on its own event loop thread."""
+
+    server: grpc.aio.Server
     port: int
+    loop: asyncio.AbstractEventLoop
+    thread: threading.Thread
+    executor: ThreadPoolExecutor
+    unwatch: Callable[[], None] = lambda: None
+    stopped: bool = False
 
     def stop(self, grace: float = 1.0) -> None:
-        self.server.stop(grace).wait()
+        if self.stopped:
+            return
+        self.stopped = True
+        self.unwatch()
+        done = asyncio.run_coroutine_threadsafe(self.server.stop(grace), self.loop)
+        done.result(timeout=grace + 30)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(timeout=30)
+        self.executor.shutdown(wait=False, cancel_futures=True)
 
 
 def following_credentials(current: Callable[[], tuple[bytes, bytes]]) -> grpc.ServerCredentials:
@@ -333,7 +621,6 @@ def start_server(
     address: str,
     spool: Path,
     tls: Callable[[], tuple[bytes, bytes]] | None = None,
-    max_workers: int = 32,
     limits: RateLimits | None = None,
 ) -> ServerHandle:
     """Serve the federation on `address` ("host:port"; port 0 picks a free one).
@@ -341,31 +628,71 @@ def start_server(
     `tls` returns the (certificate chain PEM, private key PEM) to use now: it is asked before
     every new connection's handshake, so a renewed certificate is served without a restart.
     Without `tls` the port is plaintext.
-    `limits` caps request rates per peer and per contributor (defaults: `RateLimits()`).
+    `limits` bounds what callers can hold (defaults: `RateLimits()`, see zoo_gym.transport.limits).
     """
     limits = limits or RateLimits()
-    server = grpc.server(
-        futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grpc"),
-        interceptors=[RateLimitInterceptor(limits)],
-        options=[
-            ("grpc.max_receive_message_length", CHUNK_BYTES * 4 + MAX_HEADER_BYTES),
-            ("grpc.max_send_message_length", CHUNK_BYTES * 4 + MAX_HEADER_BYTES),
-            ("grpc.so_reuseport", 0),
-        ],
-    )
-    pb_grpc.add_FederationServicer_to_server(
-        FederationServicer(backend, mailbox, spool, limits), server
-    )
-    if tls is None:
-        port = server.add_insecure_port(address)
-    else:
-        port = server.add_secure_port(address, following_credentials(tls))
-    if port == 0:
-        raise OSError(f"cannot listen on {address}: address in use or not local; pick another port")
-    server.start()
+    executor = ThreadPoolExecutor(max_workers=limits.workers, thread_name_prefix="grpc")
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=_run_loop, args=(loop,), name="grpc-loop", daemon=True)
+    thread.start()
+    servicer = FederationServicer(backend, mailbox, spool, limits, executor=executor)
+    try:
+        server, port = asyncio.run_coroutine_threadsafe(
+            _serve(servicer, address, tls), loop
+        ).result(timeout=60)
+    except BaseException:
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(timeout=10)
+        executor.shutdown(wait=False)
+        raise
+
+    def task_put(node: int | None) -> None:
+        loop.call_soon_threadsafe(servicer._task_put, node)
+
+    mailbox.watch(task_put)
     log.info(
         "federation service listening on %s (%s)",
         address.rsplit(":", 1)[0] + f":{port}",
         "TLS" if tls else "plaintext",
     )
-    return ServerHandle(server, port)
+    return ServerHandle(server, port, loop, thread, executor, lambda: mailbox.unwatch(task_put))
+
+
+def _run_loop(loop: asyncio.AbstractEventLoop) -> None:
+    asyncio.set_event_loop(loop)
+    try:
+        loop.run_forever()
+    finally:
+        loop.run_until_complete(loop.shutdown_asyncgens())
+        loop.close()
+
+
+async def _serve(
+    servicer: FederationServicer, address: str, tls: Callable[[], tuple[bytes, bytes]] | None
+) -> tuple[grpc.aio.Server, int]:
+    message_bytes = CHUNK_BYTES * 4 + MAX_HEADER_BYTES
+    server = grpc.aio.server(
+        options=[
+            ("grpc.max_receive_message_length", message_bytes),
+            ("grpc.max_send_message_length", message_bytes),
+            ("grpc.so_reuseport", 0),
+            ("grpc.max_concurrent_streams", MAX_STREAMS_PER_CONNECTION),
+            # a connection that never finishes its handshake, or sits with no call, is closed
+            ("grpc.server_handshake_timeout_ms", 20_000),
+            ("grpc.max_connection_idle_ms", 300_000),
+        ]
+    )
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler(SERVICE, handlers(servicer)),)
+    )
+    try:
+        if tls is None:
+            port = server.add_insecure_port(address)
+        else:
+            port = server.add_secure_port(address, following_credentials(tls))
+    except RuntimeError:
+        port = 0
+    if port == 0:
+        raise OSError(f"cannot listen on {address}: address in use or not local; pick another port")
+    await server.start()
+    return server, port

@@ -5,6 +5,9 @@ out of reach. A call that cannot reach it waits (1 s, doubling to 30 s, each wai
 ±20% so that a restarted coordinator's contributors do not all return in the same instant; for up
 to `reconnect_for_s` in all), registers again, checks that the coordinator still signs with the key
 it had, and is made again. A refusal (the coordinator answered, and said no) is never retried.
+A coordinator that is busy (RESOURCE_EXHAUSTED: one of its limits on open calls or request rates
+is full, perhaps because someone floods it) is treated like an outage, waiting at least as long
+as it asked ("retry in N s"), on first contact too.
 
 A submission whose connection dropped may or may not have landed. Before sending it again, the
 link asks the coordinator for this contributor's decision in that round, so an update it already
@@ -52,9 +55,27 @@ class Link:
         self.registration: Registration | None = None
 
     def register(self) -> Registration:
-        """First contact. Not retried: a wrong address must fail at once, not hang."""
-        self.registration = self.client.register(self.name, self.invite)
-        return self.registration
+        """First contact. Retried only while the coordinator says it is busy: a wrong address
+        must fail at once, not hang."""
+        give_up = time.monotonic() + self.reconnect_for_s
+        delay = RETRY_FIRST_S
+        while True:
+            try:
+                self.registration = self.client.register(self.name, self.invite)
+                return self.registration
+            except TransportError as exc:
+                remaining = give_up - time.monotonic()
+                if not _busy(exc) or remaining <= 0:
+                    raise
+                delay = max(delay, exc.retry_after_s)
+                self.say(f"{exc}; trying again in {delay:.0f} s")
+                if self._pause(delay, remaining):
+                    raise
+                delay = min(delay * 2, RETRY_MAX_S)
+
+    def _pause(self, delay: float, remaining: float) -> bool:
+        """Wait about `delay` (jittered), at most `remaining`; True when `stop` was set."""
+        return self.stop.wait(min(delay * random.uniform(1 - JITTER, 1 + JITTER), remaining))
 
     def call(self, fn: Callable[[], T]) -> T | None:
         """`fn()`, made again after each outage; None when `stop` was set while waiting."""
@@ -102,9 +123,10 @@ class Link:
         Raises TransportError when `reconnect_for_s` runs out, or when the coordinator that
         answers signs with another key than the one this link registered with.
         """
-        self.say(f"lost the coordinator ({lost}); retrying for up to {self.reconnect_for_s:g} s")
+        what = str(lost) if _busy(lost) else f"lost the coordinator ({lost})"
+        self.say(f"{what}; retrying for up to {self.reconnect_for_s:g} s")
         give_up = time.monotonic() + self.reconnect_for_s
-        delay = RETRY_FIRST_S
+        delay = max(RETRY_FIRST_S, lost.retry_after_s)
         while True:
             remaining = give_up - time.monotonic()
             if remaining <= 0:
@@ -113,14 +135,14 @@ class Link:
                     "again once it is back, or raise reconnect_for_s",
                     code=lost.code,
                 )
-            if self.stop.wait(min(delay * random.uniform(1 - JITTER, 1 + JITTER), remaining)):
+            if self._pause(delay, remaining):
                 return False
             try:
                 registration = self.client.register(self.name, self.invite)
             except TransportError as exc:
                 if not exc.transient:
                     raise
-                lost, delay = exc, min(delay * 2, RETRY_MAX_S)
+                lost, delay = exc, max(min(delay * 2, RETRY_MAX_S), exc.retry_after_s)
                 continue
             known = self.registration
             if known is not None and registration.coordinator_key != known.coordinator_key:
@@ -131,3 +153,8 @@ class Link:
             self.registration = registration
             self.say(f"reconnected to {self.client.target}")
             return True
+
+
+def _busy(exc: TransportError) -> bool:
+    """The coordinator answered that one of its limits is full, and said when to retry."""
+    return exc.transient and exc.code == "RESOURCE_EXHAUSTED"

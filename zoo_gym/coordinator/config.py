@@ -204,18 +204,51 @@ class CoordinatorConfig(HomeConfig):
         "derives the bound from it); 0 = no bound",
     )
     # -- gRPC service limits (every resource a caller can hold is bounded) --
+    # checked in this order: open calls in all, per address (IPv4 /32, IPv6 /64), calls not yet
+    # signed in, per contributor key; refusals are RESOURCE_EXHAUSTED saying when to retry
+    grpc_max_open_calls: int = Field(
+        4096, ge=1, description="gRPC calls open at once on the whole service"
+    )
+    max_concurrent_per_peer: int = Field(
+        512,
+        ge=1,
+        description="open gRPC calls per address; a NAT of 100 contributors needs about 200",
+    )
     grpc_rate_per_s: float = Field(
-        50.0, ge=0, description="gRPC calls per second per peer address; 0 = unlimited"
+        100.0, gt=0, description="gRPC calls per second per address (refilled token bucket)"
     )
     grpc_burst: int = Field(
-        200, ge=1, description="gRPC calls a peer may make at once before the rate applies"
+        400, ge=1, description="gRPC calls an address may make at once before the rate applies"
+    )
+    grpc_max_unauthenticated: int = Field(
+        1024, ge=1, description="gRPC calls whose first message is not yet authenticated, in all"
+    )
+    grpc_max_unauthenticated_per_peer: int = Field(
+        64, ge=1, description="gRPC calls not yet authenticated, per address"
+    )
+    max_calls_per_contributor: int = Field(
+        4,
+        ge=1,
+        description="open gRPC calls per contributor key (a newer long poll replaces an older one)",
     )
     contributor_rate_per_s: float = Field(
-        10.0, ge=0, description="gRPC calls per second per contributor key; 0 = unlimited"
+        10.0, gt=0, description="gRPC calls per second per contributor key"
     )
     contributor_burst: int = Field(50, ge=1)
-    max_concurrent_per_peer: int = Field(
-        64, ge=0, description="open gRPC calls per peer address; 0 = unlimited"
+    grpc_workers: int = Field(
+        8, ge=1, description="threads for blocking work (database, signatures, files, decoding)"
+    )
+    grpc_workers_per_peer: int = Field(
+        4, ge=1, description="of grpc_workers, how many one address may hold at once"
+    )
+    grpc_workers_per_contributor: int = Field(
+        2, ge=1, description="of grpc_workers, how many one contributor key may hold at once"
+    )
+    first_message_timeout_s: float = Field(
+        10.0, gt=0, description="a gRPC call whose request has not arrived by then is ended"
+    )
+    upload_idle_timeout_s: float = Field(
+        30.0, gt=0, description="an upload (or download) that moves no data for this long is ended"
     )
     # -- REST API limits --
     api_auth_rate_per_s: float = Field(
@@ -303,6 +336,10 @@ class CoordinatorConfig(HomeConfig):
             )
         if self.require_approval:
             self.admission = "approval"
+        if self.grpc_workers_per_peer > self.grpc_workers:
+            raise ValueError("grpc_workers_per_peer must not exceed grpc_workers")
+        if self.grpc_workers_per_contributor > self.grpc_workers_per_peer:
+            raise ValueError("grpc_workers_per_contributor must not exceed grpc_workers_per_peer")
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ValueError("tls_cert and tls_key go together: set both or neither")
         return self
@@ -310,6 +347,25 @@ class CoordinatorConfig(HomeConfig):
     @property
     def pre(self) -> str | None:
         return None if self.pre_aggregation == "none" else self.pre_aggregation
+
+    def grpc_limits(self) -> dict[str, Any]:
+        """The gRPC service limits, as `zoo_gym.transport.limits.RateLimits` keyword arguments."""
+        return {
+            "max_open_calls": self.grpc_max_open_calls,
+            "max_concurrent_per_peer": self.max_concurrent_per_peer,
+            "peer_rate_per_s": self.grpc_rate_per_s,
+            "peer_burst": self.grpc_burst,
+            "max_unauthenticated_calls": self.grpc_max_unauthenticated,
+            "max_unauthenticated_per_peer": self.grpc_max_unauthenticated_per_peer,
+            "max_calls_per_contributor": self.max_calls_per_contributor,
+            "contributor_rate_per_s": self.contributor_rate_per_s,
+            "contributor_burst": self.contributor_burst,
+            "workers": self.grpc_workers,
+            "workers_per_peer": self.grpc_workers_per_peer,
+            "workers_per_contributor": self.grpc_workers_per_contributor,
+            "first_message_timeout_s": self.first_message_timeout_s,
+            "upload_idle_timeout_s": self.upload_idle_timeout_s,
+        }
 
     @property
     def ledger_url(self) -> str:

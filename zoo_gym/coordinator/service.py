@@ -243,13 +243,7 @@ class Coordinator:
         rest = RestServer(self, c.rest_listen, control=self.control, metrics=self.metrics)
         watcher = self._serve_tls(rest) if c.tls_cert is not None else None
         mailbox = Mailbox()
-        limits = RateLimits(
-            c.grpc_rate_per_s,
-            c.grpc_burst,
-            c.contributor_rate_per_s,
-            c.contributor_burst,
-            c.max_concurrent_per_peer,
-        )
+        limits = RateLimits(**c.grpc_limits())
         grpc_server = start_server(
             self.backend,
             mailbox,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import ipaddress
+import re
 import secrets
 import time
 from collections.abc import Callable, Iterator
@@ -35,16 +36,21 @@ from zoo_gym.transport.records import split_payload
 from zoo_gym.transport.server import CHUNK_BYTES, MAX_HEADER_BYTES, parse_message, serialize_message
 
 RECONNECT_BACKOFF_MAX_MS = 5_000
+RETRY_IN = re.compile(r"retry in (\d+(?:\.\d+)?) s")
 
 
 class TransportError(RuntimeError):
     """The coordinator refused a call or could not be reached; the message says what to do."""
 
-    def __init__(self, message: str, *, code: str = "", transient: bool = False) -> None:
+    def __init__(
+        self, message: str, *, code: str = "", transient: bool = False, retry_after_s: float = 0.0
+    ) -> None:
         super().__init__(message)
         self.code = code
-        # the coordinator could not be reached: the same call may work later
+        # the coordinator could not be reached, or is busy: the same call may work later
         self.transient = transient
+        # how long the coordinator asked to wait before trying again (0: it did not say)
+        self.retry_after_s = retry_after_s
 
 
 @dataclass(frozen=True)
@@ -80,6 +86,14 @@ def _describe(err: grpc.RpcError, target: str) -> TransportError:
             f"cannot reach the coordinator at {target} ({err.details()}); check the address and that it is running",
             code=code.name,
             transient=True,
+        )
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED and (wait := RETRY_IN.search(details)):
+        # over one of the service's limits (open calls, rate): busy, not a refusal of the call
+        return TransportError(
+            f"the coordinator at {target} is busy ({details})",
+            code=code.name,
+            transient=True,
+            retry_after_s=float(wait.group(1)),
         )
     if code == grpc.StatusCode.DEADLINE_EXCEEDED:
         return TransportError(

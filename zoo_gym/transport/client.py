@@ -95,6 +95,9 @@ def _describe(err: grpc.RpcError, target: str) -> TransportError:
             transient=True,
             retry_after_s=float(wait.group(1)),
         )
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED and details != "Deadline Exceeded":
+        # the coordinator's own deadline (a request or upload data that did not come in time)
+        return TransportError(details, code=code.name, transient=True)
     if code == grpc.StatusCode.DEADLINE_EXCEEDED:
         return TransportError(
             f"the coordinator at {target} did not answer in time; try again",

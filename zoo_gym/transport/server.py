@@ -34,6 +34,8 @@ import grpc.aio
 from flwr.app import Message
 from flwr.common.serde import message_from_proto, message_to_proto
 from flwr.proto.message_pb2 import Message as FlowerMessageProto  # type: ignore[attr-defined,unused-ignore]
+from google.protobuf.message import DecodeError
+from google.protobuf.message import Message as Message_
 
 from zoo_gym.core.protocol import RequestError, Submission
 from zoo_gym.proto.v1 import federation_pb2 as pb
@@ -51,6 +53,7 @@ from zoo_gym.transport.mailbox import Mailbox, PendingTask
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+M = TypeVar("M", bound=Message_)
 
 SERVICE = "zoo_gym.v1.Federation"
 CHUNK_BYTES = 1 << 20
@@ -179,30 +182,33 @@ class FederationServicer:
     async def _unary(
         self,
         context: Context,
+        kind: type[Message_],
         handle: Callable[[Admission, Any, Context], Awaitable[T]],
     ) -> T:
         async with self._admitted(context) as call:
-            request = await self._first(context)
+            request = _decode(kind, await self._first(context))
+            if request is None:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, _not_a(kind))
             return await handle(call, request, context)
 
     # -- the methods (each registered as client-streaming; see `handlers`) --------
     async def Register(self, _requests: Any, context: Context) -> pb.RegisterReply:
-        return await self._unary(context, self._register)
+        return await self._unary(context, pb.RegisterRequest, self._register)
 
     async def PollTask(self, _requests: Any, context: Context) -> pb.PollReply:
-        return await self._unary(context, self._poll)
+        return await self._unary(context, pb.PollRequest, self._poll)
 
     async def GetManifest(self, _requests: Any, context: Context) -> pb.ManifestReply:
-        return await self._unary(context, self._manifest)
+        return await self._unary(context, pb.ManifestRequest, self._manifest)
 
     async def GetOutcome(self, _requests: Any, context: Context) -> pb.OutcomeReply:
-        return await self._unary(context, self._outcome)
+        return await self._unary(context, pb.OutcomeRequest, self._outcome)
 
     async def DownloadFile(self, _requests: Any, context: Context) -> None:
-        await self._unary(context, self._download)
+        await self._unary(context, pb.DownloadRequest, self._download)
 
     async def SubmitUpdate(self, _requests: Any, context: Context) -> pb.SubmitReply:
-        return await self._unary(context, self._submit)
+        return await self._unary(context, pb.UpdateChunk, self._submit)
 
     async def _register(
         self, call: Admission, request: pb.RegisterRequest, context: Context
@@ -461,7 +467,10 @@ class FederationServicer:
                     ) from None
                 if chunk is grpc.aio.EOF:
                     break
-                await self._blocking(call, functools.partial(spool.write, chunk.data))
+                decoded = _decode(pb.UpdateChunk, chunk)
+                if decoded is None:
+                    raise RequestError("INVALID_ARGUMENT", _not_a(pb.UpdateChunk))
+                await self._blocking(call, functools.partial(spool.write, decoded.data))
             spool.finish()
         except _TooLong as exc:
             spool.discard()
@@ -480,6 +489,18 @@ class FederationServicer:
             spool.discard()
             raise
         return spool
+
+
+def _decode(kind: type[M], data: bytes) -> M | None:
+    """`data` parsed as a `kind` message; None when it is not one."""
+    try:
+        return kind.FromString(data)
+    except DecodeError:
+        return None
+
+
+def _not_a(kind: type[Message_]) -> str:
+    return f"the request is not a valid {kind.DESCRIPTOR.name} message; use a zoo-gym client of protocol v1"
 
 
 def _read_at(path: Path, offset: int, size: int) -> bytes:
@@ -552,26 +573,23 @@ class _Spool:
 
 def handlers(servicer: FederationServicer) -> dict[str, grpc.RpcMethodHandler]:
     """Every method as a client-streaming handler, so the server sees a call before its request
-    has arrived and can bound the wait for it (a unary handler is only called afterwards)."""
+    has arrived and can bound the wait for it (a unary handler is only called afterwards).
+    Requests come as bytes: the handler parses them and answers one that is not a message."""
 
-    def one(behaviour: Any, request: Any, reply: Any) -> grpc.RpcMethodHandler:
+    def one(behaviour: Any, reply: type[Message_]) -> grpc.RpcMethodHandler:
         return grpc.stream_unary_rpc_method_handler(
-            behaviour,
-            request_deserializer=request.FromString,
-            response_serializer=reply.SerializeToString,
+            behaviour, response_serializer=reply.SerializeToString
         )
 
     return {
-        "Register": one(servicer.Register, pb.RegisterRequest, pb.RegisterReply),
-        "PollTask": one(servicer.PollTask, pb.PollRequest, pb.PollReply),
-        "GetManifest": one(servicer.GetManifest, pb.ManifestRequest, pb.ManifestReply),
+        "Register": one(servicer.Register, pb.RegisterReply),
+        "PollTask": one(servicer.PollTask, pb.PollReply),
+        "GetManifest": one(servicer.GetManifest, pb.ManifestReply),
         "DownloadFile": grpc.stream_stream_rpc_method_handler(
-            servicer.DownloadFile,
-            request_deserializer=pb.DownloadRequest.FromString,
-            response_serializer=pb.FileChunk.SerializeToString,
+            servicer.DownloadFile, response_serializer=pb.FileChunk.SerializeToString
         ),
-        "SubmitUpdate": one(servicer.SubmitUpdate, pb.UpdateChunk, pb.SubmitReply),
-        "GetOutcome": one(servicer.GetOutcome, pb.OutcomeRequest, pb.OutcomeReply),
+        "SubmitUpdate": one(servicer.SubmitUpdate, pb.SubmitReply),
+        "GetOutcome": one(servicer.GetOutcome, pb.OutcomeReply),
     }
 
 

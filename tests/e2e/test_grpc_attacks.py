@@ -90,6 +90,17 @@ class Join:
             self.reader.join(timeout=10)
 
 
+def start_floods(address: str) -> list[Flood]:
+    """Header-less uploads from three addresses, renewed every 5 s (so held past each deadline),
+    one address that opens more than it may hold before signing in, and request-less unary calls."""
+    return [
+        Flood(address, 40, sources=("127.0.0.2", "127.0.0.3", "127.0.0.4")),
+        Flood(address, 80, sources=("127.0.0.5",)),
+        Flood(address, 20, method="Register", sources=("127.0.0.6",)),
+        Flood(address, 20, method="GetOutcome", sources=("127.0.0.6",)),
+    ]
+
+
 def accepted_rows(home: Path) -> list[tuple[str, str]]:
     db = sqlite3.connect(home / "ledger.db")
     try:
@@ -106,14 +117,7 @@ def test_an_honest_join_succeeds_while_strangers_hold_calls_open(
     honest = client_home(tmp_path)
     with serve(tiny_home, rounds=1, min_clients=1, round_timeout_s=120) as coordinator:
         address = coordinator.address
-        # header-less uploads from three addresses, renewed every 5 s (held past each deadline),
-        # plus one address that opens more than it may hold before signing in
-        floods = [
-            Flood(address, 40, sources=("127.0.0.2", "127.0.0.3", "127.0.0.4")),
-            Flood(address, 80, sources=("127.0.0.5",)),
-            Flood(address, 20, method="Register", sources=("127.0.0.6",)),
-            Flood(address, 20, method="GetOutcome", sources=("127.0.0.6",)),
-        ]
+        floods = start_floods(address)
         polls = None
         try:
             time.sleep(1.0)  # the attack is in place before the honest contributor starts

@@ -391,6 +391,30 @@ class FederationServicer:
         header = first.header
         digest = f"{header.message_id}|{header.payload_sha256}"
         node = await self._auth(call, header.auth, "submit", digest, context)
+        task, reply = await self._admissible(call, context, header, node)
+        spooled = await self._receive(call, context, header)
+        try:
+            verdict, content = await self._blocking(
+                call,
+                lambda: self.backend.receive(
+                    _submission(header), spooled.path, reply.content, node_id=node
+                ),
+            )
+        except RequestError as exc:
+            await _abort(context, exc)
+        finally:
+            spooled.path.unlink(missing_ok=True)
+        self.mailbox.reply(node, header.message_id, Message(content, reply_to=task.message))
+        return pb.SubmitReply(
+            decision="accepted" if verdict.accepted else "rejected",
+            reason=verdict.reason,
+            submission_id=verdict.submission_id,
+        )
+
+    async def _admissible(
+        self, call: Admission, context: Context, header: pb.SubmissionHeader, node: int
+    ) -> tuple[PendingTask, Message]:
+        """The open task a signed header answers and its Flower reply; else a recorded refusal."""
         limit = self.backend.max_upload_bytes
         if header.payload_size > limit:
             reason = f"update of {header.payload_size} bytes exceeds the {limit}-byte limit"
@@ -425,24 +449,7 @@ class FederationServicer:
                 code=grpc.StatusCode.INVALID_ARGUMENT,
                 advice="send the reply your ClientApp produced",
             )
-        spooled = await self._receive(call, context, header)
-        try:
-            verdict, content = await self._blocking(
-                call,
-                lambda: self.backend.receive(
-                    _submission(header), spooled.path, reply.content, node_id=node
-                ),
-            )
-        except RequestError as exc:
-            await _abort(context, exc)
-        finally:
-            spooled.path.unlink(missing_ok=True)
-        self.mailbox.reply(node, header.message_id, Message(content, reply_to=task.message))
-        return pb.SubmitReply(
-            decision="accepted" if verdict.accepted else "rejected",
-            reason=verdict.reason,
-            submission_id=verdict.submission_id,
-        )
+        return task, reply
 
     async def _receive(
         self, call: Admission, context: Context, header: pb.SubmissionHeader

@@ -672,7 +672,8 @@ def start_server(
         raise
 
     def task_put(node: int | None) -> None:
-        loop.call_soon_threadsafe(servicer._task_put, node)
+        with suppress(RuntimeError):  # the loop closed: the server is stopping
+            loop.call_soon_threadsafe(servicer._task_put, node)
 
     mailbox.watch(task_put)
     log.info(

@@ -62,10 +62,13 @@ def write_settings(config: Path, settings: dict[str, object]) -> None:
 
 
 @contextmanager
-def serve(home: Path, *, wait_s: float = 60.0, **settings: object) -> Iterator[ServeProcess]:
+def serve(
+    home: Path, *, wait_s: float = 60.0, stay: bool = False, **settings: object
+) -> Iterator[ServeProcess]:
     """Run `gym-coordinator serve` on `home` (a `gym-coordinator init` home) until the block ends.
 
-    It listens on free loopback ports; `settings` go into `coordinator.toml` as they are.
+    It listens on free loopback ports; `settings` go into `coordinator.toml` as they are; `stay`
+    keeps it serving after its last round (`--stay`).
     Stopped with SIGTERM (SIGKILL after 30 s) by its process group.
     """
     port, rest = free_port(), free_port()
@@ -75,7 +78,8 @@ def serve(home: Path, *, wait_s: float = 60.0, **settings: object) -> Iterator[S
     )
     log = (home / "serve.log").open("wb")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "zoo_gym.cli.coordinator", "serve", "-c", str(config)],
+        [sys.executable, "-m", "zoo_gym.cli.coordinator", "serve", "-c", str(config)]
+        + (["--stay"] if stay else []),
         stdout=log,
         stderr=subprocess.STDOUT,
         start_new_session=True,

@@ -79,3 +79,48 @@ def test_approval_holds_new_keys_and_invite_needs_a_code(backend: CoordinatorBac
         join(backend, Identity.generate(), peer="10.0.0.1", invite=code)
 
     assert refused.value.code == "PERMISSION_DENIED" and rows(backend) == 2
+
+
+def test_a_flood_of_new_keys_is_refused_before_the_signature_and_the_database(
+    backend: CoordinatorBackend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Prepare: one key known from an earlier start, the address's allowance spent
+    known = Identity.generate()
+    assert join(backend, known, peer="10.0.0.1") == "active"
+    assert join(backend, Identity.generate(), peer="10.0.0.1") == "active"
+    restarted = CoordinatorBackend(
+        engine=backend.engine,
+        registry=backend.registry,
+        signer=backend.signer,
+        payload_dir=backend.payload_dir,
+        max_upload_bytes=backend.max_upload_bytes,
+        admission=backend.admission,
+    )
+    restarted._new_keys_by_address.take("10.0.0.1")
+    restarted._new_keys_by_address.take("10.0.0.1")
+    assert join(restarted, known, peer="10.0.0.1") == "active"  # the ledger's keys are known
+    lookups: list[str] = []
+    get_contributor = ledger.get_contributor
+
+    def counted(session: Session, *, contributor_id: str) -> object:
+        lookups.append(contributor_id)
+        return get_contributor(session, contributor_id=contributor_id)
+
+    monkeypatch.setattr(ledger, "get_contributor", counted)
+    stranger = Identity.generate()
+    ts = int(time.time() * 1000)
+
+    # Execute: a new key with a signature that verifies for nothing
+    with pytest.raises(RequestError, match="from your address") as refused:
+        restarted.register(
+            public_key=stranger.public_key,
+            name="x",
+            timestamp_ms=ts,
+            signature=b"\0" * 64,
+            peer="10.0.0.1",
+        )
+
+    # Assert: refused for the allowance, without a lookup; a known key still answers
+    assert refused.value.code == "RESOURCE_EXHAUSTED" and lookups == []
+    assert join(restarted, known, peer="10.0.0.1") == "active"
+    assert rows(restarted) == 2

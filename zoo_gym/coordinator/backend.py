@@ -111,6 +111,8 @@ class CoordinatorBackend:
         if require_approval:
             self.require_approval = True
         self.lock = threading.Lock()
+        self._known: set[str] | None = None
+        self._known_lock = threading.Lock()
         self.open_round: OpenRound | None = None
         payload_dir.mkdir(parents=True, exist_ok=True)
 
@@ -159,20 +161,24 @@ class CoordinatorBackend:
     ) -> Registration:
         """Register a key under the admission policy; a known key is answered as it stands.
 
-        Checks run cheapest first and nothing is written for a refused key: the signature, a
-        known key (answered without spending any allowance), an invitation code's presence,
-        the per-address and global allowances for new keys (spent only by callers over the
-        network, `peer` not None), then the code itself.
+        Checks run cheapest first and nothing is written for a refused key: a new key while
+        the allowances for new keys are spent (refused from memory, before the signature or
+        the database: this is what a registration flood meets), the signature, a known key
+        (answered without spending any allowance), an invitation code's presence, the
+        per-address and global allowances (spent only by callers over the network, `peer` not
+        None), then the code itself.
         """
         if len(public_key) != 32:
             raise RequestError("INVALID_ARGUMENT", "public key must be a raw 32-byte Ed25519 key")
         self._check_clock(timestamp_ms)
+        cid = contributor_id(public_key)
+        if peer is not None and cid not in self._known_ids():
+            self._allowance(peer, spend=False)
         if not verify(public_key, signature, register_statement(public_key, name, timestamp_ms)):
             raise RequestError(
                 "UNAUTHENTICATED",
                 "registration signature does not match the key; check your key file",
             )
-        cid = contributor_id(public_key)
         with Session(self.engine) as session:
             known = ledger.get_contributor(session, contributor_id=cid)
             if known is not None and bytes(known.public_key) == bytes(public_key):
@@ -201,7 +207,7 @@ class CoordinatorBackend:
                 "ask the operator for a code and join with --invite CODE",
             )
         if peer is not None:
-            self._spend_allowance(peer)
+            self._allowance(peer, spend=True)
         status = "pending" if policy.admission == "approval" else "active"
         try:
             if policy.admission == "invite":
@@ -219,17 +225,29 @@ class CoordinatorBackend:
                 )
         except ledger.InviteRefused as exc:
             raise RequestError("PERMISSION_DENIED", str(exc)) from None
+        self._known_ids().add(cid)
         return row.status
 
-    def _spend_allowance(self, peer: str) -> None:
-        """Take one new key from `peer`'s allowance and the global one, or refuse."""
-        wait = self._new_keys_by_address.take(peer)
+    def _known_ids(self) -> set[str]:
+        """Every registered key's id, read from the ledger once; rows are never deleted, and
+        every key admitted here is added."""
+        with self._known_lock:
+            if self._known is None:
+                with Session(self.engine) as session:
+                    self._known = ledger.contributor_ids(session)
+            return self._known
+
+    def _allowance(self, peer: str, *, spend: bool) -> None:
+        """Refuse a new key when `peer`'s allowance or the global one is empty; with `spend`
+        take one new key from each."""
+        by_address, overall = self._new_keys_by_address, self._new_keys
+        wait = by_address.take(peer) if spend else by_address.wait(peer)
         if wait > 0:
             raise RequestError(
                 "RESOURCE_EXHAUSTED",
                 f"too many new keys registered from your address just now; retry in {max(1.0, wait):.0f} s",
             )
-        wait = self._new_keys.take("")
+        wait = overall.take("") if spend else overall.wait("")
         if wait > 0:
             raise RequestError(
                 "RESOURCE_EXHAUSTED",

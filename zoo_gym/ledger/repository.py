@@ -99,6 +99,11 @@ def get_contributor(session: Session, *, contributor_id: str) -> Contributor | N
     return session.get(Contributor, contributor_id)
 
 
+def contributor_ids(session: Session) -> set[str]:
+    """Every registered contributor's id, whatever its status."""
+    return set(session.exec(select(Contributor.contributor_id)).all())
+
+
 def list_contributors(session: Session, *, status: str | None = None) -> list[Contributor]:
     query = select(Contributor).order_by(
         col(Contributor.created_at), col(Contributor.contributor_id)

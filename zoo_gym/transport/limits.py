@@ -74,6 +74,16 @@ class TokenBuckets:
         self._buckets: OrderedDict[str, tuple[float, float]] = OrderedDict()  # key -> (tokens, at)
         self._lock = threading.Lock()
 
+    def wait(self, key: str) -> float:
+        """Seconds until `key` has a token (0.0: it has one now), taking nothing."""
+        if self.rate <= 0:
+            return 0.0
+        now = self.clock()
+        with self._lock:
+            tokens, at = self._buckets.get(key, (self.burst, now))
+        tokens = min(self.burst, tokens + (now - at) * self.rate)
+        return 0.0 if tokens >= 1.0 else (1.0 - tokens) / self.rate
+
     def take(self, key: str) -> float:
         if self.rate <= 0:
             return 0.0

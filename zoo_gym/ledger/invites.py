@@ -20,7 +20,7 @@ from sqlmodel import Session, col, select
 from zoo_gym.ledger.apikeys import hash_token
 from zoo_gym.ledger.log import append_entry
 from zoo_gym.ledger.models import AuditEvent, Contributor, Invite, utcnow
-from zoo_gym.ledger.repository import ContributorKeyMismatch, LedgerError, NotFound, _writing
+from zoo_gym.ledger.repository import LedgerError, NotFound, _writing, registered
 
 INVITE_SCHEME = "zgi"
 PREFIX_HEX = 8
@@ -166,12 +166,8 @@ def register_with_invite(
     InviteRefused (unknown, revoked, expired or used-up code) or ContributorKeyMismatch.
     """
     with _writing(session):
-        existing = session.get(Contributor, contributor_id)
+        existing = registered(session, contributor_id=contributor_id, public_key=public_key)
         if existing is not None:
-            if bytes(existing.public_key) != bytes(public_key):
-                raise ContributorKeyMismatch(
-                    f"contributor {contributor_id} is registered with another public key"
-                )
             return existing
         invite = _find_code(session, code)
         reason = _why_not(invite)

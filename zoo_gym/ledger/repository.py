@@ -78,12 +78,8 @@ def register_contributor(
     """Register a contributor; registering the same id with the same key again returns it as is."""
     _check(status, CONTRIBUTOR_STATUSES, "status")
     with _writing(session):
-        existing = session.get(Contributor, contributor_id)
+        existing = registered(session, contributor_id=contributor_id, public_key=public_key)
         if existing is not None:
-            if bytes(existing.public_key) != bytes(public_key):
-                raise ContributorKeyMismatch(
-                    f"contributor {contributor_id} is registered with another public key"
-                )
             return existing
         contributor = Contributor(
             contributor_id=contributor_id, public_key=bytes(public_key), name=name, status=status
@@ -93,6 +89,17 @@ def register_contributor(
         append_entry(session, kind="contributor", changes=[(contributor, None)])
     session.refresh(contributor)
     return contributor
+
+
+def registered(session: Session, *, contributor_id: str, public_key: bytes) -> Contributor | None:
+    """The row of `contributor_id` when registered with `public_key`; None when not registered.
+    Raises ContributorKeyMismatch when the id is registered with another key."""
+    existing = session.get(Contributor, contributor_id)
+    if existing is not None and bytes(existing.public_key) != bytes(public_key):
+        raise ContributorKeyMismatch(
+            f"contributor {contributor_id} is registered with another public key"
+        )
+    return existing
 
 
 def get_contributor(session: Session, *, contributor_id: str) -> Contributor | None:

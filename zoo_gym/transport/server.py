@@ -27,7 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, NoReturn, TypeAlias, TypeVar
+from typing import Any, BinaryIO, NoReturn, TypeAlias, TypeVar
 
 import grpc
 import grpc.aio
@@ -322,21 +322,24 @@ class FederationServicer:
             )
         except RequestError as exc:
             await _abort(context, exc)
-        total = (await self._blocking(call, path.stat)).st_size
-        if request.offset > total:
-            await context.abort(
-                grpc.StatusCode.OUT_OF_RANGE,
-                f"offset {request.offset} is past the end ({total} bytes)",
-            )
-        offset = request.offset
-        while offset < total or total == 0:
-            chunk = await self._blocking(
-                call, functools.partial(_read_at, path, offset, CHUNK_BYTES)
-            )
-            await self._send(context, pb.FileChunk(offset=offset, data=chunk, total_size=total))
-            if not chunk:
-                return
-            offset += len(chunk)
+        fh = await self._blocking(call, functools.partial(_open_binary, path))
+        try:
+            total = os.fstat(fh.fileno()).st_size
+            if request.offset > total:
+                await context.abort(
+                    grpc.StatusCode.OUT_OF_RANGE,
+                    f"offset {request.offset} is past the end ({total} bytes)",
+                )
+            fh.seek(request.offset)
+            offset = request.offset
+            while offset < total or total == 0:
+                chunk = await self._blocking(call, functools.partial(fh.read, CHUNK_BYTES))
+                await self._send(context, pb.FileChunk(offset=offset, data=chunk, total_size=total))
+                if not chunk:
+                    return
+                offset += len(chunk)
+        finally:
+            fh.close()
 
     async def _send(self, context: Context, message: Any) -> None:
         """Write `message`, giving up on a reader that takes none for `upload_idle_timeout_s`."""
@@ -510,10 +513,8 @@ def _not_a(kind: type[Message_]) -> str:
     return f"the request is not a valid {kind.DESCRIPTOR.name} message; use a zoo-gym client of protocol v1"
 
 
-def _read_at(path: Path, offset: int, size: int) -> bytes:
-    with path.open("rb") as fh:
-        fh.seek(offset)
-        return fh.read(size)
+def _open_binary(path: Path) -> BinaryIO:
+    return path.open("rb")
 
 
 def _submission(header: pb.SubmissionHeader) -> Submission:

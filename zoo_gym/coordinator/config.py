@@ -264,6 +264,14 @@ class CoordinatorConfig(HomeConfig):
     api_lockout_s: float = Field(
         300.0, gt=0, description="how long a spent failure budget takes to refill completely"
     )
+    api_refusal_delay_s: float = Field(
+        1.0,
+        ge=0,
+        le=60,
+        description="a request without a valid credential from an address, or naming a "
+        "credential, whose failure budget is spent is answered 429 after this delay and "
+        "without reaching the app, so a flood paces itself; 0 = at once",
+    )
     api_max_body_bytes: int = Field(
         64 << 10,
         ge=1024,

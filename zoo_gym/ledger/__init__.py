@@ -10,6 +10,7 @@ package that imports the database; it never imports torch.
 
 from zoo_gym.ledger.apikeys import (
     IssuedKey,
+    active_key_digests,
     authenticate_api_key,
     create_api_key,
     list_api_keys,
@@ -138,6 +139,7 @@ __all__ = [
     "Submission",
     "SubmissionPublic",
     "VerifyReport",
+    "active_key_digests",
     "append_checkpoint",
     "append_entry",
     "authenticate_api_key",

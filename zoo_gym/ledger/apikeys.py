@@ -90,6 +90,13 @@ def list_api_keys(session: Session, *, include_revoked: bool = True) -> list[Api
     return list(session.exec(query).all())
 
 
+def active_key_digests(session: Session) -> dict[str, str]:
+    """prefix -> SHA-256 digest of every active key: what a caller needs to check presented
+    tokens without a query per token (it must read this again to see keys issued since)."""
+    query = select(ApiKey.prefix, ApiKey.secret_sha256).where(col(ApiKey.revoked_at).is_(None))
+    return dict(session.exec(query).all())
+
+
 def _find(session: Session, key: str) -> ApiKey:
     row = session.exec(select(ApiKey).where(ApiKey.prefix == key)).first()
     if row is not None:

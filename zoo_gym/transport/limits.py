@@ -54,6 +54,35 @@ class RateLimits:
     workers_per_contributor: int = 2
     first_message_timeout_s: float = 10.0
     upload_idle_timeout_s: float = 30.0
+    refusal_delay_s: float = 1.0
+
+
+MAX_PACED = 1024
+"""Refusals a `RefusalPacer` holds at once; past that they are answered at once."""
+
+
+class RefusalPacer:
+    """Answer refusals after `delay_s`, at most `max_waiting` of them at once.
+
+    A caller refused for asking too often and asking again at once costs the service a little
+    each time; one answered after a delay asks at most once per delay per call it keeps open
+    (and its open calls are bounded), so a flood paces itself. The wait is a sleeping task, no
+    thread. Used by one event loop only.
+    """
+
+    def __init__(self, delay_s: float, *, max_waiting: int = MAX_PACED) -> None:
+        self.delay_s = delay_s
+        self.max_waiting = max_waiting
+        self.waiting = 0
+
+    async def pause(self) -> None:
+        if self.delay_s <= 0 or self.waiting >= self.max_waiting:
+            return
+        self.waiting += 1
+        try:
+            await asyncio.sleep(self.delay_s)
+        finally:
+            self.waiting -= 1
 
 
 class TokenBuckets:

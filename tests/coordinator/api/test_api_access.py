@@ -87,6 +87,7 @@ def test_every_route_has_a_unique_operation_id() -> None:
 
 @pytest.mark.parametrize(("method", "route"), PROTECTED)
 def test_route_refuses_a_missing_token(shared_world: World, method: str, route: APIRoute) -> None:
+    shared_world.app.state.zoo.guard = ApiGuard()  # each case fresh: a missing token counts too
     response = call(shared_world, method, route, {})
     assert response.status_code == 401, response.text
     assert response.headers["www-authenticate"] == "Bearer"

@@ -23,12 +23,14 @@ from fastapi import FastAPI, Request, status
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from fastapi.routing import APIRoute
+from sqlmodel import Session
 from starlette.exceptions import HTTPException
 
 from zoo_gym import ledger
 from zoo_gym.coordinator.api.auth import ContributorAuth
 from zoo_gym.coordinator.api.deps import ACCESS_TEXT, ApiState, ViewerDep, route_access
 from zoo_gym.coordinator.api.limits import ApiGuard, RequestLimits, head_deadline, short
+from zoo_gym.coordinator.api.pacing import FailurePacing, KeyTable
 from zoo_gym.coordinator.api.routes import auth, contributors, models, policy, rewards, rounds
 from zoo_gym.coordinator.api.routes import ledger as ledger_routes
 from zoo_gym.coordinator.api.routes import metrics as metrics_routes
@@ -119,13 +121,14 @@ def _document_access(app: FastAPI) -> None:
             route.description = f"{route.description}\n\n{note}".strip()
 
 
-def _guard(co: Coordinator) -> ApiGuard:
+def make_guard(co: Coordinator) -> ApiGuard:
     c = co.config
     return ApiGuard(
         auth_rate_per_s=c.api_auth_rate_per_s,
         auth_burst=c.api_auth_burst,
         max_failures=c.api_max_failures,
         lockout_s=c.api_lockout_s,
+        refusal_delay_s=c.api_refusal_delay_s,
     )
 
 
@@ -160,10 +163,21 @@ def _fastapi(*, docs: bool) -> FastAPI:
 
 
 def _guard_requests(app: FastAPI, co: Coordinator) -> None:
-    """The viewer-only schema (unless docs are on), the error handlers and the request limits."""
+    """The viewer-only schema (unless docs are on), the error handlers, the pacing of failed
+    credentials and, around everything, the request limits."""
     if not co.config.api_docs:
         _serve_schema(app)
     _handle_errors(app)
+
+    def load_keys() -> dict[str, str]:
+        with Session(co.engine) as session:
+            return ledger.active_key_digests(session)
+
+    app.add_middleware(
+        FailurePacing,
+        keys=KeyTable(load_keys),
+        open_routes=OPEN_ROUTES,
+    )
     app.add_middleware(
         RequestLimits,
         max_body_bytes=co.config.api_max_body_bytes,
@@ -188,7 +202,7 @@ def create_app(
         control=control if control is not None else RoundControl(),
         metrics=metrics if metrics is not None else CoordinatorMetrics(),
         auth=contributor_auth if contributor_auth is not None else ContributorAuth(),
-        guard=guard if guard is not None else _guard(co),
+        guard=guard if guard is not None else make_guard(co),
     )
     state.metrics.watch_ledger(co.engine)
     state.metrics.watch_control(state.control)

@@ -115,11 +115,13 @@ def authenticate(
 ) -> Principal:
     """Who is calling. A credential that verifies is always served; one that does not counts
     against its address and what it names, and past their budgets is answered 429 (`limits`)."""
+    address = client_address(request)
     if credentials is None:
-        raise unauthorized(
+        missing = unauthorized(
             "this route needs a bearer token: an API key (gym-coordinator apikey create) "
             "or a contributor token (POST /auth/token)"
         )
+        raise refuse_credential(state.guard, address, None, missing)
     token = credentials.credentials
     if token.startswith(f"{TOKEN_SCHEME}_"):
         contributor = state.auth.verify_token(token)
@@ -132,7 +134,6 @@ def authenticate(
             role: Role = "admin" if key.role == "admin" else "viewer"
             return Principal(role, key.name, key_prefix=key.prefix)
         refusal = unauthorized("the API key is unknown or revoked")
-    address = client_address(request)
     raise refuse_credential(state.guard, address, credential_name(token), refusal)
 
 

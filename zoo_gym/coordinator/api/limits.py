@@ -58,7 +58,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from zoo_gym.ledger.apikeys import token_prefix
-from zoo_gym.transport.limits import TokenBuckets
+from zoo_gym.transport.limits import RefusalPacer, TokenBuckets
 
 log = logging.getLogger(__name__)
 
@@ -71,8 +71,9 @@ _CONTRIBUTOR_ID = re.compile(r"^[0-9a-f]{32}$")
 
 
 class ApiGuard:
-    """Sign-in rate per address; failed-credential budgets per address and per credential.
-    Thread-safe (each table is a `TokenBuckets`)."""
+    """Sign-in rate per address; failed-credential budgets per address and per credential, and
+    the pacing of refusals past them (`pacing`). Thread-safe (each table is a `TokenBuckets`),
+    but `pacer` is for the server's event loop only."""
 
     def __init__(
         self,
@@ -81,10 +82,12 @@ class ApiGuard:
         auth_burst: int = 20,
         max_failures: int = 10,
         lockout_s: float = 300.0,
+        refusal_delay_s: float = 1.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.max_failures = max_failures
         self.lockout_s = lockout_s
+        self.pacer = RefusalPacer(refusal_delay_s)  # used by the middleware, on the event loop
         self.clock = clock
         self._warned_at = -math.inf
         refill = max_failures / lockout_s
@@ -97,6 +100,12 @@ class ApiGuard:
         self.credential_failures = TokenBuckets(
             refill, max_failures, max_keys=MAX_CREDENTIALS, clock=clock
         )
+
+    def spent(self, address: str, credential: str | None) -> bool:
+        """Whether the address's or the credential's failure budget is empty now."""
+        if self.address_failures.wait(address) > 0:
+            return True
+        return credential is not None and self.credential_failures.wait(credential) > 0
 
     def failed(self, address: str, credential: str | None) -> float:
         """Count one failed credential; seconds until the address's and the credential's
@@ -192,19 +201,19 @@ class RequestLimits:
             return
         declared = content_length(scope)
         if declared is not None and declared > self.max_body_bytes:
-            await answer(send, 413, self.too_large(), close=True)
+            await refuse_body(scope, send, 413, self.too_large())
             return
         try:
             async with asyncio.timeout(self.read_timeout_s):
                 first = await read_body(receive, self.max_body_bytes)
         except BodyTooLarge:
-            await answer(send, 413, self.too_large(), close=True)
+            await refuse_body(scope, send, 413, self.too_large())
             return
         except TimeoutError:
             late = (
                 f"the request body did not arrive within {self.read_timeout_s:g} s; send it at once"
             )
-            await answer(send, 408, late, close=True)
+            await refuse_body(scope, send, 408, late)
             return
         if first is None:  # the client went away
             return
@@ -215,6 +224,21 @@ class RequestLimits:
             f"the request body is larger than {self.max_body_bytes} bytes, "
             "the most this API accepts; send a smaller one"
         )
+
+
+async def refuse_body(scope: Scope, send: Send, status_code: int, detail: str) -> None:
+    """Answer a body refused by size or time and close the connection. It counts as a failure
+    of its address; past the address's budget the answer waits the refusal delay."""
+    guard: ApiGuard = scope["app"].state.zoo.guard
+    if guard.failed(scope_address(scope), None) > 0:
+        await guard.pacer.pause()
+    await answer(send, status_code, detail, close=True)
+
+
+def scope_address(scope: Scope) -> str:
+    """The socket peer of an ASGI request, as `client_address` gives it."""
+    client = scope.get("client")
+    return str(client[0]) if client else "unknown"
 
 
 def content_length(scope: Scope) -> int | None:
@@ -256,12 +280,20 @@ def replay(first: Message, receive: Receive) -> Receive:
     return replayed
 
 
-async def answer(send: Send, status_code: int, detail: str, *, close: bool = False) -> None:
-    """A JSON error `{"detail": ...}` straight from the middleware."""
+async def answer(
+    send: Send,
+    status_code: int,
+    detail: str,
+    *,
+    close: bool = False,
+    headers: list[tuple[bytes, bytes]] | None = None,
+) -> None:
+    """A JSON error `{"detail": ...}` straight from the middleware, with `headers` added."""
     body = json.dumps({"detail": detail}).encode()
-    headers: list[tuple[bytes, bytes]] = [
+    headers = [
         (b"content-type", b"application/json"),
         (b"content-length", str(len(body)).encode()),
+        *(headers or ()),
     ]
     if close:
         headers.append((b"connection", b"close"))

@@ -26,6 +26,7 @@ from zoo_gym.transport.limits import (
     Admission,
     CallGate,
     RateLimits,
+    RefusalPacer,
     Refused,
     WorkerShares,
     peer_key,
@@ -283,3 +284,45 @@ def test_grpc_errors_of_the_limits_are_one_line(wire: Wire) -> None:
         )
     finally:
         channel.close()
+
+
+def test_refusals_wait_the_delay_up_to_a_bound() -> None:
+    async def scenario() -> tuple[float, float, int]:
+        pacer = RefusalPacer(0.3, max_waiting=2)
+        began = time.monotonic()
+        held = [asyncio.create_task(pacer.pause()) for _ in range(2)]
+        await asyncio.sleep(0)
+        waiting = pacer.waiting
+        await pacer.pause()  # a third finds the bound full: answered at once
+        at_once = time.monotonic() - began
+        await asyncio.gather(*held)
+        return at_once, time.monotonic() - began, waiting
+
+    at_once, held_for, waiting = asyncio.run(scenario())
+    assert waiting == 2
+    assert at_once < 0.1 <= 0.3 <= held_for
+
+
+def test_a_flood_over_the_rate_is_answered_one_refusal_per_delay(tiny_home: Path) -> None:
+    # Prepare: the default refusal delay; an address may make one call per 100 s
+    limits = RateLimits(peer_rate_per_s=0.01, peer_burst=1)
+    assert limits.refusal_delay_s == 1.0
+    wire = build_wire(tiny_home, limits=limits)
+    try:
+        client = wire.client()
+        client.register("spent")
+
+        # Execute: ask again and again, each time as soon as answered, for 2.5 s
+        codes: list[str] = []
+        began = time.monotonic()
+        while time.monotonic() - began < 2.5:
+            try:
+                client.register("again")
+            except Exception as exc:
+                codes.append(getattr(exc, "code", type(exc).__name__))
+
+        # Assert: three refusals at most, each after the delay
+        assert codes and set(codes) == {"RESOURCE_EXHAUSTED"}
+        assert len(codes) <= 3
+    finally:
+        wire.close()

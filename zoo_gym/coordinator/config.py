@@ -250,6 +250,14 @@ class CoordinatorConfig(HomeConfig):
     upload_idle_timeout_s: float = Field(
         30.0, gt=0, description="an upload (or download) that moves no data for this long is ended"
     )
+    grpc_refusal_delay_s: float = Field(
+        1.0,
+        ge=0,
+        le=60,
+        description="a gRPC call refused by a limit above, or a new key refused while the "
+        "registration allowances are spent, is answered after this delay (a sleeping task, "
+        "at most 1024 at once), so a flood paces itself; 0 = at once",
+    )
     # -- REST API limits --
     api_auth_rate_per_s: float = Field(
         2.0, ge=0, description="REST sign-in calls per second per client address; 0 = unlimited"
@@ -373,6 +381,7 @@ class CoordinatorConfig(HomeConfig):
             "workers_per_contributor": self.grpc_workers_per_contributor,
             "first_message_timeout_s": self.first_message_timeout_s,
             "upload_idle_timeout_s": self.upload_idle_timeout_s,
+            "refusal_delay_s": self.grpc_refusal_delay_s,
         }
 
     @property

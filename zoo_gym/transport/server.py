@@ -44,6 +44,7 @@ from zoo_gym.transport.limits import (
     Admission,
     CallGate,
     RateLimits,
+    RefusalPacer,
     Refused,
     WorkerShares,
     peer_host,
@@ -105,6 +106,7 @@ class FederationServicer:
         self.spool = spool
         self.limits = limits or RateLimits()
         self.gate = CallGate(self.limits)
+        self.pacer = RefusalPacer(self.limits.refusal_delay_s)
         self.shares = WorkerShares(
             executor,
             workers=self.limits.workers,
@@ -122,6 +124,7 @@ class FederationServicer:
         try:
             call = self.gate.admit(peer_key(context.peer()))
         except Refused as exc:
+            await self.pacer.pause()
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
         try:
             yield call
@@ -231,6 +234,8 @@ class FederationServicer:
                 ),
             )
         except RequestError as exc:
+            if exc.code == "RESOURCE_EXHAUSTED":  # the allowance for new keys is spent
+                await self.pacer.pause()
             await _abort(context, exc)
         return pb.RegisterReply(
             contributor_id=reg.contributor_id,

@@ -11,10 +11,11 @@ import pytest
 from sqlmodel import Session
 
 from zoo_gym import ledger
-from zoo_gym.coordinator.backend import AdmissionPolicy, CoordinatorBackend
+from zoo_gym.coordinator.backend import IMPATIENCE_BURST, AdmissionPolicy, CoordinatorBackend
 from zoo_gym.coordinator.registry import ModelRegistry
 from zoo_gym.core.identity import Identity
 from zoo_gym.core.protocol import RequestError, register_statement
+from zoo_gym.transport.limits import TokenBuckets
 
 
 @pytest.fixture
@@ -124,3 +125,23 @@ def test_a_flood_of_new_keys_is_refused_before_the_signature_and_the_database(
     assert refused.value.code == "RESOURCE_EXHAUSTED" and lookups == []
     assert join(restarted, known, peer="10.0.0.1") == "active"
     assert rows(restarted) == 2
+
+
+def test_the_reserve_is_left_to_addresses_that_wait_when_told(
+    backend: CoordinatorBackend,
+) -> None:
+    backend.admission = AdmissionPolicy("open", 1e-6, 4, 1e-6, 100, reserve=2)
+    for _ in range(4):  # a patient address may take the whole overall allowance
+        join(backend, Identity.generate(), peer="10.0.0.9")
+    for _ in range(IMPATIENCE_BURST + 1):  # then it keeps asking while refused
+        with pytest.raises(RequestError, match="the coordinator takes"):
+            join(backend, Identity.generate(), peer="10.0.0.9")
+    backend._new_keys = TokenBuckets(1e-6, 4)  # the overall allowance has refilled
+
+    flood = [join(backend, Identity.generate(), peer="10.0.0.9") for _ in range(2)]
+    with pytest.raises(RequestError, match="the coordinator takes"):
+        join(backend, Identity.generate(), peer="10.0.0.9")  # the reserve is not for it
+    newcomers = [join(backend, Identity.generate(), peer=f"10.0.1.{i}") for i in range(2)]
+
+    assert flood == newcomers == ["active", "active"]
+    assert rows(backend) == 8

@@ -63,6 +63,13 @@ class OpenRound:
     accepted: set[str] = field(default_factory=set)
 
 
+IMPATIENCE_RATE_PER_S = 0.5
+IMPATIENCE_BURST = 3
+"""An address refused new keys faster than this (after a burst) loses the overall reserve:
+one that asks again as soon as it is answered is (refusals are answered after the service's
+refusal delay, 1 s by default), `gym-client`, which waits as told and then longer, is not."""
+
+
 @dataclass(frozen=True)
 class AdmissionPolicy:
     """Who may register a new key, and how fast new keys are taken.
@@ -72,6 +79,11 @@ class AdmissionPolicy:
     most `rate_per_s` per second (bursts of `burst`) over all addresses and
     `per_address_rate_per_s` (bursts of `per_address_burst`) from one address; 0 = unlimited.
     A key already registered is answered without spending either allowance.
+
+    The last `reserve` keys of the overall allowance go only to patient addresses: those that
+    were not refused more than `IMPATIENCE_BURST` times at a pace faster than one refusal per
+    2 s. A flood that keeps asking while refused is left what is above the reserve, and a
+    newcomer who retries when told finds a key waiting for it.
     """
 
     admission: str = "open"
@@ -79,6 +91,7 @@ class AdmissionPolicy:
     burst: int = 50
     per_address_rate_per_s: float = 0.1
     per_address_burst: int = 20
+    reserve: int = 10
 
 
 class CoordinatorBackend:
@@ -127,6 +140,7 @@ class CoordinatorBackend:
         self._new_keys_by_address = TokenBuckets(
             policy.per_address_rate_per_s, policy.per_address_burst
         )
+        self._impatience = TokenBuckets(IMPATIENCE_RATE_PER_S, IMPATIENCE_BURST)
 
     @property
     def require_approval(self) -> bool:
@@ -238,17 +252,20 @@ class CoordinatorBackend:
             return self._known
 
     def _allowance(self, peer: str, *, spend: bool) -> None:
-        """Refuse a new key when `peer`'s allowance or the global one is empty; with `spend`
-        take one new key from each."""
+        """Refuse a new key when `peer`'s allowance or the global one is empty (the reserve
+        counts as empty for an impatient `peer`); with `spend` take one new key from each."""
         by_address, overall = self._new_keys_by_address, self._new_keys
         wait = by_address.take(peer) if spend else by_address.wait(peer)
         if wait > 0:
+            self._impatience.take(peer)
             raise RequestError(
                 "RESOURCE_EXHAUSTED",
                 f"too many new keys registered from your address just now; retry in {max(1.0, wait):.0f} s",
             )
-        wait = overall.take("") if spend else overall.wait("")
+        keep = self._admission.reserve if self._impatience.wait(peer) > 0 else 0
+        wait = overall.take("", keep=keep) if spend else overall.wait("", keep=keep)
         if wait > 0:
+            self._impatience.take(peer)
             raise RequestError(
                 "RESOURCE_EXHAUSTED",
                 f"too many new keys registered just now (the coordinator takes "

@@ -181,6 +181,12 @@ class CoordinatorConfig(HomeConfig):
         0.1, ge=0, description="new keys registered per second from one address; 0 = unlimited"
     )
     registration_burst_per_address: int = Field(20, ge=1)
+    registration_reserve: int = Field(
+        10,
+        ge=0,
+        description="of the overall allowance, the last keys kept for addresses that retry "
+        "when told rather than keep asking while refused; must be below registration_burst",
+    )
     trusted_reputation: float = Field(
         0.3,
         ge=0,
@@ -352,6 +358,11 @@ class CoordinatorConfig(HomeConfig):
             )
         if self.require_approval:
             self.admission = "approval"
+        if self.registration_reserve >= self.registration_burst:
+            raise ValueError(
+                f"registration_reserve ({self.registration_reserve}) must be below "
+                f"registration_burst ({self.registration_burst}); lower it or raise the burst"
+            )
         if self.grpc_workers_per_peer > self.grpc_workers:
             raise ValueError("grpc_workers_per_peer must not exceed grpc_workers")
         if self.grpc_workers_per_contributor > self.grpc_workers_per_peer:

@@ -76,6 +76,7 @@ def admission_policy(config: CoordinatorConfig) -> AdmissionPolicy:
         config.registration_burst,
         config.registration_rate_per_address_per_s,
         config.registration_burst_per_address,
+        config.registration_reserve,
     )
 
 

@@ -103,24 +103,26 @@ class TokenBuckets:
         self._buckets: OrderedDict[str, tuple[float, float]] = OrderedDict()  # key -> (tokens, at)
         self._lock = threading.Lock()
 
-    def wait(self, key: str) -> float:
-        """Seconds until `key` has a token (0.0: it has one now), taking nothing."""
+    def wait(self, key: str, *, keep: float = 0.0) -> float:
+        """Seconds until `key` has a token above `keep` (0.0: it has one now), taking nothing."""
         if self.rate <= 0:
             return 0.0
         now = self.clock()
         with self._lock:
             tokens, at = self._buckets.get(key, (self.burst, now))
         tokens = min(self.burst, tokens + (now - at) * self.rate)
-        return 0.0 if tokens >= 1.0 else (1.0 - tokens) / self.rate
+        return 0.0 if tokens >= 1.0 + keep else (1.0 + keep - tokens) / self.rate
 
-    def take(self, key: str) -> float:
+    def take(self, key: str, *, keep: float = 0.0) -> float:
+        """Take one of `key`'s tokens, unless that would leave fewer than `keep`: 0.0 (taken) or
+        the seconds until one can be taken."""
         if self.rate <= 0:
             return 0.0
         now = self.clock()
         with self._lock:
             tokens, at = self._buckets.pop(key, (self.burst, now))
             tokens = min(self.burst, tokens + (now - at) * self.rate)
-            wait = 0.0 if tokens >= 1.0 else (1.0 - tokens) / self.rate
+            wait = 0.0 if tokens >= 1.0 + keep else (1.0 + keep - tokens) / self.rate
             self._buckets[key] = (tokens - 1.0 if wait == 0.0 else tokens, now)
             while len(self._buckets) > self.max_keys:
                 self._buckets.popitem(last=False)

@@ -36,6 +36,7 @@ import json
 import os
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -469,6 +470,14 @@ def report(results: dict[int, dict[str, Any]], steps: int, rounds: int) -> None:
     row("zoo-gym in-process round 1", lambda r: r["inproc"]["rounds"][0]["total"])
     row("zoo-gym real processes, round 1", lambda r: r["real"]["rounds"][0])
     row("zoo-gym real processes, round (A)", lambda r: r["real"]["rounds"][last])
+    row(
+        "zoo-gym real processes, warm median",
+        lambda r: statistics.median(r["real"]["rounds"][1:]) if rounds > 1 else None,
+    )
+    row(
+        "zoo-gym real processes, warm min",
+        lambda r: min(r["real"]["rounds"][1:]) if rounds > 1 else None,
+    )
     row("Flower deployment, round 1", lambda r: r["flower"]["rounds"][0])
     row("Flower deployment, round (B)", lambda r: r["flower"]["rounds"][last])
     row("Flower ClientApp model load (mean)", lambda r: r["flower"]["client_load"])

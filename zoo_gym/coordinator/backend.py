@@ -431,8 +431,7 @@ class CoordinatorBackend:
         if self.metrics is not None:
             self.metrics.observe_submission(accepted=verdict.accepted, reason=verdict.reason)
 
-    def check(self, sub: Submission, payload: Path, *, node: int) -> str:
-        """Empty string when `sub` may be accepted, else the reason it may not."""
+    def _sender_reason(self, sub: Submission, node: int) -> str:
         key, status, _ = self._contributor(sub.contributor_id)
         if node_id(key) != node:
             return "submission names a different contributor than the one that sent it"
@@ -440,7 +439,9 @@ class CoordinatorBackend:
             return f"contributor is {status}"
         if not verify(key, sub.signature, sub.statement()):
             return "submission signature does not match your key; it was altered or signed with another key"
-        current = self.open_round
+        return ""
+
+    def _round_reason(self, sub: Submission, current: OpenRound | None) -> str:
         if current is None or not current.accepting:
             return f"round {sub.round} is not open for submissions; wait for the next task"
         if sub.round != current.number:
@@ -453,18 +454,39 @@ class CoordinatorBackend:
             return (
                 f"update of {sub.payload_size} bytes exceeds the {self.max_upload_bytes}-byte limit"
             )
-        data = payload.read_bytes()
-        if len(data) != sub.payload_size or sha256_bytes(data) != sub.payload_sha256:
-            return "payload size or SHA-256 differs from the signed statement"
-        if sub.contributor_id in current.accepted:
-            return already_accepted_reason(sub.round)
-        return envelope_reason(data, current)
+        return ""
 
     def receive(
         self, sub: Submission, payload: Path, content: RecordDict, *, node_id: int
     ) -> tuple[Verdict, RecordDict]:
+        """Check `sub` (as `check` does) and record the decision.
+
+        What takes time (the contributor's row, the signature, reading and hashing the bytes,
+        one pass over the envelope's values) runs outside `lock`, so submissions are checked
+        side by side; under it the round is looked at again (it may have closed or moved on
+        meanwhile), one contributor's second acceptance is refused, and the decision is
+        recorded.
+        """
+        checked = self.open_round
+        reason = self._sender_reason(sub, node_id) or self._round_reason(sub, checked)
+        envelope = ""
+        if not reason:
+            assert checked is not None
+            data = payload.read_bytes()
+            if len(data) != sub.payload_size or sha256_bytes(data) != sub.payload_sha256:
+                reason = "payload size or SHA-256 differs from the signed statement"
+            else:
+                envelope = envelope_reason(data, checked)
         with self.lock:
-            reason = self.check(sub, payload, node=node_id)
+            current = self.open_round
+            if not reason:
+                reason = self._round_reason(sub, current)
+            if not reason and current is not checked:  # a new round opened: check against it
+                assert current is not None
+                envelope = envelope_reason(payload.read_bytes(), current)
+            if not reason and current is not None and sub.contributor_id in current.accepted:
+                reason = already_accepted_reason(sub.round)
+            reason = reason or envelope
             if reason:
                 verdict = self.refuse(sub, reason)
             else:
@@ -478,8 +500,8 @@ class CoordinatorBackend:
                     dp=stated_mechanism(content),
                 )
                 self._observe(verdict)
-                if verdict.accepted and self.open_round is not None:
-                    self.open_round.accepted.add(sub.contributor_id)
+                if verdict.accepted and current is not None:
+                    current.accepted.add(sub.contributor_id)
         record = ConfigRecord(
             {
                 "contributor_id": sub.contributor_id,

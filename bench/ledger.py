@@ -57,8 +57,8 @@ from sqlalchemy import Engine, func, insert, text
 from sqlmodel import Session, select
 
 from zoo_gym import ledger
+from zoo_gym.core import merkle
 from zoo_gym.core.identity import Identity
-from zoo_gym.ledger import merkle
 from zoo_gym.ledger.log import build_record, leaf_hashes, lock_log, log_size
 from zoo_gym.ledger.models import AuditEvent, LogEntry, utcnow
 

@@ -31,9 +31,10 @@ from zoo_gym.client.state import LocalState
 from zoo_gym.coordinator.api.app import RestServer
 from zoo_gym.coordinator.config import load_config
 from zoo_gym.coordinator.service import Coordinator
+from zoo_gym.core import merkle
 from zoo_gym.core.hashing import canonical_json
 from zoo_gym.core.identity import Identity
-from zoo_gym.ledger import LogEntry, merkle
+from zoo_gym.ledger import LogEntry
 from zoo_gym.simulation.demo import free_port
 
 ENV = {"COLUMNS": "220", "NO_COLOR": "1"}

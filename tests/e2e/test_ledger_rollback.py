@@ -25,9 +25,9 @@ from zoo_gym import ledger
 from zoo_gym.cli.client import app as client_app
 from zoo_gym.cli.coordinator import app as coordinator_app
 from zoo_gym.client.state import LocalState
+from zoo_gym.core import merkle
 from zoo_gym.core.hashing import canonical_json
 from zoo_gym.core.identity import Identity
-from zoo_gym.ledger import merkle
 
 pytestmark = pytest.mark.e2e
 

@@ -17,6 +17,8 @@ import pytest
 from sqlalchemy import text
 from sqlmodel import Session
 
+from zoo_gym.core import merkle
+from zoo_gym.core.checkpoints import parse_checkpoints
 from zoo_gym.core.hashing import canonical_json
 from zoo_gym.core.identity import Identity
 from zoo_gym.ledger import (
@@ -28,12 +30,10 @@ from zoo_gym.ledger import (
     latest_checkpoint,
     list_entries,
     log_size,
-    merkle,
     read_checkpoints,
     verify_ledger,
 )
 from zoo_gym.ledger import repository as repo
-from zoo_gym.ledger.checkpoints import parse_checkpoints
 
 if TYPE_CHECKING:
     from conftest import Populated

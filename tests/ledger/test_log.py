@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 import pytest
 from sqlmodel import Session
 
+from zoo_gym.core import merkle
 from zoo_gym.core.hashing import canonical_json
 from zoo_gym.core.identity import Identity, verify
 from zoo_gym.ledger import (
@@ -18,7 +19,6 @@ from zoo_gym.ledger import (
     latest_checkpoint,
     list_entries,
     log_size,
-    merkle,
     verify_ledger,
 )
 from zoo_gym.ledger import repository as repo

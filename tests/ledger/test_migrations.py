@@ -57,9 +57,10 @@ def test_a_ledger_written_before_0004_still_verifies_after_upgrading(database_ur
 
     from sqlmodel import Session, col, select
 
+    from zoo_gym.core import merkle
     from zoo_gym.core.hashing import canonical_json
     from zoo_gym.core.identity import Identity
-    from zoo_gym.ledger import LogEntry, checkpoint, merkle, verify_ledger
+    from zoo_gym.ledger import LogEntry, checkpoint, verify_ledger
     from zoo_gym.ledger import repository as repo
 
     signer = Identity.generate()

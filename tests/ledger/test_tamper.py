@@ -8,8 +8,9 @@ from typing import TYPE_CHECKING, Any
 from sqlalchemy import text
 from sqlmodel import Session
 
+from zoo_gym.core import merkle
 from zoo_gym.core.hashing import canonical_json
-from zoo_gym.ledger import merkle, verify_ledger
+from zoo_gym.ledger import verify_ledger
 from zoo_gym.ledger.log import VerifyReport
 
 if TYPE_CHECKING:

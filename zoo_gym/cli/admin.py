@@ -649,7 +649,7 @@ def ledger_proof(
     format: FormatOpt = Format.table,
 ) -> None:
     """Inclusion proof of an entry, verified here against the root it names."""
-    from zoo_gym.ledger import merkle
+    from zoo_gym.core import merkle
 
     data = _api(ctx).call(
         "GET", "/ledger/proofs/inclusion", params={"index": index, "tree_size": tree_size}
@@ -677,7 +677,7 @@ def ledger_consistency(
     format: FormatOpt = Format.table,
 ) -> None:
     """Consistency proof between two tree sizes, verified here."""
-    from zoo_gym.ledger import merkle
+    from zoo_gym.core import merkle
 
     params = {"old_size": old_size, "new_size": new_size}
     data = _api(ctx).call("GET", "/ledger/proofs/consistency", params=params)

@@ -398,7 +398,7 @@ def ledger_verify(
     from sqlmodel import Session
 
     from zoo_gym import ledger
-    from zoo_gym.ledger import merkle
+    from zoo_gym.core import merkle
     from zoo_gym.ledger.log import leaf_hashes
 
     kept: list[ledger.SignedCheckpoint] = []

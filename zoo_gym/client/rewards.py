@@ -44,10 +44,10 @@ from rich.console import JustifyMethod
 from rich.table import Table
 
 from zoo_gym.client.state import LocalState
+from zoo_gym.core import merkle
+from zoo_gym.core.checkpoints import SignedCheckpoint
 from zoo_gym.core.identity import Identity
 from zoo_gym.core.protocol import rest_challenge_statement
-from zoo_gym.ledger import merkle
-from zoo_gym.ledger.checkpoints import SignedCheckpoint
 
 AMOUNT_PLACES = 9
 

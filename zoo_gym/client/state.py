@@ -3,7 +3,7 @@
 It pins the coordinator key seen at first registration, records every
 round submitted to, so a restarted client never submits twice for a round, and
 keeps the newest ledger checkpoint it verified per coordinator key (the JSON
-form of `zoo_gym.ledger.checkpoints`), so `gym-client rewards --verify` can
+form of `zoo_gym.core.checkpoints`), so `gym-client rewards --verify` can
 require that the coordinator's log only ever grew from it.
 """
 

@@ -8,6 +8,12 @@ keys (`apikeys`), hashed invitation codes (`invites`), counts for monitoring (`s
 package that imports the database; it never imports torch.
 """
 
+from zoo_gym.core.checkpoints import (
+    CheckpointFileError,
+    SignedCheckpoint,
+    append_checkpoint,
+    read_checkpoints,
+)
 from zoo_gym.ledger.apikeys import (
     IssuedKey,
     active_key_digests,
@@ -15,12 +21,6 @@ from zoo_gym.ledger.apikeys import (
     create_api_key,
     list_api_keys,
     revoke_api_key,
-)
-from zoo_gym.ledger.checkpoints import (
-    CheckpointFileError,
-    SignedCheckpoint,
-    append_checkpoint,
-    read_checkpoints,
 )
 from zoo_gym.ledger.db import open_database
 from zoo_gym.ledger.invites import (

@@ -7,7 +7,7 @@ whose record is canonical JSON (`zoo_gym.core.hashing.canonical_json`):
 
 `fields` holds the new values of the columns the change set, in the same normalised form
 `row_content` derives from a stored row. Leaf i of the tree is SHA-256(0x00 || record) and the
-tree is the Merkle tree of RFC 9162 §2.1 (`zoo_gym.ledger.merkle`). A checkpoint is the signed
+tree is the Merkle tree of RFC 9162 §2.1 (`zoo_gym.core.merkle`). A checkpoint is the signed
 tree head: an Ed25519 signature over canonical {"v", "kind", "size", "root", "signed_at"}.
 
 `verify_ledger` replays the log: every leaf hash must match its record, indices must run 0..n-1,
@@ -38,11 +38,11 @@ from sqlalchemy import (
 )
 from sqlmodel import Session, SQLModel, col, select
 
+from zoo_gym.core import merkle
+from zoo_gym.core.checkpoints import SignedCheckpoint
+from zoo_gym.core.checkpoints import checkpoint_message as checkpoint_message
 from zoo_gym.core.hashing import canonical_json
 from zoo_gym.core.identity import Identity, verify
-from zoo_gym.ledger import merkle
-from zoo_gym.ledger.checkpoints import SignedCheckpoint
-from zoo_gym.ledger.checkpoints import checkpoint_message as checkpoint_message
 from zoo_gym.ledger.db import IMMEDIATE
 from zoo_gym.ledger.models import (
     AuditEvent,

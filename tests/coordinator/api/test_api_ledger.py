@@ -5,8 +5,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from zoo_gym import ledger
+from zoo_gym.core import merkle
 from zoo_gym.core.identity import verify
-from zoo_gym.ledger import merkle
 from zoo_gym.ledger.log import checkpoint_message
 
 if TYPE_CHECKING:

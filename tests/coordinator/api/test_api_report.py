@@ -11,8 +11,8 @@ from api_world import sign_in
 
 from zoo_gym import ledger
 from zoo_gym.coordinator.api.auth import challenge_statement
+from zoo_gym.core import merkle
 from zoo_gym.core.protocol import rest_challenge_statement
-from zoo_gym.ledger import merkle
 
 if TYPE_CHECKING:
     from api_world import World

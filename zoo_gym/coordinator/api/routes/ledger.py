@@ -1,6 +1,6 @@
 """The Merkle log: entries, signed checkpoints, inclusion and consistency proofs, audit events.
 
-Proofs follow RFC 9162 §2.1 and verify with `zoo_gym.ledger.merkle.verify_inclusion` and
+Proofs follow RFC 9162 §2.1 and verify with `zoo_gym.core.merkle.verify_inclusion` and
 `verify_consistency` against a checkpoint's root; hashes are hex.
 """
 

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from zoo_gym.ledger import merkle
+from zoo_gym.core import merkle
 
 
 def h(data: bytes) -> bytes:

@@ -197,12 +197,6 @@ class RoundControl:
         with self._cond:
             return self._aborts.get(number)
 
-    def wait_abort(self, number: int, timeout: float) -> Request | None:
-        """Wait up to `timeout` seconds for an abort request for round `number`."""
-        with self._cond:
-            self._cond.wait_for(lambda: number in self._aborts, timeout)
-            return self._aborts.get(number)
-
     def round_finished(self, number: int) -> None:
         """Round `number` is closed: forget its abort request."""
         with self._cond:

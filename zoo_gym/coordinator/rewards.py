@@ -2,8 +2,9 @@
 
 Quality of contribution i is utility(base + update_i) - utility(base) on the coordinator's
 private validation set, utility = minus validation loss (`zoo_gym.scoring`, method from
-`[rewards]`); leave-one-out and Shapley values aggregate coalitions with the round's own
-rule. The pool is split in proportion to positive quality among the updates the rule used;
+`[rewards]`); leave-one-out and Shapley values aggregate coalitions with the round's rule
+and its parameters, but unweighted: the round's example and trust weights are not applied
+to coalitions. The pool is split in proportion to positive quality among the updates the rule used;
 an update the rule left out, or one that did not help, earns zero with its reason. Every
 contribution that reached aggregation gets a reward row (zero included), and the
 contributor's reputation moves as an exponential moving average of its outcomes. A

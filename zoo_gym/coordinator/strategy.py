@@ -1,7 +1,8 @@
 """Flower strategy adapter: Flower's FedAvg with zoo-gym's task and aggregation.
 
-Flower keeps node sampling and message construction. We override what must be
-ours: the task carries a round config and a model *version* (contributors fetch
+Flower keeps message construction (`_construct_messages`); node sampling is ours (uniform, or
+weighted by reputation, `sample`), and so is the rest of what must be ours: the
+task carries a round config and a model *version* (contributors fetch
 weights once per version, not per message), and aggregation decodes accepted
 envelopes straight into one preallocated `(n, d)` buffer and runs the
 configured robust rule, whose per-update decisions go to the ledger.

@@ -173,23 +173,6 @@ def write_variant(
     return record
 
 
-def read_variant(root: Path, version: str, parent: str) -> tuple[Variant, bytes]:
-    """The record and envelope of a variant; raises `VariantError` if the hash differs."""
-    envelope, record_path = variant_paths(root, version, parent)
-    if not record_path.exists() or not envelope.exists():
-        raise VariantError(
-            f"no variant {version} from {parent}; run `gym-coordinator variant {version}`"
-        )
-    try:
-        record = Variant(**json.loads(record_path.read_text()))
-    except (ValueError, TypeError) as exc:
-        raise VariantError(f"{record_path} is malformed ({exc})") from None
-    payload = envelope.read_bytes()
-    if record.format != VARIANT_FORMAT or sha256_bytes(payload) != record.sha256:
-        raise VariantError(f"{envelope}: SHA-256 differs from its record; rewrite the variant")
-    return record, payload
-
-
 def apply_variant(parent_weights: dict[str, Tensor], payload: bytes) -> dict[str, Tensor]:
     """``parent + decode(payload)`` per tensor, in the parent's dtypes (a new dict)."""
     limit = sum(t.numel() for t in parent_weights.values())

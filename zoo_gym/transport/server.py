@@ -2,8 +2,9 @@
 
 Every handler turns protobuf into domain values, asks the backend, and turns
 the answer back; a `RequestError` becomes a gRPC status with its one-line
-message. Uploads are spooled to disk while hashed, never held whole in memory,
-and refused as soon as they exceed their declared or the configured size.
+message. Uploads are spooled to disk chunk by chunk while hashed, and refused as
+soon as they exceed their declared or the configured size; intake then reads the
+spooled file whole, once, to check its envelope (it is at most `max_upload_bytes`).
 
 The server runs on `grpc.aio` in an event loop of its own thread, so a call that waits (a long
 poll, an upload between chunks, a call whose request has not come) holds no thread. Blocking

@@ -20,9 +20,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from zoo_gym.attacks import ATTACKS, poison_records
 from zoo_gym.core.chat import Conversation
 from zoo_gym.core.delta import Delta, flatten, layout_of, unflatten
-from zoo_gym.simulation.attacks import ATTACKS, poison_records
 
 DATA_ATTACKS = ("label_flip", "random_completion")
 LONE_UPDATE_ATTACKS = ("sign_flip", "scaling", "ipm", "gaussian")

@@ -1,6 +1,6 @@
 """Omniscient Byzantine contributors for simulations.
 
-The update attacks of `zoo_gym.simulation.attacks` assume the threat model of their
+The update attacks of `zoo_gym.attacks` assume the threat model of their
 papers: the attackers collude and see every honest update of the round before they
 answer. `Adversary` plays that role. It decodes the honest replies exactly as the
 coordinator will, computes the malicious rows with the configured attack, encodes them
@@ -18,12 +18,12 @@ from dataclasses import dataclass, field
 import torch
 from flwr.app import Message, MetricRecord
 
+from zoo_gym.attacks import ATTACKS
 from zoo_gym.client.runtime import signed_reply
 from zoo_gym.compression import CodecSpec, decode, encode
 from zoo_gym.core.delta import Layout, flatten, layout_of, numel, unflatten
 from zoo_gym.core.identity import Identity
 from zoo_gym.core.protocol import PAYLOAD, SUBMISSION, TASK_CONFIG, TRAIN_METRICS, TaskConfig
-from zoo_gym.simulation.attacks import ATTACKS
 
 UPDATE_ATTACKS = tuple(name for name in ATTACKS if name != "none")
 

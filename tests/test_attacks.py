@@ -8,7 +8,7 @@ from statistics import NormalDist
 import pytest
 import torch
 
-from zoo_gym.simulation.attacks import ATTACKS, alie, alie_z, ipm, min_max, min_sum, poison_records
+from zoo_gym.attacks import ATTACKS, alie, alie_z, ipm, min_max, min_sum, poison_records
 
 
 def honest(seed: int = 0, h: int = 10, d: int = 32) -> torch.Tensor:

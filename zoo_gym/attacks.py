@@ -1,4 +1,5 @@
-"""Byzantine attacks for simulations: update attacks on deltas and data attacks on records.
+"""Byzantine attacks, pure: update attacks on deltas and data attacks on records, played by
+`gym-sim` (every attack) and by `gym-client join --byzantine` (those a lone process can play).
 
 Update attacks share one signature,
 

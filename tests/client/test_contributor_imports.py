@@ -27,7 +27,7 @@ def test_the_contributor_cli_loads_no_sql_stack() -> None:
 
 
 def test_reward_reports_verify_without_the_ledger_package() -> None:
-    assert loaded_by("zoo_gym.client.rewards") == []
+    assert loaded_by("zoo_gym.client.report") == []
 
 
 def test_the_probe_sees_the_stack_where_it_is_loaded() -> None:

@@ -12,18 +12,18 @@ from dataclasses import dataclass
 from decimal import Decimal
 from pathlib import Path
 
-import httpx
 import pytest
 from sqlmodel import Session, select
 from typer.testing import CliRunner, Result
 
 from zoo_gym import ledger
 from zoo_gym.cli.client import app
-from zoo_gym.client.rewards import (
+from zoo_gym.client.report import (
     ReportApi,
     RewardsError,
     RoundLine,
     Statement,
+    connect,
     money,
     record_mismatch,
 )
@@ -574,7 +574,7 @@ def test_errors_a_user_can_cause_are_one_line(shared: Network, tmp_path: Path) -
 
 
 def test_a_contributor_cannot_read_another_contributors_report(shared: Network) -> None:
-    with httpx.Client(base_url=shared.url) as http:
+    with connect(shared.url) as http:
         api = ReportApi(http, shared.alice)
         own = api.get(f"/contributors/{shared.alice.contributor_id}/report")
         with pytest.raises(RewardsError, match=r"refused access .* \(403"):
@@ -657,14 +657,14 @@ def test_without_a_checkpoint_nothing_is_verified_yet(network: Network) -> None:
 
 
 def test_an_expired_token_is_renewed(shared: Network) -> None:
-    with httpx.Client(base_url=shared.url) as http:
+    with connect(shared.url) as http:
         api = ReportApi(http, shared.alice, token="zgc_" + "0" * 32 + "_1_" + "0" * 64)
         report = api.get(f"/contributors/{shared.alice.contributor_id}/report")
     assert report["name"] == "alice" and api.token.startswith("zgc_" + api.contributor_id)
 
 
 def test_a_composed_epsilon_is_shown_with_its_delta() -> None:
-    from zoo_gym.client.rewards import epsilon_text
+    from zoo_gym.client.report.render import epsilon_text
 
     assert epsilon_text(3.14159, 1e-5) == "3.14 (δ=1e-05)"
     assert epsilon_text(2.25) == "2.25"  # a sum of rounds holds for no single delta

@@ -8,21 +8,19 @@ can get wrong (an unreachable URL, a missing or refused token, a bad value) prin
 from __future__ import annotations
 
 import functools
-import hashlib
 import json
 import re
-import ssl
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
 from typing import Annotated, Any, ParamSpec, TypeVar
 
-import httpx
 import typer
 from rich.table import Table
 
 from zoo_gym.cli.common import console, err_console
+from zoo_gym.transport.rest import RestClient, RestError, RestRefused
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -79,91 +77,56 @@ class AdminError(Exception):
 
 @dataclass
 class Api:
+    """The REST client, made on first use (so a bad `--url` or `--ca-cert` is a command's
+    one-line error); refusals are phrased for an operator."""
+
     url: str
     token: str | None
     timeout: float
     ca_cert: Path | None = None
+    _rest: RestClient | None = None
 
-    def _client(self) -> httpx.Client:
-        verify: ssl.SSLContext | bool = True
-        if self.ca_cert is not None:
+    def _client(self) -> RestClient:
+        if self._rest is None:
             try:
-                verify = ssl.create_default_context(cafile=str(self.ca_cert))
-            except (OSError, ssl.SSLError) as exc:
-                raise AdminError(f"cannot read the CA certificate {self.ca_cert}: {exc}") from None
-        return httpx.Client(base_url=self.url, timeout=self.timeout, verify=verify)
-
-    def _headers(self) -> dict[str, str]:
-        return {"Authorization": f"Bearer {self.token}"} if self.token else {}
-
-    def _check(self, response: httpx.Response) -> None:
-        if response.status_code < 400:
-            return
-        detail = _detail(response)
-        if response.status_code == 401:
-            raise AdminError(f"not authenticated: {detail}; pass --token or set ZOO_GYM_TOKEN")
-        if response.status_code == 403:
-            raise AdminError(f"not allowed: {detail}")
-        raise AdminError(f"{detail} (HTTP {response.status_code})")
+                self._rest = RestClient(
+                    self.url,
+                    token=self.token,
+                    ca_cert=self.ca_cert,
+                    timeout_s=self.timeout,
+                    unreachable="check --url and that `gym-coordinator serve` is running",
+                )
+            except RestError as exc:
+                raise AdminError(str(exc)) from None
+        return self._rest
 
     def call(
         self, method: str, path: str, *, params: dict[str, Any] | None = None, body: Any = None
     ) -> Any:
         """One request; the decoded JSON answer."""
-        params = {k: v for k, v in (params or {}).items() if v is not None}
         try:
-            with self._client() as client:
-                response = client.request(
-                    method, path, params=params, json=body, headers=self._headers()
-                )
-        except (httpx.HTTPError, httpx.InvalidURL) as exc:
-            raise AdminError(
-                f"cannot reach the coordinator at {self.url} ({exc or type(exc).__name__}); "
-                "check --url and that `gym-coordinator serve` is running"
-            ) from None
-        self._check(response)
-        if not response.content:
-            return None
-        try:
-            return response.json()
-        except ValueError:
-            return response.text
+            return self._client().call(method, path, params=params, body=body)
+        except RestRefused as exc:
+            raise AdminError(_refused(exc)) from None
+        except RestError as exc:
+            raise AdminError(str(exc)) from None
 
     def download(self, path: str, target: Path, *, sha256: str) -> None:
         """Stream `path` into `target`, checking its SHA-256 against `sha256`."""
-        digest = hashlib.sha256()
-        partial = target.with_name(target.name + ".part")
         try:
-            with (
-                self._client() as client,
-                client.stream("GET", path, headers=self._headers()) as response,
-            ):
-                if response.status_code >= 400:
-                    response.read()
-                    self._check(response)
-                with partial.open("wb") as fh:
-                    for chunk in response.iter_bytes():
-                        digest.update(chunk)
-                        fh.write(chunk)
-        except (httpx.HTTPError, httpx.InvalidURL) as exc:
-            raise AdminError(f"download from {self.url}{path} failed ({exc})") from None
-        if digest.hexdigest() != sha256:
-            partial.unlink()
-            raise AdminError(f"{target.name}: SHA-256 differs from the manifest; not saved")
-        partial.replace(target)
+            self._client().download(path, target, sha256=sha256)
+        except RestRefused as exc:
+            raise AdminError(_refused(exc)) from None
+        except RestError as exc:
+            raise AdminError(str(exc)) from None
 
 
-def _detail(response: httpx.Response) -> str:
-    """The one-line reason of an error answer (FastAPI's `detail`, a string or a list)."""
-    try:
-        detail = response.json().get("detail", response.text)
-    except (ValueError, AttributeError):
-        return response.text.strip() or response.reason_phrase
-    if isinstance(detail, list) and detail:
-        first = detail[0]
-        where = ".".join(str(p) for p in first.get("loc", [])[1:])
-        return f"{where}: {first.get('msg', first)}" if where else str(first.get("msg", first))
-    return str(detail)
+def _refused(exc: RestRefused) -> str:
+    if exc.status_code == 401:
+        return f"not authenticated: {exc.detail}; pass --token or set ZOO_GYM_TOKEN"
+    if exc.status_code == 403:
+        return f"not allowed: {exc.detail}"
+    return f"{exc.detail} (HTTP {exc.status_code})"
 
 
 def command(fn: Callable[P, R]) -> Callable[P, R]:

@@ -18,7 +18,7 @@ if TYPE_CHECKING:
 
     from zoo_gym.client.config import ClientConfig
     from zoo_gym.client.privacy import PrivacyBudget
-    from zoo_gym.client.rewards import Statement, Verification
+    from zoo_gym.client.report import Statement, Verification
     from zoo_gym.client.state import LocalState
 
 app = typer.Typer(
@@ -285,7 +285,7 @@ def _statement(
 ) -> tuple[Statement, Verification | None]:
     """The reward statement and, with `verify`, its check against the signed log; a checkpoint
     that verified (signature, consistency with the one kept before) is kept for next time."""
-    from zoo_gym.client import rewards as report
+    from zoo_gym.client import report
     from zoo_gym.core.identity import Identity
 
     identity = Identity.load(cfg.path(cfg.key))
@@ -339,7 +339,7 @@ def rewards(
     from rich.console import Console
 
     from zoo_gym.cli.common import err_console
-    from zoo_gym.client import rewards as report
+    from zoo_gym.client import report
     from zoo_gym.client.config import load_client_config
 
     cfg = load_client_config(home / CONFIG)

@@ -33,7 +33,7 @@ def user_errors() -> tuple[type[BaseException], ...]:
     """Exceptions a user can cause; they are shown as one line, never as a traceback."""
     from zoo_gym.client.config import ClientConfigError
     from zoo_gym.client.data import DataError
-    from zoo_gym.client.rewards import RewardsError
+    from zoo_gym.client.report import RewardsError
     from zoo_gym.client.session import JoinError
     from zoo_gym.compression import EnvelopeError
     from zoo_gym.coordinator.config import ConfigError

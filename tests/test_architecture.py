@@ -22,3 +22,17 @@ def test_generated_protobuf_code_is_fresh() -> None:
         [sys.executable, "proto/generate.py", "--check"], cwd=ROOT, capture_output=True, text=True
     )
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+FLOWER_INTERNALS = ("flwr.supercore", '"_message_id"', "_construct_messages", "TaskIdentity")
+
+
+def test_flower_internals_are_used_in_one_adapter_only() -> None:
+    adapter = ROOT / "zoo_gym" / "transport" / "flower_internals.py"
+    users = {
+        str(path.relative_to(ROOT))
+        for path in (ROOT / "zoo_gym").rglob("*.py")
+        if path != adapter and any(name in path.read_text() for name in FLOWER_INTERNALS)
+    }
+    assert users == set(), users
+    assert all(name in adapter.read_text() for name in ('"_message_id"', "TaskIdentity"))

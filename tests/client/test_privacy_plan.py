@@ -10,7 +10,6 @@ from pathlib import Path
 import pytest
 import torch
 from flwr.app import ConfigRecord, Message, RecordDict
-from flwr.supercore.task_identity import TaskIdentity
 from opacus.accountants import PRVAccountant, RDPAccountant
 from sqlmodel import Session
 
@@ -26,6 +25,7 @@ from zoo_gym.core.manifest import read_verified
 from zoo_gym.core.protocol import PAYLOAD, SUBMISSION, TASK_CONFIG, TRAIN_METRICS, TaskConfig
 from zoo_gym.core.synthetic import make_examples, shard
 from zoo_gym.simulation.inprocess import InProcessFederation
+from zoo_gym.transport.flower_internals import set_task_identity
 
 DELTA = 1e-5
 
@@ -227,7 +227,7 @@ def runtime(
 
 def message(t: TaskConfig) -> Message:
     """A round task as the ServerApp creates it (run 1, node 0)."""
-    TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 0, 1
+    set_task_identity(run_id=1, node_id=0, task_id=1)
     return Message(RecordDict({TASK_CONFIG: ConfigRecord(t.to_record())}), 1, "train")
 
 

@@ -5,13 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 from flwr.app import ConfigRecord, Message, RecordDict
-from flwr.supercore.task_identity import TaskIdentity
 
 from zoo_gym.client.runtime import signed_reply
 from zoo_gym.compression import CodecSpec, decode, encode
 from zoo_gym.core.identity import Identity, verify
 from zoo_gym.core.protocol import PAYLOAD, SUBMISSION, TASK_CONFIG, TaskConfig
 from zoo_gym.simulation.adversary import Adversary
+from zoo_gym.transport.flower_internals import assign_message_id, set_task_identity
 from zoo_gym.transport.records import split_payload, submission_of
 
 TASK = TaskConfig(
@@ -35,12 +35,12 @@ TASK = TaskConfig(
 @pytest.fixture(autouse=True)
 def _server_identity() -> None:
     """Messages are created as the ServerApp creates them (run 1, node 0)."""
-    TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 0, 1
+    set_task_identity(run_id=1, node_id=0, task_id=1)
 
 
 def _request(node: int) -> Message:
     message = Message(RecordDict({TASK_CONFIG: ConfigRecord(TASK.to_record())}), node, "train")
-    message.metadata.__dict__["_message_id"] = f"m{node}"
+    assign_message_id(message, f"m{node}")
     return message
 
 

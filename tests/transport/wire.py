@@ -13,7 +13,6 @@ from pathlib import Path
 
 import torch
 from flwr.app import ConfigRecord, RecordDict
-from flwr.supercore.task_identity import TaskIdentity
 from sqlmodel import Session
 
 from zoo_gym import ledger
@@ -26,6 +25,7 @@ from zoo_gym.core.delta import Layout
 from zoo_gym.core.identity import Identity, node_id
 from zoo_gym.core.protocol import TASK_CONFIG, TaskConfig
 from zoo_gym.transport.client import FederationClient, ReceivedTask
+from zoo_gym.transport.flower_internals import set_task_identity
 from zoo_gym.transport.grid import GrpcGrid
 from zoo_gym.transport.limits import RateLimits
 from zoo_gym.transport.mailbox import Mailbox
@@ -105,11 +105,7 @@ class Wire:
 
 def build_wire(home: Path, *, limits: RateLimits | None = UNLIMITED, settings: str = "") -> Wire:
     """A wire on `home`; `limits=None` serves with start_server's own default limits."""
-    TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = (
-        1,
-        0,
-        1,
-    )  # as `Coordinator.run` sets them
+    set_task_identity(run_id=1, node_id=0, task_id=1)  # as `Coordinator.run` sets them
     config = home / "coordinator.toml"
     if settings:
         config.write_text(config.read_text().replace("[training]", f"{settings}\n\n[training]", 1))

@@ -24,7 +24,6 @@ from types import FrameType
 from typing import TYPE_CHECKING
 
 from flwr.app import Context, RecordDict
-from flwr.supercore.task_identity import TaskIdentity
 from sqlmodel import Session
 
 from zoo_gym import ledger
@@ -38,6 +37,7 @@ from zoo_gym.coordinator.registry import ModelRegistry
 from zoo_gym.coordinator.strategy import ZooStrategy
 from zoo_gym.core.delta import Layout
 from zoo_gym.core.identity import Identity
+from zoo_gym.transport.flower_internals import set_task_identity
 
 if TYPE_CHECKING:
     import ssl
@@ -168,9 +168,7 @@ class Coordinator:
         """Run the ServerApp on `grid` in this thread."""
         from zoo_gym.coordinator.rounds import make_server_app
 
-        TaskIdentity.run_id = 1
-        TaskIdentity.node_id = SERVERAPP_NODE_ID
-        TaskIdentity.task_id = 1
+        set_task_identity(run_id=1, node_id=SERVERAPP_NODE_ID, task_id=1)
         context = Context(
             run_id=1, node_id=SERVERAPP_NODE_ID, node_config={}, state=RecordDict(), run_config={}
         )

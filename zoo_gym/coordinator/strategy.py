@@ -1,6 +1,6 @@
 """Flower strategy adapter: Flower's FedAvg with zoo-gym's task and aggregation.
 
-Flower keeps message construction (`_construct_messages`); node sampling is ours (uniform, or
+Node sampling is ours (uniform, or
 weighted by reputation, `sample`), and so is the rest of what must be ours: the
 task carries a round config and a model *version* (contributors fetch
 weights once per version, not per message), and aggregation decodes accepted
@@ -115,9 +115,11 @@ class ZooStrategy(FedAvg):
             return []
         if 0 < self.clients_per_round < len(nodes):
             nodes = self.sample(nodes, self.clients_per_round)
-        return self._construct_messages(
-            RecordDict({TASK_CONFIG: config}), sorted(nodes), MessageType.TRAIN
-        )
+        content = RecordDict({TASK_CONFIG: config})
+        return [
+            Message(content, dst_node_id=node, message_type=MessageType.TRAIN)
+            for node in sorted(nodes)
+        ]
 
     def sample(self, nodes: list[int], k: int) -> list[int]:
         """k of `nodes`: uniformly, or by reputation when `selection_floor` > 0 (weights

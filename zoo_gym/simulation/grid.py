@@ -16,7 +16,6 @@ simulation needs on top of the deployment code:
 
 from __future__ import annotations
 
-import uuid
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
@@ -25,6 +24,7 @@ from flwr.serverapp import Grid
 
 from zoo_gym.simulation.adversary import Adversary
 from zoo_gym.transport.backend import FederationBackend
+from zoo_gym.transport.flower_internals import assign_message_id
 from zoo_gym.transport.grid import RunGrid
 from zoo_gym.transport.loopback import submit_to_intake
 
@@ -58,7 +58,7 @@ class SimulationGrid(RunGrid):
 
     def _exchange(self, batch: list[Message], *, timeout: float | None) -> list[str]:
         for message in batch:
-            message.metadata.__dict__["_message_id"] = uuid.uuid4().hex
+            assign_message_id(message)
         for message, reply in zip(batch, self._answer(batch, timeout), strict=True):
             if reply is not None:
                 self._replies[message.metadata.message_id] = reply

@@ -9,14 +9,13 @@ Grid, the loopback Grid and Flower's simulation engine.
 
 from __future__ import annotations
 
-import uuid
 from collections.abc import Iterable
 
 from flwr.app import Message, RecordDict
 from flwr.serverapp import Grid
-from flwr.supercore.run import Run
 
 from zoo_gym.core.protocol import TASK_CONFIG
+from zoo_gym.transport.flower_internals import Run, assign_message_id
 from zoo_gym.transport.mailbox import Mailbox, PendingTask
 
 
@@ -55,7 +54,7 @@ class GrpcGrid(RunGrid):
     def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
         ids: list[str] = []
         for message in messages:
-            message.metadata.__dict__["_message_id"] = uuid.uuid4().hex
+            assign_message_id(message)
             config = message.content.config_records.get(TASK_CONFIG)
             round_number = int(config["round"]) if config else 0  # type: ignore[arg-type]
             base_version = str(config["base_version"]) if config else ""

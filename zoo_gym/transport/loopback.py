@@ -13,7 +13,6 @@ With `intake=False` the Grid returns the ClientApps' raw replies, for a wrapper
 from __future__ import annotations
 
 import tempfile
-import uuid
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -22,6 +21,7 @@ from flwr.app import Context, Message
 from flwr.clientapp import ClientApp
 
 from zoo_gym.transport.backend import FederationBackend
+from zoo_gym.transport.flower_internals import assign_message_id
 from zoo_gym.transport.grid import RunGrid
 from zoo_gym.transport.records import split_payload, submission_of
 
@@ -64,7 +64,7 @@ class LoopbackGrid(RunGrid):
     def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
         batch = list(messages)
         for message in batch:
-            message.metadata.__dict__["_message_id"] = uuid.uuid4().hex
+            assign_message_id(message)
         with ThreadPoolExecutor(max_workers=self.workers) as pool:
             replies = list(pool.map(self._deliver, batch))
         for message, reply in zip(batch, replies, strict=True):

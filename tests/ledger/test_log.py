@@ -19,6 +19,7 @@ from zoo_gym.ledger import (
     latest_checkpoint,
     list_entries,
     log_size,
+    reward_entries,
     verify_ledger,
 )
 from zoo_gym.ledger import repository as repo
@@ -103,3 +104,49 @@ def test_version_1_float_amounts_read_as_exact_decimals() -> None:
     assert _from_v1("submissions", "reward", None) is None
     assert _from_v1("rewards", "quality", 0.25) == 0.25  # floats stay floats
     assert _from_v1("contributors", "name", "alice") == "alice"
+
+
+def test_reward_entries_are_the_contributors_reward_records(session: Session) -> None:
+    alice, bob = Identity.generate().contributor_id, Identity.generate().contributor_id
+    for who in (alice, bob):  # entries 0, 1
+        repo.register_contributor(session, contributor_id=who, public_key=b"\x00" * 32, name="x")
+    repo.open_round(session, number=1, base_version="v0", seed=1, aggregator="fedavg", codec="f32")
+    paid = [  # entries 3, 4
+        repo.record_reward(
+            session, round_number=1, contributor_id=who, quality=0.5, amount=1, reputation_after=0.5
+        )
+        for who in (alice, bob)
+    ]
+    repo.open_round(session, number=2, base_version="v1", seed=2, aggregator="fedavg", codec="f32")
+    repo.record_submission(  # entry 6
+        session,
+        round_number=2,
+        contributor_id=alice,
+        nonce="a-2",
+        base_version="v1",
+        payload_sha256="aa" * 32,
+        size_bytes=1,
+        decision="accepted",
+        reason="ok",
+    )
+    paid.append(  # entry 7: the reward, alice's reputation and her submission's reward
+        repo.record_reward(
+            session,
+            round_number=2,
+            contributor_id=alice,
+            quality=0.25,
+            amount="2.5",
+            reputation_after=0.75,
+        )
+    )
+    # entry 8 holds alice's id in the same bytes, but is no reward
+    repo.record_audit(
+        session, actor="op", action="note", target=alice, detail={"contributor_id": alice}
+    )
+
+    def indices(who: str) -> dict[int, int]:
+        return {key: e.index for key, e in reward_entries(session, contributor_id=who).items()}
+
+    assert indices(alice) == {paid[0].id: 3, paid[2].id: 7}
+    assert indices(bob) == {paid[1].id: 4}
+    assert indices("0" * 64) == {}

@@ -43,6 +43,7 @@ from zoo_gym.ledger.log import (
     latest_checkpoint,
     list_entries,
     log_size,
+    reward_entries,
     verify_ledger,
 )
 from zoo_gym.ledger.models import (
@@ -178,6 +179,7 @@ __all__ = [
     "register_with_invite",
     "revoke_api_key",
     "revoke_invite",
+    "reward_entries",
     "set_contributor_status",
     "set_round_status",
     "verify_ledger",

@@ -27,6 +27,7 @@ from typing import Any
 from sqlalchemy import (
     JSON,
     Boolean,
+    ColumnElement,
     DateTime,
     Float,
     Integer,
@@ -34,6 +35,7 @@ from sqlalchemy import (
     Numeric,
     TypeDecorator,
     func,
+    literal,
     text,
 )
 from sqlmodel import Session, SQLModel, col, select
@@ -259,6 +261,36 @@ def list_entries(session: Session, *, start: int = 0, limit: int = 100) -> list[
             .limit(limit)
         ).all()
     )
+
+
+def _record_holds(session: Session, needle: bytes) -> ColumnElement[bool] | None:
+    """SQL for "the entry's record holds `needle`" (None where no backend function is known)."""
+    dialect = session.get_bind().dialect.name
+    if dialect == "sqlite":
+        return func.instr(LogEntry.record, needle) > 0
+    if dialect == "postgresql":
+        return func.position(literal(needle, LargeBinary).op("IN")(LogEntry.record)) > 0
+    return None
+
+
+def reward_entries(session: Session, *, contributor_id: str) -> dict[int, LogEntry]:
+    """The log entries that recorded `contributor_id`'s rewards, by reward id.
+
+    A reward entry's record holds the rewards row with every field, the contributor among them:
+    a byte search in the canonical record narrows the scan (SQLite `instr`, PostgreSQL
+    `position`), the parsed record decides.
+    """
+    query = select(LogEntry).where(LogEntry.kind == "reward").order_by(col(LogEntry.index))
+    holds = _record_holds(session, canonical_json({"contributor_id": contributor_id})[1:-1])
+    if holds is not None:
+        query = query.where(holds)
+    found: dict[int, LogEntry] = {}
+    for entry in session.exec(query):
+        for row in json.loads(bytes(entry.record)).get("rows", []):
+            fields = row.get("fields", {})
+            if row.get("table") == "rewards" and fields.get("contributor_id") == contributor_id:
+                found.setdefault(int(row["key"]), entry)
+    return found
 
 
 @dataclass(frozen=True)

@@ -3,15 +3,13 @@
 
 from __future__ import annotations
 
-import json
 import re
 from datetime import timedelta
 from decimal import Decimal
 from typing import Annotated
 
 from fastapi import APIRouter, HTTPException, Query, status
-from sqlalchemy import ColumnElement, LargeBinary, func, literal
-from sqlmodel import Session, col, select
+from sqlmodel import Session
 
 from zoo_gym import ledger
 from zoo_gym.coordinator.api.deps import AdminDep, RoundQuery, SelfDep, SessionDep, ViewerDep
@@ -24,7 +22,6 @@ from zoo_gym.coordinator.api.schemas import (
     ReportTotals,
     StatusCreate,
 )
-from zoo_gym.core.hashing import canonical_json
 from zoo_gym.ledger import (
     Contributor,
     ContributorPublic,
@@ -134,35 +131,6 @@ def list_contributor_rewards(
     return ledger.list_rewards(session, round_number=round_number, contributor_id=contributor_id)
 
 
-def _record_holds(session: Session, needle: bytes) -> ColumnElement[bool] | None:
-    """SQL for "the entry's record holds `needle`" (None where no backend function is known)."""
-    dialect = session.get_bind().dialect.name
-    if dialect == "sqlite":
-        return func.instr(LogEntry.record, needle) > 0
-    if dialect == "postgresql":
-        return func.position(literal(needle, LargeBinary).op("IN")(LogEntry.record)) > 0
-    return None
-
-
-def reward_entries(session: Session, contributor_id: str) -> dict[int, LogEntry]:
-    """The log entries that recorded `contributor_id`'s rewards, by reward id.
-
-    A reward entry's record holds the rewards row with every field, the contributor among them:
-    a byte search in the canonical record narrows the scan, the parsed record decides.
-    """
-    query = select(LogEntry).where(LogEntry.kind == "reward").order_by(col(LogEntry.index))
-    holds = _record_holds(session, canonical_json({"contributor_id": contributor_id})[1:-1])
-    if holds is not None:
-        query = query.where(holds)
-    found: dict[int, LogEntry] = {}
-    for entry in session.exec(query):
-        for row in json.loads(bytes(entry.record)).get("rows", []):
-            fields = row.get("fields", {})
-            if row.get("table") == "rewards" and fields.get("contributor_id") == contributor_id:
-                found.setdefault(int(row["key"]), entry)
-    return found
-
-
 @router.get(
     "/{contributor_id}/rewards/entries",
     operation_id="list_contributor_reward_entries",
@@ -175,8 +143,8 @@ def list_contributor_reward_entries(
     first: with `/ledger/proofs/inclusion` and `/ledger/checkpoint` a contributor checks its
     report against the signed log without reading anyone else's records."""
     _contributor(session, contributor_id)
-    entries = sorted(reward_entries(session, contributor_id).values(), key=lambda e: e.index)
-    return [LogEntryPublic.model_validate(e) for e in entries]
+    entries = ledger.reward_entries(session, contributor_id=contributor_id).values()
+    return [LogEntryPublic.model_validate(e) for e in sorted(entries, key=lambda e: e.index)]
 
 
 def _deciding(subs: list[Submission]) -> Submission:
@@ -253,7 +221,7 @@ def build_report(
         r.round_number: r
         for r in ledger.list_rewards(session, round_number=round_number, contributor_id=cid)
     }
-    entries = reward_entries(session, cid) if rewards else {}
+    entries = ledger.reward_entries(session, contributor_id=cid) if rewards else {}
     statuses = {r.number: r.status for r in ledger.list_rounds(session)}
     by_round: dict[int, list[Submission]] = {}
     for sub in subs:

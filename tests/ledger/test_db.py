@@ -10,6 +10,7 @@ from sqlmodel import Session
 
 from zoo_gym.ledger import open_database
 from zoo_gym.ledger import repository as repo
+from zoo_gym.ledger.db import printable_url, sqlite_file
 
 
 def test_sqlite_runs_wal_with_foreign_keys_and_busy_timeout(tmp_path: Path) -> None:
@@ -41,3 +42,13 @@ def test_a_read_transaction_does_not_block_writers(tmp_path: Path) -> None:
     with Session(engine) as session:
         assert [r.number for r in repo.list_rounds(session)] == [1, 2]
     engine.dispose()
+
+
+def test_url_helpers_name_the_sqlite_file_and_hide_passwords() -> None:
+    assert sqlite_file("sqlite:///runs/ledger.db") == Path("runs/ledger.db")
+    assert sqlite_file("sqlite:////srv/ledger.db") == Path("/srv/ledger.db")
+    assert sqlite_file("postgresql+psycopg://zoo:secret@db:5432/ledger") is None
+    assert printable_url("postgresql+psycopg://zoo:secret@db:5432/ledger") == (
+        "postgresql+psycopg://zoo:***@db:5432/ledger"
+    )
+    assert printable_url("sqlite:///runs/ledger.db") == "sqlite:///runs/ledger.db"

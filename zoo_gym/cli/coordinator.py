@@ -12,10 +12,8 @@ from zoo_gym.cli.admin import app as admin_app
 from zoo_gym.cli.common import console, err_console, friendly, setup_logging
 
 if TYPE_CHECKING:
-    from sqlalchemy import Engine
-
     from zoo_gym.coordinator.config import CoordinatorConfig
-    from zoo_gym.ledger import VerifyReport
+    from zoo_gym.ledger import Engine, VerifyReport
 
 CONFIG = "coordinator.toml"  # zoo_gym.coordinator.setup.CONFIG, not imported: it loads torch
 
@@ -258,27 +256,22 @@ def _fail(message: str) -> NoReturn:
 
 def _open_ledger(config: Path, *, migrate: bool = True) -> tuple[CoordinatorConfig, Engine]:
     """The coordinator's config and its ledger engine (`migrate`: bring the schema to head)."""
-    from sqlalchemy.engine import make_url
-    from sqlalchemy.exc import SQLAlchemyError
-
     from zoo_gym import ledger
     from zoo_gym.coordinator.config import load_config
-    from zoo_gym.ledger.db import create_ledger_engine
+    from zoo_gym.ledger.db import DatabaseError, create_ledger_engine, printable_url, sqlite_file
 
     cfg = load_config(config)
-    url = make_url(cfg.ledger_url)
-    if url.get_backend_name() == "sqlite" and not Path(url.database or "").exists():
-        _fail(f"no ledger at {url.database}; has this coordinator run (`gym-coordinator serve`)?")
+    database = sqlite_file(cfg.ledger_url)
+    if database is not None and not database.exists():
+        _fail(f"no ledger at {database}; has this coordinator run (`gym-coordinator serve`)?")
     try:
         return cfg, (
             ledger.open_database(cfg.ledger_url)
             if migrate
             else create_ledger_engine(cfg.ledger_url)
         )
-    except SQLAlchemyError as exc:
-        _fail(
-            f"cannot open the ledger at {url.render_as_string(hide_password=True)}: {exc.args[0]}"
-        )
+    except DatabaseError as exc:
+        _fail(f"cannot open the ledger at {printable_url(cfg.ledger_url)}: {exc.args[0]}")
 
 
 def _actor() -> str:
@@ -297,14 +290,12 @@ def apikey_create(
     format: FormatOpt = "table",
 ) -> None:
     """Issue an API key; its token is printed once and only its hash is stored."""
-    from sqlmodel import Session
-
     from zoo_gym import ledger
 
     if role not in ledger.API_ROLES:
         _fail(f"--role must be admin or viewer, not {role!r}")
     _, engine = _open_ledger(config)
-    with Session(engine) as session:
+    with ledger.Session(engine) as session:
         try:
             issued = ledger.create_api_key(session, name=name, role=role, actor=_actor())
         except ledger.LedgerError as exc:
@@ -334,12 +325,11 @@ def apikey_list(
 ) -> None:
     """Every API key (never the tokens)."""
     from rich.table import Table
-    from sqlmodel import Session
 
     from zoo_gym import ledger
 
     _, engine = _open_ledger(config)
-    with Session(engine) as session:
+    with ledger.Session(engine) as session:
         keys = [
             ledger.ApiKeyPublic.model_validate(k).model_dump(mode="json")
             for k in ledger.list_api_keys(session)
@@ -362,12 +352,10 @@ def apikey_revoke(
     config: ConfigOpt = Path("coordinator") / CONFIG,
 ) -> None:
     """Revoke a key: its token stops working at once."""
-    from sqlmodel import Session
-
     from zoo_gym import ledger
 
     _, engine = _open_ledger(config)
-    with Session(engine) as session:
+    with ledger.Session(engine) as session:
         try:
             row = ledger.revoke_api_key(session, key=key, actor=_actor())
         except ledger.LedgerError as exc:
@@ -395,8 +383,6 @@ def ledger_verify(
     format: FormatOpt = "table",
 ) -> None:
     """Recompute the Merkle log, every row it describes and every checkpoint; exit 1 on tampering."""
-    from sqlmodel import Session
-
     from zoo_gym import ledger
     from zoo_gym.core import merkle
     from zoo_gym.ledger.log import leaf_hashes
@@ -411,7 +397,7 @@ def ledger_verify(
             )
     cfg, engine = _open_ledger(config, migrate=False)
     key = _verifying_key(cfg, public_key)
-    with Session(engine) as session:
+    with ledger.Session(engine) as session:
         report = ledger.verify_ledger(session, public_key=key, kept=kept)
         root = merkle.root(leaf_hashes(session, size=report.size)).hex()
     if format == "json":
@@ -480,14 +466,12 @@ def ledger_checkpoint(
     format: FormatOpt = "table",
 ) -> None:
     """The newest signed checkpoint; --format json prints one line to keep outside the database."""
-    from sqlmodel import Session
-
     from zoo_gym import ledger
     from zoo_gym.core.identity import Identity
 
     cfg, engine = _open_ledger(config, migrate=new)
     signer = Identity.load(cfg.path(cfg.signing_key))
-    with Session(engine) as session:
+    with ledger.Session(engine) as session:
         head = (
             ledger.checkpoint(session, signer=signer) if new else ledger.latest_checkpoint(session)
         )

@@ -19,8 +19,6 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from flwr.app import ConfigRecord, MetricRecord, RecordDict
-from sqlalchemy import Engine
-from sqlmodel import Session
 
 from zoo_gym import ledger
 from zoo_gym.compression import EnvelopeError, NonFiniteUpdate, envelope_norm, inspect_envelope
@@ -43,6 +41,7 @@ from zoo_gym.core.protocol import (
     register_statement,
     request_statement,
 )
+from zoo_gym.ledger import Engine, Session
 from zoo_gym.ledger.models import MAX_INT64
 from zoo_gym.transport.limits import TokenBuckets
 

@@ -33,12 +33,11 @@ from collections.abc import Iterator
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
-from sqlalchemy import Engine
-from sqlmodel import Session
 
 from zoo_gym import ledger
 from zoo_gym.coordinator.control import RoundControl
 from zoo_gym.coordinator.liveness import LoopHealth
+from zoo_gym.ledger import Engine, Session
 
 log = logging.getLogger(__name__)
 

@@ -22,13 +22,12 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from sqlalchemy.engine import Engine
-from sqlmodel import Session
 
 from zoo_gym import ledger
 from zoo_gym.aggregation import aggregate
 from zoo_gym.coordinator.config import CoordinatorConfig
 from zoo_gym.coordinator.strategy import RoundAggregate
+from zoo_gym.ledger import Engine, Session
 from zoo_gym.scoring import (
     Contribution,
     RewardPolicy,

@@ -23,7 +23,6 @@ from dataclasses import asdict, dataclass
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context
 from flwr.serverapp import Grid, ServerApp
-from sqlmodel import Session
 
 from zoo_gym import ledger
 from zoo_gym.compression import CodecSpec, honest_norm_bound
@@ -35,6 +34,7 @@ from zoo_gym.coordinator.service import Coordinator
 from zoo_gym.core.delta import Layout, TensorSpec, unflatten
 from zoo_gym.core.lora import LoraSpec, merge_update, update_shapes
 from zoo_gym.core.protocol import POLICY_OBJECTIVES, TASK_CONFIG, TaskConfig
+from zoo_gym.ledger import Session
 
 log = logging.getLogger(__name__)
 STOPPING = "coordinator stopping"

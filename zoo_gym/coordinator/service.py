@@ -24,7 +24,6 @@ from types import FrameType
 from typing import TYPE_CHECKING
 
 from flwr.app import Context, RecordDict
-from sqlmodel import Session
 
 from zoo_gym import ledger
 from zoo_gym.coordinator.backend import AdmissionPolicy, CoordinatorBackend
@@ -37,6 +36,7 @@ from zoo_gym.coordinator.registry import ModelRegistry
 from zoo_gym.coordinator.strategy import ZooStrategy
 from zoo_gym.core.delta import Layout
 from zoo_gym.core.identity import Identity
+from zoo_gym.ledger import Session
 from zoo_gym.transport.flower_internals import set_task_identity
 
 if TYPE_CHECKING:

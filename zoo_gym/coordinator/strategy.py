@@ -23,7 +23,6 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg
-from sqlmodel import Session
 
 from zoo_gym import ledger
 from zoo_gym.aggregation import WEIGHTED_RULES, Aggregate, Decision, aggregate, min_clients
@@ -33,6 +32,7 @@ from zoo_gym.coordinator.backend import CoordinatorBackend
 from zoo_gym.core.delta import Layout, numel, unflatten
 from zoo_gym.core.identity import node_id
 from zoo_gym.core.protocol import SUBMISSION, TASK_CONFIG, TRAIN_METRICS
+from zoo_gym.ledger import Session
 from zoo_gym.scoring import influence_weights, sample_contributors
 
 log = logging.getLogger(__name__)

@@ -6,7 +6,14 @@ signed checkpoints as they are kept outside the database (`checkpoints`), operat
 keys (`apikeys`), hashed invitation codes (`invites`), counts for monitoring (`stats`), and
 `open_database` with the Alembic migrations shipped in this package (`db`). This is the only
 package that imports the database; it never imports torch.
+
+Callers open a `Session` on the `Engine` that `open_database` returns and hand it to the functions
+here; they never build queries themselves (an import-linter contract keeps sqlalchemy, sqlmodel and
+alembic inside this package).
 """
+
+from sqlalchemy import Engine
+from sqlmodel import Session
 
 from zoo_gym.core.checkpoints import (
     CheckpointFileError,
@@ -117,6 +124,7 @@ __all__ = [
     "ContributorPublic",
     "DpMechanism",
     "DuplicateSubmission",
+    "Engine",
     "InclusionProof",
     "Invite",
     "InvitePublic",
@@ -136,6 +144,7 @@ __all__ = [
     "RewardPublic",
     "Round",
     "RoundPublic",
+    "Session",
     "SignedCheckpoint",
     "Submission",
     "SubmissionPublic",

@@ -17,12 +17,28 @@ from alembic import command
 from alembic.config import Config
 from sqlalchemy import Engine, create_engine, event, text
 from sqlalchemy.engine import make_url
+from sqlalchemy.exc import SQLAlchemyError
 
 MIGRATIONS = Path(__file__).with_name("migrations")
 BUSY_TIMEOUT_MS = 30_000
 MIGRATION_LOCK_KEY = 0x7A6F6F6D6967  # "zoomig"
 IMMEDIATE = "zoo_gym_ledger_immediate"
 """Connection execution option: on SQLite, begin the next transaction with BEGIN IMMEDIATE."""
+
+DatabaseError = SQLAlchemyError
+"""What opening or using the database raises when the database itself fails (unreachable server,
+bad credentials, a locked or unreadable file): SQLAlchemy's base error."""
+
+
+def sqlite_file(url: str) -> Path | None:
+    """The database file of a SQLite `url` (relative paths as given); None for another backend."""
+    parsed = make_url(url)
+    return Path(parsed.database or "") if parsed.get_backend_name() == "sqlite" else None
+
+
+def printable_url(url: str) -> str:
+    """`url` for messages and logs: its password, if any, is hidden."""
+    return make_url(url).render_as_string(hide_password=True)
 
 
 def _sqlite_engine(url: str) -> Engine:

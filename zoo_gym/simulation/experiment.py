@@ -37,11 +37,11 @@ from typing import Any, Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
-from sqlmodel import Session
 
 from zoo_gym import ledger
 from zoo_gym.aggregation import RULES, min_clients
 from zoo_gym.core.synthetic import make_examples, shard
+from zoo_gym.ledger import Session
 from zoo_gym.simulation.inprocess import ATTACK_NAMES
 
 log = logging.getLogger(__name__)

@@ -23,7 +23,6 @@ from fastapi import FastAPI, Request, status
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from fastapi.routing import APIRoute
-from sqlmodel import Session
 from starlette.exceptions import HTTPException
 
 from zoo_gym import ledger
@@ -37,6 +36,7 @@ from zoo_gym.coordinator.api.routes import metrics as metrics_routes
 from zoo_gym.coordinator.control import PolicyError, RoundControl
 from zoo_gym.coordinator.liveness import LoopHealth
 from zoo_gym.coordinator.metrics import CoordinatorMetrics
+from zoo_gym.ledger import Session
 
 if TYPE_CHECKING:
     from zoo_gym.coordinator.service import Coordinator

@@ -23,7 +23,6 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal
 from fastapi import Depends, HTTPException, Query, Request, status
 from fastapi.routing import APIRoute
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
-from sqlmodel import Session
 
 from zoo_gym import ledger
 from zoo_gym.coordinator.api.auth import TOKEN_SCHEME, ContributorAuth
@@ -35,6 +34,7 @@ from zoo_gym.coordinator.api.limits import (
 )
 from zoo_gym.coordinator.control import RoundControl
 from zoo_gym.coordinator.metrics import CoordinatorMetrics
+from zoo_gym.ledger import Session
 from zoo_gym.ledger.models import MAX_INT64
 
 if TYPE_CHECKING:

@@ -9,7 +9,6 @@ from decimal import Decimal
 from typing import Annotated
 
 from fastapi import APIRouter, HTTPException, Query, status
-from sqlmodel import Session
 
 from zoo_gym import ledger
 from zoo_gym.coordinator.api.deps import AdminDep, RoundQuery, SelfDep, SessionDep, ViewerDep
@@ -31,6 +30,7 @@ from zoo_gym.ledger import (
     LogEntryPublic,
     Reward,
     RewardPublic,
+    Session,
     Submission,
     SubmissionPublic,
 )

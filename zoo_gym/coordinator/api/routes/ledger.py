@@ -9,7 +9,6 @@ from __future__ import annotations
 from typing import Annotated
 
 from fastapi import APIRouter, HTTPException, Query, status
-from sqlmodel import Session
 
 from zoo_gym import ledger
 from zoo_gym.coordinator.api.deps import (
@@ -26,7 +25,7 @@ from zoo_gym.coordinator.api.schemas import (
     InclusionProofPublic,
     LedgerPage,
 )
-from zoo_gym.ledger import AuditEvent, AuditEventPublic, Checkpoint, LogEntryPublic
+from zoo_gym.ledger import AuditEvent, AuditEventPublic, Checkpoint, LogEntryPublic, Session
 from zoo_gym.ledger.models import MAX_INT64
 
 router = APIRouter(tags=["ledger"])

@@ -5,7 +5,6 @@ from __future__ import annotations
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Body
-from sqlmodel import Session
 
 from zoo_gym import ledger
 from zoo_gym.coordinator.api.deps import AdminDep, ApiState, SessionDep, StateDep, ViewerDep
@@ -17,6 +16,7 @@ from zoo_gym.coordinator.control import (
     merge_policy,
     policy_settings,
 )
+from zoo_gym.ledger import Session
 
 router = APIRouter(prefix="/policy", tags=["policy"])
 

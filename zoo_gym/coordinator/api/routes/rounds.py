@@ -7,7 +7,6 @@ from typing import Annotated
 
 from fastapi import APIRouter, HTTPException, status
 from fastapi import Path as PathParam
-from sqlmodel import Session
 
 from zoo_gym import ledger
 from zoo_gym.coordinator.api.deps import AdminDep, SessionDep, StateDep, ViewerDep
@@ -20,7 +19,7 @@ from zoo_gym.coordinator.api.schemas import (
     RoundSummary,
 )
 from zoo_gym.coordinator.control import Request, RoundControl
-from zoo_gym.ledger import RewardPublic, Round, RoundPublic, SubmissionPublic
+from zoo_gym.ledger import RewardPublic, Round, RoundPublic, Session, SubmissionPublic
 from zoo_gym.ledger.models import MAX_INT64
 
 router = APIRouter(prefix="/rounds", tags=["rounds"])

@@ -1,8 +1,8 @@
 """The ledger: every decision of the network in a database backed by a verifiable Merkle log.
 
-SQLModel tables (`models`), repository functions that change them (`repository`), the RFC 9162
-Merkle tree (`merkle`, pure), the log with signed checkpoints, proofs and `verify_ledger` (`log`),
-signed checkpoints as they are kept outside the database (`checkpoints`), operators' hashed API
+SQLModel tables (`models`), repository functions that change them (`repository`), the log with
+signed checkpoints, proofs and `verify_ledger` (`log`, over the pure RFC 9162 Merkle tree and
+checkpoint file format of `zoo_gym.core.merkle` and `zoo_gym.core.checkpoints`), operators' hashed API
 keys (`apikeys`), hashed invitation codes (`invites`), counts for monitoring (`stats`), and
 `open_database` with the Alembic migrations shipped in this package (`db`). This is the only
 package that imports the database; it never imports torch.

@@ -13,7 +13,7 @@ examples per client, seed 0, OMP_NUM_THREADS=1 everywhere):
    phase split comes from this run, by wrapping (in this process only, no product file changes)
    `ClientRuntime.ensure_base` (task out: model copy + verify + load), `FfaLoraTrainer.train_round`
    (local training), the rest of `ClientRuntime.train` (clip + compress + sign),
-   `CoordinatorBackend.receive` (validate), `ZooStrategy.aggregate_train` (decode + aggregate) and
+   `CoordinatorBackend.receive` (validate), `ZooStrategy.aggregate_round` (decode + aggregate) and
    `merge_update` / `Evaluator.loss` / `ModelRegistry.publish` (publish). Upload is measured after
    that run: each client's real last-round reply is streamed with `FederationClient.submit` to a
    gRPC server over the same coordinator backend (the intake refuses it, round closed, after the
@@ -156,7 +156,7 @@ def zoo_inprocess(workdir: Path, clients: int, steps: int, rounds: int) -> dict[
             (FfaLoraTrainer, "train_round"),
             (CoordinatorBackend, "receive"),
             (ZooStrategy, "configure_train"),
-            (ZooStrategy, "aggregate_train"),
+            (ZooStrategy, "aggregate_round"),
             (Evaluator, "loss"),
             (ModelRegistry, "publish"),
             (rounds_mod, "merge_update"),

@@ -28,14 +28,14 @@ def test_stop_while_aggregating_aborts_the_round(
 
     def stopping_strategy(self: Coordinator, layout: Any) -> ZooStrategy:
         strategy = build(self, layout)
-        aggregate = strategy.aggregate_train
+        aggregate = strategy.aggregate_round
 
         def aggregate_then_stop(server_round: int, replies: Any) -> Any:
             result = aggregate(server_round, replies)
             self.stop.set()  # what serve does on SIGTERM
             return result
 
-        strategy.aggregate_train = aggregate_then_stop  # type: ignore[method-assign]
+        strategy.aggregate_round = aggregate_then_stop  # type: ignore[method-assign]
         return strategy
 
     monkeypatch.setattr(Coordinator, "make_strategy", stopping_strategy)

@@ -13,6 +13,7 @@ from collections import Counter
 from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -23,7 +24,7 @@ from sqlmodel import Session
 
 from zoo_gym.coordinator.config import CoordinatorConfig
 from zoo_gym.coordinator.rounds import RoundSummary
-from zoo_gym.coordinator.strategy import ZooStrategy
+from zoo_gym.coordinator.strategy import RoundAggregate, ZooStrategy
 from zoo_gym.core.delta import Layout
 from zoo_gym.core.identity import Identity
 from zoo_gym.core.synthetic import make_examples, shard
@@ -198,15 +199,25 @@ def test_a_fresh_sybil_neither_shapes_the_model_nor_takes_the_pool(
     strategies: list[ZooStrategy] = []
     make = co.make_strategy
 
+    results: list[RoundAggregate] = []
+
     def keep(layout: Callable[[], Layout]) -> ZooStrategy:
-        strategies.append(make(layout))
-        return strategies[-1]
+        strategy = make(layout)
+        aggregate_round = strategy.aggregate_round
+
+        def kept(server_round: int, replies: Any) -> RoundAggregate:
+            results.append(aggregate_round(server_round, replies))
+            return results[-1]
+
+        strategy.aggregate_round = kept  # type: ignore[method-assign]
+        strategies.append(strategy)
+        return strategy
 
     co.make_strategy = keep  # type: ignore[method-assign]
     bounds: list[tuple[float, float]] = []
 
     def inspect(summary: RoundSummary) -> None:
-        last = strategies[-1].last
+        last = results[-1]
         assert last is not None and last.rows is not None
         honest = torch.stack(
             [

@@ -266,16 +266,15 @@ def run_rounds(
 
         abort = abort_request(co, round_number)
         aggregation_started = time.perf_counter()
-        arrays, _ = (None, None) if abort else strategy.aggregate_train(round_number, replies)
+        agg = None if abort else strategy.aggregate_round(round_number, replies)
         if not abort:
             co.metrics.observe_aggregation(time.perf_counter() - aggregation_started)
-        agg = None if abort else strategy.last
         abort = abort or abort_request(co, round_number)  # a stop while aggregating
         received = agg.received if agg else 0
         accepted = agg.accepted if agg else 0
         new_loss, new_reward = loss, reward
         published = ""
-        if abort or arrays is None or agg is None:
+        if abort or agg is None or not agg.update:
             status = "aborted"
         else:
             utility = validation_utility(co, state, layout, spec, seed)

@@ -16,7 +16,7 @@ import random
 import threading
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -94,7 +94,6 @@ class ZooStrategy(FedAvg):
         )
         self.trusted_reputation = trusted_reputation
         self.fresh_weight = fresh_weight
-        self.last: RoundAggregate | None = None
 
     def wait_for_nodes(self, grid: Grid) -> list[int]:
         deadline = time.monotonic() + self.wait_for_clients_s
@@ -134,10 +133,20 @@ class ZooStrategy(FedAvg):
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        """Flower's interface to `aggregate_round`: the update as an ArrayRecord (None when the
+        round produced none) and counts."""
+        agg = self.aggregate_round(server_round, replies)
+        if not agg.update:
+            return None, None
+        metrics = MetricRecord({"accepted": agg.accepted, "aggregated": len(agg.row_contributors)})
+        return ArrayRecord(torch_state_dict=agg.update), metrics
+
+    def aggregate_round(self, server_round: int, replies: Iterable[Message]) -> RoundAggregate:
+        """Aggregate the accepted replies with the round's rule and record each decision; the
+        result has an empty `update` when too few updates were usable."""
         replies = [r for r in replies if not r.has_error()]
         accepted = [r for r in replies if bool(r.content.config_records[SUBMISSION]["accepted"])]
-        layout = self.layout()
-        self.last = RoundAggregate({}, (), len(replies), len(accepted))
+        nothing = RoundAggregate({}, (), len(replies), len(accepted))
         if len(accepted) < self.quorum:
             log.warning(
                 "round %d: %d accepted updates, quorum is %d",
@@ -145,26 +154,16 @@ class ZooStrategy(FedAvg):
                 len(accepted),
                 self.quorum,
             )
-            return None, None
+            return nothing
+        layout = self.layout()
         if self.rule == "fedavg" and self.pre is None and not self.keep_rows:
-            fused = self._fused_fedavg(server_round, replies, accepted, layout)
+            fused = self._fused_fedavg(accepted, layout)
             if fused is not None:
-                return fused
-        # (n, d) float32, filled row by row straight from the envelopes
-        updates = torch.empty((len(accepted), numel(layout)), dtype=torch.float32)
-        rows: list[Message] = []
-        for reply in accepted:
-            record = reply.content.config_records[SUBMISSION]
-            data = self.backend.payload_path(str(record["payload_sha256"])).read_bytes()
-            try:
-                decode_into(data, updates[len(rows)], layout, max_elements=numel(layout))
-            except EnvelopeError as exc:
-                self._decide(record, selected=False, reason=f"could not be decoded: {exc}")
-                continue
-            if not torch.isfinite(updates[len(rows)]).all():
-                self._decide(record, selected=False, reason="update contains NaN or Inf values")
-                continue
-            rows.append(reply)
+                log.info(
+                    "round %d: %d updates averaged in one fused pass", server_round, len(accepted)
+                )
+                return replace(fused, received=len(replies))
+        updates, rows = self._decoded(accepted, layout)
         needed = max(self.quorum, min_clients(self.rule, self.f))
         if len(rows) < needed:
             log.warning(
@@ -181,10 +180,37 @@ class ZooStrategy(FedAvg):
                     selected=False,
                     reason=f"round aborted: {len(rows)} usable updates, {self.rule} needs {needed}",
                 )
-            return None, None
-        updates = updates[: len(rows)]
+            return nothing
+        robust = self._robust(updates, rows, layout)
+        return replace(robust, received=len(replies), accepted=len(accepted))
+
+    def _decoded(
+        self, accepted: list[Message], layout: Layout
+    ) -> tuple[torch.Tensor, list[Message]]:
+        """The accepted updates decoded into one `(n, d)` float32 buffer, row by row straight
+        from the envelopes, and the replies of the rows; one that does not decode to finite
+        values is recorded as not selected and left out."""
+        updates = torch.empty((len(accepted), numel(layout)), dtype=torch.float32)
+        rows: list[Message] = []
+        for reply in accepted:
+            record = reply.content.config_records[SUBMISSION]
+            data = self.backend.payload_path(str(record["payload_sha256"])).read_bytes()
+            try:
+                decode_into(data, updates[len(rows)], layout, max_elements=numel(layout))
+            except EnvelopeError as exc:
+                self._decide(record, selected=False, reason=f"could not be decoded: {exc}")
+                continue
+            if not torch.isfinite(updates[len(rows)]).all():
+                self._decide(record, selected=False, reason="update contains NaN or Inf values")
+                continue
+            rows.append(reply)
+        return updates[: len(rows)], rows
+
+    def _robust(self, updates: torch.Tensor, rows: list[Message], layout: Layout) -> RoundAggregate:
+        """The round's rule over the decoded `updates` (weighted rules by the examples each
+        trained on, ramped by trust), its decision about each row recorded."""
         weights = None
-        if self.rule in WEIGHTED_RULES:  # by the examples each trained on, ramped by trust
+        if self.rule in WEIGHTED_RULES:
             weights = torch.tensor(self._influence(rows), dtype=torch.float64)
         result: Aggregate = aggregate(
             self.rule, updates, f=self.f, weights=weights, pre=self.pre, **self.params
@@ -197,24 +223,17 @@ class ZooStrategy(FedAvg):
             )
             if decision.selected or decision.weight > 0:
                 contributors.append(str(record["contributor_id"]))
-        update = {k: v.clone() for k, v in unflatten(result.vector.float(), layout).items()}
-        self.last = RoundAggregate(
-            update,
+        return RoundAggregate(
+            {k: v.clone() for k, v in unflatten(result.vector.float(), layout).items()},
             tuple(contributors),
-            len(replies),
-            len(accepted),
+            received=len(rows),
+            accepted=len(rows),
             rows=updates,
-            row_contributors=tuple(
-                str(r.content.config_records[SUBMISSION]["contributor_id"]) for r in rows
-            ),
+            row_contributors=_senders(rows),
             decisions=result.decisions,
         )
-        metrics = MetricRecord({"accepted": len(accepted), "aggregated": len(rows)})
-        return ArrayRecord(torch_state_dict=update), metrics
 
-    def _fused_fedavg(
-        self, server_round: int, replies: list[Message], accepted: list[Message], layout: Layout
-    ) -> tuple[ArrayRecord | None, MetricRecord | None] | None:
+    def _fused_fedavg(self, accepted: list[Message], layout: Layout) -> RoundAggregate | None:
         """FedAvg without one decoded row per update: every envelope is decoded and added in
         place into one `(d,)` float32 sum (`decode_accumulate`, fused for BitDelta).
 
@@ -248,20 +267,13 @@ class ZooStrategy(FedAvg):
             )
             if decision.selected:
                 contributors.append(str(record["contributor_id"]))
-        update = {k: v.clone() for k, v in unflatten(summed, layout).items()}
-        self.last = RoundAggregate(
-            update,
+        return RoundAggregate(
+            {k: v.clone() for k, v in unflatten(summed, layout).items()},
             tuple(contributors),
-            len(replies),
-            len(accepted),
-            row_contributors=tuple(
-                str(r.content.config_records[SUBMISSION]["contributor_id"]) for r in accepted
-            ),
+            received=len(accepted),
+            accepted=len(accepted),
+            row_contributors=_senders(accepted),
             decisions=decisions,
-        )
-        log.info("round %d: %d updates averaged in one fused pass", server_round, len(accepted))
-        return ArrayRecord(torch_state_dict=update), MetricRecord(
-            {"accepted": len(accepted), "aggregated": len(accepted)}
         )
 
     def _influence(self, replies: list[Message]) -> list[float]:
@@ -298,6 +310,10 @@ class ZooStrategy(FedAvg):
                 score=decision.score if decision else None,
                 reason=reason,
             )
+
+
+def _senders(replies: list[Message]) -> tuple[str, ...]:
+    return tuple(str(r.content.config_records[SUBMISSION]["contributor_id"]) for r in replies)
 
 
 def _examples(reply: Message) -> float:

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import torch
-from flwr.app import ArrayRecord, ConfigRecord, Context
+from flwr.app import ArrayRecord, ConfigRecord, Context, Message
 from flwr.serverapp import Grid, ServerApp
 
 from zoo_gym import ledger
@@ -31,6 +31,7 @@ from zoo_gym.coordinator.config import CoordinatorConfig
 from zoo_gym.coordinator.control import Request
 from zoo_gym.coordinator.rewards import pay_round
 from zoo_gym.coordinator.service import Coordinator
+from zoo_gym.coordinator.strategy import RoundAggregate
 from zoo_gym.core.delta import Layout, TensorSpec, unflatten
 from zoo_gym.core.lora import LoraSpec, merge_update, update_shapes
 from zoo_gym.core.protocol import POLICY_OBJECTIVES, TASK_CONFIG, TaskConfig
@@ -175,169 +176,234 @@ def nobody_came(co: Coordinator, done: int) -> bool:
     return True
 
 
-def run_rounds(
-    co: Coordinator, grid: Grid, *, on_round: Callable[[RoundSummary], None] | None = None
-) -> None:
-    config = co.config
-    spec = lora_spec(co)
-    base = co.registry.latest()
-    state = co.registry.load_state_dict(base.version)
-    layout = update_layout(state, spec, config.training.adapter)  # type: ignore[arg-type]
-    strategy = co.make_strategy(functools.partial(_same, layout))
-    loss = co.evaluator.loss(state)
-    reward = validation_reward(co, state)
-    with Session(co.engine) as session:
-        last = ledger.latest_round(session)
-        first = 1 if last is None else last.number + 1
-        if last is not None and last.status in ("open", "aggregating"):
-            ledger.close_round(
-                session,
-                number=last.number,
-                status="aborted",
-                metrics={"reason": "coordinator restarted during the round"},
-            )
-    log.info("starting at round %d on %s (validation loss %.4f)", first, base.version, loss)
+@dataclass
+class Opened:
+    """A round whose tasks are out: what its close needs to know."""
 
-    done = 0
-    round_number = first
-    while not co.stop.is_set() and (config.rounds == 0 or done < config.rounds):
-        if not co.control.wait_until_runnable(
-            co.stop
-        ):  # blocks while an operator holds rounds paused
-            break
-        change = co.control.take_policy()
-        if change is not None:  # staged through the REST API; applies from this round on
-            co.apply_policy(change.config)
-            config = co.config
-            spec = lora_spec(co)
-            layout = update_layout(state, spec, config.training.adapter)  # type: ignore[arg-type]
-            strategy = co.make_strategy(functools.partial(_same, layout))
-            reward = validation_reward(
-                co, state
-            )  # the method (and so the utility) may have changed
+    number: int
+    seed: int
+    base_version: str
+    messages: list[Message]
+    started: float
+
+
+@dataclass
+class Outcome:
+    """How a round ended: its status, the version it published and the candidate's scores."""
+
+    status: str
+    loss: float
+    reward: float | None
+    published: str = ""
+
+
+class RoundLoop:
+    """The state the round loop carries from round to round: the current base (weights,
+    validation loss and reward), the update layout and the strategy, which a policy change
+    staged through the REST API rebuilds."""
+
+    def __init__(self, co: Coordinator, grid: Grid) -> None:
+        self.co, self.grid = co, grid
+        self.base = co.registry.latest()
+        self.state = co.registry.load_state_dict(self.base.version)
+        self.loss = co.evaluator.loss(self.state)
+        self._configure()
+
+    def _configure(self) -> None:
+        """Layout, strategy and the base's validation reward under the current policy (the
+        reward method, and so the utility, may have changed)."""
+        self.config = self.co.config
+        self.spec = lora_spec(self.co)
+        self.layout = update_layout(self.state, self.spec, self.config.training.adapter)  # type: ignore[arg-type]
+        self.strategy = self.co.make_strategy(functools.partial(_same, self.layout))
+        self.reward = validation_reward(self.co, self.state)
+
+    def run(self, on_round: Callable[[RoundSummary], None] | None = None) -> None:
+        co = self.co
+        done, number = 0, first_round(co)
+        log.info(
+            "starting at round %d on %s (validation loss %.4f)",
+            number,
+            self.base.version,
+            self.loss,
+        )
+        while not co.stop.is_set() and (self.config.rounds == 0 or done < self.config.rounds):
+            if not co.control.wait_until_runnable(co.stop):  # an operator holds rounds paused
+                break
+            self._take_policy()
+            opened = self._open(number)
+            if opened is None:
+                if nobody_came(co, done):
+                    break
+                continue
+            replies = list(
+                self.grid.send_and_receive(opened.messages, timeout=self.config.round_timeout_s)
+            )
+            assert co.backend.open_round is not None
+            co.backend.open_round.accepting = False
+            summary = self._close(opened, *self._conclude(opened, replies))
+            if on_round is not None:
+                on_round(summary)
+            done += 1
+            number += 1
+        if not co.stop.is_set() and self.config.rounds > 0 and done >= self.config.rounds:
+            co.health.set("finished", f"{done} rounds done")
+
+    def _take_policy(self) -> None:
+        """Apply a policy change staged through the REST API, from this round on."""
+        change = self.co.control.take_policy()
+        if change is not None:
+            self.co.apply_policy(change.config)
+            self._configure()
             log.info("policy changed by %s: %s", change.by, ", ".join(sorted(change.changes)))
+
+    def _open(self, number: int) -> Opened | None:
+        """Wait for contributors and send them the round's task; None when nobody came."""
+        co, config, t = self.co, self.config, self.config.training
         started = time.perf_counter()
         co.health.set("waiting")
-        seed = round_seed(config.seed, round_number)
-        deadline_ms = int((time.time() + config.round_timeout_s) * 1000)
-        t = config.training
+        seed = round_seed(config.seed, number)
         task = TaskConfig(
-            round=round_number,
-            base_version=base.version,
+            round=number,
+            base_version=self.base.version,
             seed=seed,
-            deadline_ms=deadline_ms,
+            deadline_ms=int((time.time() + config.round_timeout_s) * 1000),
             **t.task_fields(),
         )
         messages = list(
-            strategy.configure_train(
-                round_number, ArrayRecord(), ConfigRecord(task.to_record()), grid
+            self.strategy.configure_train(
+                number, ArrayRecord(), ConfigRecord(task.to_record()), self.grid
             )
         )
         if not messages:
-            if nobody_came(co, done):
-                break
-            continue
+            return None
         co.health.set("running")
         with Session(co.engine) as session:
             ledger.open_round(
                 session,
-                number=round_number,
-                base_version=base.version,
+                number=number,
+                base_version=self.base.version,
                 seed=seed,
                 aggregator=config.aggregator,
                 codec=t.codec,
             )
-        co.control.round_started(round_number)
-        co.metrics.round_opened(round_number)
+        co.control.round_started(number)
+        co.metrics.round_opened(number)
         # configure_train waited for contributors to connect: the deadline runs from when tasks go out
         deadline_ms = int((time.time() + config.round_timeout_s) * 1000)
         for message in messages:
             message.content.config_records[TASK_CONFIG]["deadline_ms"] = deadline_ms
         co.backend.open_round = OpenRound(
-            round_number,
-            base.version,
-            layout,
+            number,
+            self.base.version,
+            self.layout,
             deadline_ms,
             codec=t.codec,
-            max_update_norm=update_norm_bound(config, layout),
+            max_update_norm=update_norm_bound(config, self.layout),
         )
-        replies = list(grid.send_and_receive(messages, timeout=config.round_timeout_s))
-        co.backend.open_round.accepting = False
+        return Opened(number, seed, self.base.version, messages, started)
 
-        abort = abort_request(co, round_number)
+    def _conclude(
+        self, opened: Opened, replies: list[Message]
+    ) -> tuple[Outcome, RoundAggregate | None, Request | None]:
+        """Aggregate the replies unless the round is aborted (before or during aggregation);
+        then pay, merge and check the quality gate."""
+        co = self.co
+        abort = abort_request(co, opened.number)
         aggregation_started = time.perf_counter()
-        agg = None if abort else strategy.aggregate_round(round_number, replies)
+        agg = None if abort else self.strategy.aggregate_round(opened.number, replies)
         if not abort:
             co.metrics.observe_aggregation(time.perf_counter() - aggregation_started)
-        abort = abort or abort_request(co, round_number)  # a stop while aggregating
+        abort = abort or abort_request(co, opened.number)  # a stop while aggregating
+        if abort or agg is None or not agg.update:
+            return Outcome("aborted", self.loss, self.reward), agg, abort
+        return self._judge(opened, agg), agg, None
+
+    def _judge(self, opened: Opened, agg: RoundAggregate) -> Outcome:
+        """Pay the contributions, merge the aggregate into the base and publish the candidate
+        if it passes the quality gate; otherwise the round is rolled back."""
+        co, config = self.co, self.config
+        loss, reward = self.loss, self.reward
+        pay_round(
+            co.engine,
+            config,
+            round_number=opened.number,
+            agg=agg,
+            utility=validation_utility(co, self.state, self.layout, self.spec, opened.seed),
+            baseline=-loss if reward is None else reward,
+        )
+        candidate = {k: v.clone() for k, v in self.state.items()}
+        merge_update(
+            candidate, agg.update, adapter=config.training.adapter, spec=self.spec, seed=opened.seed
+        )
+        new_loss = co.evaluator.loss(candidate)
+        new_reward = validation_reward(co, candidate)
+        tolerance = config.quality_gate_tolerance
+        if reward is None or new_reward is None:
+            passes = new_loss <= loss * (1.0 + tolerance)
+        else:  # rewards may be 0 or negative: the tolerance is relative to max(|reward|, 1)
+            passes = new_reward >= reward - tolerance * max(abs(reward), 1.0)
+        if not passes:
+            return Outcome("rolled_back", new_loss, new_reward)
+        metrics = {"validation_loss": new_loss, "parent_validation_loss": loss}
+        if reward is not None and new_reward is not None:
+            metrics.update(mean_reward=new_reward, parent_mean_reward=reward)
+        published = self._publish(opened.number, candidate, agg.contributors, metrics)
+        return Outcome("published", new_loss, new_reward, published)
+
+    def _publish(
+        self,
+        number: int,
+        candidate: dict[str, torch.Tensor],
+        contributors: tuple[str, ...],
+        metrics: dict[str, float],
+    ) -> str:
+        """Sign and store `candidate` as the new base version, record it; its version."""
+        co, parent = self.co, self.base.version
+        pub = co.registry.publish(
+            candidate,
+            parent=parent,
+            round_number=number,
+            aggregator=self.config.aggregator,
+            contributors=contributors,
+            metrics=metrics,
+            epsilon=round_epsilon(co, number, contributors),
+        )
+        with Session(co.engine) as session:
+            ledger.record_model_version(
+                session,
+                version=pub.version,
+                parent=parent,
+                round_number=number,
+                manifest_sha256=hashlib.sha256(pub.manifest.to_bytes()).hexdigest(),
+                path=str(pub.directory),
+                metrics=metrics,
+            )
+        self.state, self.base = candidate, pub
+        return pub.version
+
+    def _close(
+        self, opened: Opened, outcome: Outcome, agg: RoundAggregate | None, abort: Request | None
+    ) -> RoundSummary:
+        """Record the round's end (ledger row and signed checkpoint, metrics, rounds.jsonl)."""
+        co = self.co
         received = agg.received if agg else 0
         accepted = agg.accepted if agg else 0
-        new_loss, new_reward = loss, reward
-        published = ""
-        if abort or agg is None or not agg.update:
-            status = "aborted"
-        else:
-            utility = validation_utility(co, state, layout, spec, seed)
-            pay_round(
-                co.engine,
-                config,
-                round_number=round_number,
-                agg=agg,
-                utility=utility,
-                baseline=-loss if reward is None else reward,
-            )
-            candidate = {k: v.clone() for k, v in state.items()}
-            merge_update(candidate, agg.update, adapter=t.adapter, spec=spec, seed=seed)
-            new_loss = co.evaluator.loss(candidate)
-            new_reward = validation_reward(co, candidate)
-            tolerance = config.quality_gate_tolerance
-            if reward is None or new_reward is None:
-                passes = new_loss <= loss * (1.0 + tolerance)
-            else:  # rewards may be 0 or negative: the tolerance is relative to max(|reward|, 1)
-                passes = new_reward >= reward - tolerance * max(abs(reward), 1.0)
-            if passes:
-                status = "published"
-                metrics = {"validation_loss": new_loss, "parent_validation_loss": loss}
-                if reward is not None and new_reward is not None:
-                    metrics.update(mean_reward=new_reward, parent_mean_reward=reward)
-                pub = co.registry.publish(
-                    candidate,
-                    parent=base.version,
-                    round_number=round_number,
-                    aggregator=config.aggregator,
-                    contributors=agg.contributors,
-                    metrics=metrics,
-                    epsilon=round_epsilon(co, round_number, agg.contributors),
-                )
-                published = pub.version
-                with Session(co.engine) as session:
-                    ledger.record_model_version(
-                        session,
-                        version=pub.version,
-                        parent=base.version,
-                        round_number=round_number,
-                        manifest_sha256=hashlib.sha256(pub.manifest.to_bytes()).hexdigest(),
-                        path=str(pub.directory),
-                        metrics=metrics,
-                    )
-                state, base = candidate, pub
-            else:
-                status = "rolled_back"
         summary = RoundSummary(
-            round=round_number,
-            base_version=task.base_version,
-            status=status,
-            published_version=published,
-            participants=len(messages),
+            round=opened.number,
+            base_version=opened.base_version,
+            status=outcome.status,
+            published_version=outcome.published,
+            participants=len(opened.messages),
             received=received,
             accepted=accepted,
             rejected=received - accepted,
             aggregated=len(agg.contributors) if agg else 0,
-            loss_before=loss,
-            loss_after=new_loss,
-            seconds=time.perf_counter() - started,
-            reward_before=reward,
-            mean_reward=new_reward,
+            loss_before=self.loss,
+            loss_after=outcome.loss,
+            seconds=time.perf_counter() - opened.started,
+            reward_before=self.reward,
+            mean_reward=outcome.reward,
         )
         closing: dict[str, object] = dict(asdict(summary))
         if abort:
@@ -345,36 +411,51 @@ def run_rounds(
         with Session(co.engine) as session:
             ledger.close_round(
                 session,
-                number=round_number,
-                status=status,
-                new_version=published or None,
+                number=opened.number,
+                status=outcome.status,
+                new_version=outcome.published or None,
                 metrics=closing,
                 signer=co.signer,  # the checkpoint contributors verify their rewards against
             )
             co.copy_checkpoint(ledger.latest_checkpoint(session))
-        co.metrics.observe_round(round_number, summary.seconds, status=status)
-        co.control.round_finished(round_number)
-        if status == "published":
-            loss, reward = new_loss, new_reward
+        co.metrics.observe_round(opened.number, summary.seconds, status=outcome.status)
+        co.control.round_finished(opened.number)
+        if outcome.status == "published":
+            self.loss, self.reward = outcome.loss, outcome.reward
         co.backend.open_round = None
         with co.config.path("rounds.jsonl").open("a") as fh:
             fh.write(json.dumps(asdict(summary)) + "\n")
         log.info(
             "round %d %s: %d/%d accepted, loss %.4f -> %.4f%s",
-            round_number,
-            status,
+            opened.number,
+            outcome.status,
             accepted,
             received,
             summary.loss_before,
-            new_loss,
-            f", published {published}" if published else "",
+            outcome.loss,
+            f", published {outcome.published}" if outcome.published else "",
         )
-        if on_round is not None:
-            on_round(summary)
-        done += 1
-        round_number += 1
-    if not co.stop.is_set() and config.rounds > 0 and done >= config.rounds:
-        co.health.set("finished", f"{done} rounds done")
+        return summary
+
+
+def first_round(co: Coordinator) -> int:
+    """The number of the next round; a round a restart left open is recorded aborted."""
+    with Session(co.engine) as session:
+        last = ledger.latest_round(session)
+        if last is not None and last.status in ("open", "aggregating"):
+            ledger.close_round(
+                session,
+                number=last.number,
+                status="aborted",
+                metrics={"reason": "coordinator restarted during the round"},
+            )
+    return 1 if last is None else last.number + 1
+
+
+def run_rounds(
+    co: Coordinator, grid: Grid, *, on_round: Callable[[RoundSummary], None] | None = None
+) -> None:
+    RoundLoop(co, grid).run(on_round)
 
 
 def make_server_app(

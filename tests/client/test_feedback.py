@@ -110,14 +110,13 @@ def test_residuals_survive_a_restart(tmp_path: Path) -> None:
     assert sorted(restarted.residual) == [DENSE, f"{MODULE}.lora_B"]
 
 
-def test_reset_then_save_removes_the_stale_file(tmp_path: Path) -> None:
+def test_switching_error_feedback_off_removes_the_stale_file(tmp_path: Path) -> None:
     path = tmp_path / "feedback.safetensors"
     feedback = FfaErrorFeedback()
     feedback.compress({DENSE: torch.randn(8, 24)}, SPEC)
     feedback.save(path)
 
-    feedback.reset()
-    feedback.save(path)
+    FfaErrorFeedback.load(path, enabled=False).save(path)
 
     assert not path.exists()
     assert FfaErrorFeedback.load(path).residual == {}

@@ -1,10 +1,35 @@
+from collections.abc import Mapping
+
 import torch
+from torch import Tensor, nn
+from torch.func import functional_call
 
 from zoo_gym.compression import bitdelta
-from zoo_gym.compression.distill import distill_scales, logit_error
+from zoo_gym.compression.distill import compressed_params, distill_scales, logit_loss
 from zoo_gym.core.tiny import build_tiny_model
 
 GROUP = 128
+
+
+def logits(model: nn.Module, params: Mapping[str, Tensor], input_ids: Tensor) -> Tensor:
+    return functional_call(model, dict(params), (input_ids,)).logits.float()
+
+
+def logit_error(
+    model: nn.Module,
+    base: Mapping[str, Tensor],
+    finetuned: Mapping[str, Tensor],
+    signs: Mapping[str, Tensor],
+    scales: Mapping[str, Tensor],
+    groups: Mapping[str, int],
+    input_ids: Tensor,
+) -> float:
+    """The BitDelta objective of `scales` on held-out ids: compressed vs fine-tuned logits."""
+    with torch.no_grad():
+        params = compressed_params(base, finetuned, signs, scales, groups)
+        return float(
+            logit_loss(logits(model, params, input_ids), logits(model, finetuned, input_ids))
+        )
 
 
 def test_distilled_scales_reduce_the_logit_error_of_the_tiny_model() -> None:

@@ -132,10 +132,6 @@ class FfaErrorFeedback:
             return None
         return r.double()
 
-    def reset(self) -> None:
-        """Forget every residual (for instance when the base model changes)."""
-        self.residual = {}
-
     def save(self, path: Path) -> None:
         """Write the residuals to `path` (safetensors, atomically); no residual removes it."""
         if not self.residual:

@@ -114,20 +114,3 @@ def distill_scales(
         value.backward()  # type: ignore[no-untyped-call]
         optimizer.step()
     return {name: p.detach().clone() for name, p in fitted.items()}
-
-
-def logit_error(
-    model: nn.Module,
-    base: Mapping[str, Tensor],
-    finetuned: Mapping[str, Tensor],
-    signs: Mapping[str, Tensor],
-    scales: Mapping[str, Tensor],
-    groups: Mapping[str, int],
-    input_ids: Tensor,
-) -> float:
-    """`logit_loss` of the compressed model against `finetuned` on `input_ids` (no gradients)."""
-    with torch.no_grad():
-        params = compressed_params(base, finetuned, signs, scales, groups)
-        return float(
-            logit_loss(_logits(model, params, input_ids), _logits(model, finetuned, input_ids))
-        )

@@ -12,12 +12,36 @@ additive game every player's value is its own worth.
 `gtg_shapley` estimates it by Monte Carlo over permutations with truncation [Liu et al.,
 2022, "GTG-Shapley: Efficient and Accurate Participant Contribution Evaluation in Federated
 Learning", ACM TIST 13(4)]; `exact_shapley` enumerates all 2^n coalitions for small n.
+
+GTG-Shapley, with v_0 = U(0) and v_N = U(agg(all)):
+
+- between-round truncation: if |v_N - v_0| <= `between_round_tol`, the round changed
+  nothing worth dividing and every score is 0;
+- guided sampling: permutations come in blocks of n; in block b the k-th permutation puts
+  update k first and orders the others at random (seeded `torch.Generator`), so every
+  update leads equally often;
+- within-round truncation: walking a permutation, once |v_N - v(prefix)| <
+  `within_round_tol` the remaining updates get marginal 0 without an evaluation;
+- phi_i is the running mean of update i's marginal v(prefix + {i}) - v(prefix).
+
+Convergence: after at least `min_permutations` (checked at the end of each block), stop
+when the last `window` running estimates all lie within `tolerance` of the newest one in
+relative L1 norm, max_k ||phi^(k) - phi^(K)||_1 / ||phi^(K)||_1 < tolerance. (The paper
+follows Ghorbani and Zou, 2019, with a per-player relative error; the vector norm keeps a
+player whose value is near zero from blocking convergence.) Stop anyway after
+`max_permutations`. Tolerances are absolute, in utility units; with both at 0 nothing is
+truncated and every permutation is exactly efficient.
+
+`exact_when_complete` (an addition to the paper's algorithm): once the cache holds all 2^n
+coalitions (small n, no truncation hit), more permutations cannot cost another evaluation,
+so sampling stops and the exact Shapley values come from the cached utilities.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -30,6 +54,43 @@ _HINT = (
     "Shapley values need every non-empty coalition to aggregate: pass an aggregate_fn that "
     "handles small coalitions (for example a lower f for them) or use method='individual'"
 )
+
+
+@dataclass(frozen=True)
+class _GtgOptions:
+    """GTG-Shapley's truncation tolerances and stopping rule (see the module docstring)."""
+
+    between_round_tol: float
+    within_round_tol: float
+    tolerance: float
+    window: int
+    min_permutations: int
+    max_permutations: int
+    exact_when_complete: bool
+
+    def __post_init__(self) -> None:
+        for name in ("between_round_tol", "within_round_tol"):
+            value = getattr(self, name)
+            if not math.isfinite(value) or value < 0:
+                raise ValueError(f"gtg_shapley: {name} must be a finite number >= 0, got {value}")
+        if not math.isfinite(self.tolerance) or self.tolerance <= 0:
+            raise ValueError(
+                f"gtg_shapley: tolerance must be a finite number > 0, got {self.tolerance}"
+            )
+        for name in ("window", "min_permutations", "max_permutations"):
+            count = getattr(self, name)
+            if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+                raise ValueError(f"gtg_shapley: {name} must be an int >= 1, got {count!r}")
+
+
+@dataclass(frozen=True)
+class _Estimate:
+    """Where the sampling ended: scores `(n,)`, permutations walked, whether it settled."""
+
+    scores: tuple[float, ...]
+    permutations: int = 0
+    converged: bool = True
+    note: str = ""
 
 
 def gtg_shapley(
@@ -49,29 +110,8 @@ def gtg_shapley(
 ) -> Quality:
     """Guided Truncation Gradient Shapley [Liu et al., 2022] of the `(n, d)` updates.
 
-    With v_0 = U(0) and v_N = U(agg(all)):
-
-    - between-round truncation: if |v_N - v_0| <= `between_round_tol`, the round changed
-      nothing worth dividing and every score is 0;
-    - guided sampling: permutations come in blocks of n; in block b the k-th permutation puts
-      update k first and orders the others at random (seeded `torch.Generator`), so every
-      update leads equally often;
-    - within-round truncation: walking a permutation, once |v_N - v(prefix)| <
-      `within_round_tol` the remaining updates get marginal 0 without an evaluation;
-    - phi_i is the running mean of update i's marginal v(prefix + {i}) - v(prefix).
-
-    Convergence: after at least `min_permutations` (checked at the end of each block), stop
-    when the last `window` running estimates all lie within `tolerance` of the newest one in
-    relative L1 norm, max_k ||phi^(k) - phi^(K)||_1 / ||phi^(K)||_1 < tolerance. (The paper
-    follows Ghorbani and Zou, 2019, with a per-player relative error; the vector norm keeps a
-    player whose value is near zero from blocking convergence.) Stop anyway after
-    `max_permutations`; `Quality.converged` says which. Tolerances are absolute, in utility
-    units; with both at 0 nothing is truncated and every permutation is exactly efficient.
-
-    `exact_when_complete`: once the cache holds all 2^n coalitions (small n, no truncation
-    hit), more permutations cannot cost another evaluation, so stop and return the exact
-    Shapley values from the cached utilities (an addition to the paper's algorithm).
-
+    The algorithm, its truncations and its stopping rule are in the module docstring;
+    `Quality.converged` says whether the estimate settled before `max_permutations`.
     `aggregate_fn` applies the round's rule to a subset of rows `(k, d) -> (d,)` and must
     accept every non-empty coalition; coalition utilities must be finite.
 
@@ -80,8 +120,14 @@ def gtg_shapley(
     evaluated non-empty coalition. Results are identical for the same seed.
     """
     n, _ = check_updates(updates, "gtg_shapley")
-    _check_gtg_options(
-        between_round_tol, within_round_tol, tolerance, window, min_permutations, max_permutations
+    options = _GtgOptions(
+        between_round_tol=between_round_tol,
+        within_round_tol=within_round_tol,
+        tolerance=tolerance,
+        window=window,
+        min_permutations=min_permutations,
+        max_permutations=max_permutations,
+        exact_when_complete=exact_when_complete,
     )
     game = Game(
         updates,
@@ -91,43 +137,51 @@ def gtg_shapley(
         hint=_HINT,
         baseline=baseline,
     )
-    v0 = game.baseline()
-    v_all = game.value(frozenset(range(n)))
-    if abs(v_all - v0) <= between_round_tol:
-        return Quality(
-            method="gtg_shapley",
-            scores=(0.0,) * n,
-            baseline=v0,
-            aggregate_utility=v_all,
-            utility_calls=game.utility_calls,
-            aggregations=game.aggregations,
+    v0, v_all = game.baseline(), game.value(frozenset(range(n)))
+    estimate = _estimate(game, v0, v_all, seed, options)
+    return Quality(
+        method="gtg_shapley",
+        scores=estimate.scores,
+        baseline=v0,
+        aggregate_utility=v_all,
+        utility_calls=game.utility_calls,
+        aggregations=game.aggregations,
+        permutations=estimate.permutations,
+        converged=estimate.converged,
+        note=estimate.note,
+    )
+
+
+def _estimate(game: Game, v0: float, v_all: float, seed: int, options: _GtgOptions) -> _Estimate:
+    """Every score 0 when the round moved the utility by no more than `between_round_tol`
+    (between-round truncation), else the sampled estimate."""
+    if abs(v_all - v0) <= options.between_round_tol:
+        return _Estimate(
+            scores=(0.0,) * game.n,
             note=f"between-round truncation: the aggregate changed the utility by "
-            f"{v_all - v0:.4g}, within {between_round_tol:g}; every score is 0",
+            f"{v_all - v0:.4g}, within {options.between_round_tol:g}; every score is 0",
         )
+    return _sample_permutations(game, v0, v_all, seed, options)
+
+
+def _sample_permutations(
+    game: Game, v0: float, v_all: float, seed: int, options: _GtgOptions
+) -> _Estimate:
+    """Walk guided permutations, a block of n at a time, until `options` says to stop."""
+    n = game.n
     generator = torch.Generator().manual_seed(seed)
     marginals: list[list[float]] = []  # (P, n)
     converged = exact = False
-    while len(marginals) < max_permutations and not converged:
+    while len(marginals) < options.max_permutations and not converged:
         for first in range(n):
-            if len(marginals) >= max_permutations:
+            if len(marginals) >= options.max_permutations:
                 break
             order = _guided_permutation(n, first, generator)
-            marginals.append(_walk(game, order, v0, v_all, within_round_tol))
-        exact = exact_when_complete and len(game.cache) == 1 << n
+            marginals.append(_walk(game, order, v0, v_all, options.within_round_tol))
+        exact = options.exact_when_complete and len(game.cache) == 1 << n
         converged = exact or (
-            len(marginals) >= min_permutations and _converged(marginals, window, tolerance)
-        )
-    if exact:
-        scores = _shapley(game, n)  # every coalition is cached: no evaluation
-        note = f"every coalition evaluated after {len(marginals)} permutations: exact values"
-    else:
-        estimate = torch.tensor(marginals, dtype=torch.float64).mean(dim=0)  # (n,)
-        scores = [float(x) for x in estimate]
-        note = (
-            ""
-            if converged
-            else f"stopped after max_permutations={max_permutations} "
-            f"before the estimate settled within {tolerance:g}"
+            len(marginals) >= options.min_permutations
+            and _converged(marginals, options.window, options.tolerance)
         )
     log.debug(
         "gtg-shapley over %d updates: %d permutations (converged %s), %d utility calls",
@@ -136,16 +190,21 @@ def gtg_shapley(
         converged,
         game.utility_calls,
     )
-    return Quality(
-        method="gtg_shapley",
-        scores=tuple(scores),
-        baseline=v0,
-        aggregate_utility=v_all,
-        utility_calls=game.utility_calls,
-        aggregations=game.aggregations,
+    if exact:
+        return _Estimate(
+            scores=tuple(_shapley(game, n)),  # every coalition is cached: no evaluation
+            permutations=len(marginals),
+            note=f"every coalition evaluated after {len(marginals)} permutations: exact values",
+        )
+    estimate = torch.tensor(marginals, dtype=torch.float64).mean(dim=0)  # (n,)
+    return _Estimate(
+        scores=tuple(float(x) for x in estimate),
         permutations=len(marginals),
         converged=converged,
-        note=note,
+        note=""
+        if converged
+        else f"stopped after max_permutations={options.max_permutations} "
+        f"before the estimate settled within {options.tolerance:g}",
     )
 
 
@@ -235,28 +294,3 @@ def _converged(marginals: list[list[float]], window: int, tolerance: float) -> b
     newest = running[-1]  # (n,)
     error = (running - newest).abs().sum(dim=1) / (newest.abs().sum() + 1e-12)  # (window,)
     return bool(error.max() < tolerance)
-
-
-def _check_gtg_options(
-    between_round_tol: float,
-    within_round_tol: float,
-    tolerance: float,
-    window: int,
-    min_permutations: int,
-    max_permutations: int,
-) -> None:
-    for name, value in (
-        ("between_round_tol", between_round_tol),
-        ("within_round_tol", within_round_tol),
-    ):
-        if not math.isfinite(value) or value < 0:
-            raise ValueError(f"gtg_shapley: {name} must be a finite number >= 0, got {value}")
-    if not math.isfinite(tolerance) or tolerance <= 0:
-        raise ValueError(f"gtg_shapley: tolerance must be a finite number > 0, got {tolerance}")
-    for name, count in (
-        ("window", window),
-        ("min_permutations", min_permutations),
-        ("max_permutations", max_permutations),
-    ):
-        if isinstance(count, bool) or not isinstance(count, int) or count < 1:
-            raise ValueError(f"gtg_shapley: {name} must be an int >= 1, got {count!r}")

@@ -200,11 +200,45 @@ def plan_round(
 
     Raises `PrivacyRefusal` (one line) when the round must not run.
     """
-    from zoo_gym.privacy.accounting import (
-        ACCOUNTANTS,
-        gaussian_update_mechanism,
-        noise_for_epsilon,
+    _check_task(task, num_records)
+    sample_rate = min(1.0, task.batch_size / num_records)
+    sigma = _dp_sgd_sigma(task, sample_rate, num_records)
+    user = _update_noise_mechanisms(task)
+    sample: tuple[Mechanism, ...] = ((sigma, sample_rate, task.steps),) if sigma > 0 else user
+    accountant, delta = task.dp_accountant, task.dp_delta
+    plan = PrivacyPlan(
+        round=task.round,
+        delta=delta,
+        accountant=accountant,
+        dp_noise_multiplier=sigma,
+        dp_max_grad_norm=task.dp_max_grad_norm,
+        sample_rate=sample_rate,
+        steps=task.steps,
+        update_noise_multiplier=task.update_noise_multiplier,
+        clip_norm=task.clip_norm,
+        sample_mechanisms=sample,
+        user_mechanisms=user,
+        epsilon=_compose(sample, not sample, delta, accountant),
+        epsilon_total=_compose(
+            [*account.sample_history, *sample],
+            account.sample_unbounded or not sample,
+            delta,
+            accountant,
+        ),
+        user_epsilon=_compose(user, not user, delta, accountant),
+        user_epsilon_total=_compose(
+            [*account.user_history, *user], account.user_unbounded or not user, delta, accountant
+        ),
+        base_version=task.base_version,
     )
+    if budget is not None:
+        check_budget(plan, account, budget)
+    return plan
+
+
+def _check_task(task: TaskConfig, num_records: int) -> None:
+    """Raise `PrivacyRefusal` when the task asks for privacy this client cannot give."""
+    from zoo_gym.privacy.accounting import ACCOUNTANTS
 
     if task.dp_accountant not in ACCOUNTANTS:
         raise PrivacyRefusal(
@@ -225,54 +259,36 @@ def plan_round(
         )
     if num_records < 1:
         raise PrivacyRefusal("no local records to train on")
-    accountant = task.dp_accountant
-    sample_rate = min(1.0, task.batch_size / num_records)
-    sigma = task.dp_noise_multiplier
-    if task.dp_target_epsilon > 0:  # DP-SGD: the method was checked above
-        try:
-            sigma = noise_for_epsilon(
-                task.dp_target_epsilon, sample_rate, task.steps, task.dp_delta, _name(accountant)
-            )
-        except ValueError:
-            raise PrivacyRefusal(
-                f"round {task.round}: no noise level reaches epsilon {task.dp_target_epsilon:g} with "
-                f"{num_records} records in {task.steps} steps; bring more data or ask for a larger epsilon"
-            ) from None
-    user: tuple[Mechanism, ...] = ()
-    if task.update_noise_multiplier > 0:
-        user = (gaussian_update_mechanism(task.update_noise_multiplier),)
-    sample: tuple[Mechanism, ...] = ((sigma, sample_rate, task.steps),) if sigma > 0 else user
-    delta = task.dp_delta
-    epsilon = _compose(sample, not sample, delta, accountant)
-    user_epsilon = _compose(user, not user, delta, accountant)
-    plan = PrivacyPlan(
-        round=task.round,
-        delta=delta,
-        accountant=accountant,
-        dp_noise_multiplier=sigma,
-        dp_max_grad_norm=task.dp_max_grad_norm,
-        sample_rate=sample_rate,
-        steps=task.steps,
-        update_noise_multiplier=task.update_noise_multiplier,
-        clip_norm=task.clip_norm,
-        sample_mechanisms=sample,
-        user_mechanisms=user,
-        epsilon=epsilon,
-        epsilon_total=_compose(
-            [*account.sample_history, *sample],
-            account.sample_unbounded or not sample,
-            delta,
-            accountant,
-        ),
-        user_epsilon=user_epsilon,
-        user_epsilon_total=_compose(
-            [*account.user_history, *user], account.user_unbounded or not user, delta, accountant
-        ),
-        base_version=task.base_version,
-    )
-    if budget is not None:
-        check_budget(plan, account, budget)
-    return plan
+
+
+def _update_noise_mechanisms(task: TaskConfig) -> tuple[Mechanism, ...]:
+    """The user-level Gaussian mechanism of the task's update noise (none without it)."""
+    from zoo_gym.privacy.accounting import gaussian_update_mechanism
+
+    if task.update_noise_multiplier <= 0:
+        return ()
+    return (gaussian_update_mechanism(task.update_noise_multiplier),)
+
+
+def _dp_sgd_sigma(task: TaskConfig, sample_rate: float, num_records: int) -> float:
+    """DP-SGD's noise multiplier: the task's, or the least that reaches its target epsilon."""
+    from zoo_gym.privacy.accounting import noise_for_epsilon
+
+    if task.dp_target_epsilon <= 0:
+        return task.dp_noise_multiplier
+    try:
+        return noise_for_epsilon(
+            task.dp_target_epsilon,
+            sample_rate,
+            task.steps,
+            task.dp_delta,
+            _name(task.dp_accountant),
+        )
+    except ValueError:
+        raise PrivacyRefusal(
+            f"round {task.round}: no noise level reaches epsilon {task.dp_target_epsilon:g} with "
+            f"{num_records} records in {task.steps} steps; bring more data or ask for a larger epsilon"
+        ) from None
 
 
 def check_budget(plan: PrivacyPlan, account: PrivacyAccount, budget: PrivacyBudget) -> None:

@@ -1,6 +1,6 @@
 """Supervised fine-tuning, one federated round at a time, and the FFA-LoRA trainer.
 
-`Trainer.train_round` is one long, linear program shared by every adapter: the
+`Trainer.train_round` is one linear program shared by every adapter: the
 model is loaded once and kept between rounds; each round (1) `begin_round`
 resets the adapter from the round's seed and names what trains, (2) AdamW (or
 Opacus DP-SGD) trains it on the completion-token loss, (3) `update` returns what
@@ -20,7 +20,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from opacus import GradSampleModule
@@ -80,6 +80,72 @@ class RoundResult:
     seconds: float
     sample_rate: float | None = None  # Poisson rate under DP-SGD, else None
     mean_reward: float | None = None  # GRPO / GSPO: mean reward over the round's completions
+
+
+@dataclass
+class RoundMeter:
+    """A round's losses, tokens and (policy objectives) rewards so far; tells `on_step` each step.
+
+    `rewards` is None for objectives without a reward (SFT), a list of per-step means otherwise.
+    """
+
+    steps: int
+    on_step: Callable[[StepInfo], None] | None = None
+    rewards: list[float] | None = None
+    losses: list[float] = field(default_factory=list)
+    tokens: int = 0
+    start: float = field(default_factory=time.perf_counter)
+    seconds: float = 0.0  # set by `stop`
+
+    def step(
+        self, step: int, *, loss: float | None, tokens: int, reward: float | None = None
+    ) -> None:
+        """Record a step (`loss` None: an empty batch) and report it with the last loss so far."""
+        if loss is not None:
+            self.losses.append(loss)
+        if reward is not None:
+            assert self.rewards is not None
+            self.rewards.append(reward)
+        self.tokens += tokens
+        if self.on_step is not None:
+            rate = self.tokens / max(time.perf_counter() - self.start, 1e-9)
+            last = self.losses[-1] if self.losses else float("nan")
+            self.on_step(
+                StepInfo(step=step, steps=self.steps, loss=last, tokens_per_s=rate, reward=reward)
+            )
+
+    def stop(self) -> None:
+        """The round's training is over: fix its duration."""
+        self.seconds = time.perf_counter() - self.start
+
+    def result(
+        self, update: Delta, *, num_examples: int, sample_rate: float | None = None
+    ) -> RoundResult:
+        """What the round produced, `update` being the trainer's `update()`."""
+        return RoundResult(
+            update=update,
+            num_examples=num_examples,
+            mean_loss=mean_or_nan(self.losses),
+            tokens=self.tokens,
+            seconds=self.seconds,
+            sample_rate=sample_rate,
+            mean_reward=None if self.rewards is None else mean_or_nan(self.rewards),
+        )
+
+
+@dataclass
+class _RoundLoop:
+    """How a round's steps run: the rows each step takes, the module run forward, the optimizer."""
+
+    batches: Iterator[list[int]]
+    forward: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    sample_rate: float | None = None  # Poisson rate under DP-SGD
+
+    def close(self) -> None:
+        """Take Opacus's hooks off the model again."""
+        if isinstance(self.forward, GradSampleModule):
+            self.forward._close()
 
 
 class Trainer:
@@ -157,74 +223,93 @@ class Trainer:
             raise ValueError("train_round needs at least one conversation")
         if dp is not None:
             self.check_dp()
-        start = time.perf_counter()
+        meter = RoundMeter(steps, on_step)
         examples = [
             encode_conversation(self.tokenizer, c, max_length=max_length) for c in conversations
         ]
         params = self.begin_round(seed)
-        optimizer: torch.optim.Optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
-        generator = torch.Generator().manual_seed(seed)
-        forward: torch.nn.Module = self.model
-        sample_rate = None
+        loop = self._round_loop(examples, params, seed=seed, lr=lr, batch_size=batch_size, dp=dp)
+        pad_id = pad_id_of(self.tokenizer)
+        self.model.train()
+        try:
+            for step in range(1, steps + 1):
+                rows = next(loop.batches)
+                loop.optimizer.zero_grad(set_to_none=True)
+                loss, tokens = self._backward(
+                    loop.forward, [examples[i] for i in rows], params, pad_id, dp=dp is not None
+                )
+                loop.optimizer.step()
+                meter.step(step, loss=loss, tokens=tokens)
+        finally:
+            loop.close()
+        self.model.eval()
+        meter.stop()
+        result = meter.result(
+            self.update(), num_examples=len(conversations), sample_rate=loop.sample_rate
+        )
+        logger.info(
+            "round trained: %d steps, mean loss %.4f, %.1fs", steps, result.mean_loss, meter.seconds
+        )
+        return result
+
+    def _round_loop(
+        self,
+        examples: Sequence[tuple[list[int], list[int]]],
+        params: list[torch.nn.Parameter],
+        *,
+        seed: int,
+        lr: float,
+        batch_size: int,
+        dp: DpConfig | None,
+    ) -> _RoundLoop:
+        """AdamW on length-bucketed batches drawn under `seed`, or with `dp` Opacus DP-SGD on
+        Poisson batches drawn in secret (the accountants assume nobody knows which records each
+        step used, and the round seed is public)."""
+        optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
         if dp is None:
             lengths = [len(ids) for ids, _ in examples]
-            batches = length_bucketed_batches(lengths, batch_size, generator)
-        else:  # hooks go on after begin_round: only parameters that require grad get them
-            sample_rate = min(1.0, batch_size / len(examples))
-            # secret sampling: the accountants assume nobody knows which records each step used,
-            # and the round seed is public
-            batches = poisson_batches(len(examples), sample_rate, secure_generator())
-            forward = GradSampleModule(self.model, loss_reduction="mean")
-            optimizer = DPOptimizer(
+            generator = torch.Generator().manual_seed(seed)
+            return _RoundLoop(
+                length_bucketed_batches(lengths, batch_size, generator), self.model, optimizer
+            )
+        sample_rate = min(1.0, batch_size / len(examples))
+        return _RoundLoop(  # hooks go on after begin_round: only parameters that require grad
+            batches=poisson_batches(len(examples), sample_rate, secure_generator()),
+            forward=GradSampleModule(self.model, loss_reduction="mean"),
+            optimizer=DPOptimizer(
                 optimizer,
                 noise_multiplier=dp.noise_multiplier,
                 max_grad_norm=dp.max_grad_norm,
                 expected_batch_size=batch_size,
                 loss_reduction="mean",
                 generator=secure_generator(),
-            )
-        pad_id = pad_id_of(self.tokenizer)
-        self.model.train()
-        losses: list[float] = []
-        tokens = 0
-        try:
-            for step in range(1, steps + 1):
-                rows = next(batches)
-                optimizer.zero_grad(set_to_none=True)
-                if rows:
-                    batch = collate([examples[i] for i in rows], pad_id=pad_id).to(self.device)
-                    nll, mask = token_nll(forward, batch)
-                    if dp is None:  # token mean over the batch
-                        loss = nll.sum() / mask.sum().clamp(min=1)
-                    else:  # mean of per-example token means, so each example is one term
-                        loss = (nll.sum(1) / mask.sum(1).clamp(min=1)).mean()
-                    loss.backward()  # type: ignore[no-untyped-call]
-                    losses.append(loss.item())
-                    tokens += batch.num_tokens
-                else:  # an empty Poisson batch still takes a (pure-noise) step
-                    for p in params:
-                        p.grad_sample = torch.zeros((0, *p.shape), device=p.device)  # type: ignore[attr-defined]
-                optimizer.step()
-                if on_step is not None:
-                    rate = tokens / max(time.perf_counter() - start, 1e-9)
-                    last = losses[-1] if losses else float("nan")
-                    on_step(StepInfo(step=step, steps=steps, loss=last, tokens_per_s=rate))
-        finally:
-            if isinstance(forward, GradSampleModule):
-                forward._close()
-        self.model.eval()
-        seconds = time.perf_counter() - start
-        logger.info(
-            "round trained: %d steps, mean loss %.4f, %.1fs", steps, mean_or_nan(losses), seconds
-        )
-        return RoundResult(
-            update=self.update(),
-            num_examples=len(conversations),
-            mean_loss=mean_or_nan(losses),
-            tokens=tokens,
-            seconds=seconds,
+            ),
             sample_rate=sample_rate,
         )
+
+    def _backward(
+        self,
+        forward: torch.nn.Module,
+        examples: Sequence[tuple[list[int], list[int]]],
+        params: list[torch.nn.Parameter],
+        pad_id: int,
+        *,
+        dp: bool,
+    ) -> tuple[float | None, int]:
+        """Backpropagate the completion loss of `examples`: (loss, tokens), loss None when the
+        batch is empty."""
+        if not examples:  # an empty Poisson batch still takes a (pure-noise) step
+            for p in params:
+                p.grad_sample = torch.zeros((0, *p.shape), device=p.device)  # type: ignore[attr-defined]
+            return None, 0
+        batch = collate(examples, pad_id=pad_id).to(self.device)
+        nll, mask = token_nll(forward, batch)
+        if dp:  # mean of per-example token means, so each example is one term
+            loss = (nll.sum(1) / mask.sum(1).clamp(min=1)).mean()
+        else:  # token mean over the batch
+            loss = nll.sum() / mask.sum().clamp(min=1)
+        loss.backward()  # type: ignore[no-untyped-call]
+        return loss.item(), batch.num_tokens
 
 
 class PeftTrainer(Trainer):

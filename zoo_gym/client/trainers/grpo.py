@@ -1,6 +1,6 @@
 """GRPO and GSPO on a contributor's own prompts, one federated round at a time.
 
-One long, linear program (`train_grpo`) over a few small pure functions. Per step:
+One linear program (`train_grpo`) over a few small pure functions. Per step:
 
 1. take `batch_size` prompts and sample `num_generations` completions of each from the
    current policy (the adapter on), under the round's seed;
@@ -32,14 +32,14 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import logging
-import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
 from torch import Tensor, nn
 
-from zoo_gym.client.trainers.sft import RoundResult, StepInfo, mean_or_nan
+from zoo_gym.client.trainers.sft import RoundMeter, RoundResult, StepInfo
 from zoo_gym.core.chat import (
     Prompt,
     completion_mask,
@@ -194,6 +194,46 @@ def train_grpo(
     ``batch_size * num_generations`` sequences. Prompts are cut on the left to leave
     `max_new_tokens` within `max_length`. Deterministic under `seed` on one device.
     """
+    _check_policy_round(objective, prompts, num_generations, rewards, iterations)
+    meter = RoundMeter(steps, on_step, rewards=[])
+    room = max(1, max_length - max_new_tokens)
+    prompt_ids = [encode_prompt(trainer.tokenizer, c)[-room:] for c, _ in prompts]
+    policy = _Policy(trainer, temperature=temperature, max_new_tokens=max_new_tokens)
+    optimizer = torch.optim.AdamW(trainer.begin_round(seed), lr=lr, weight_decay=0.0)
+    mode: PolicyObjective = "gspo" if objective == "gspo" else "grpo"
+    optimise = _PolicyStep(policy, optimizer, mode, clip_epsilon, kl_beta, iterations)
+    batches = prompt_batches(len(prompts), batch_size, torch.Generator().manual_seed(seed))
+    for step in range(1, steps + 1):
+        # 1. sample each prompt num_generations times, 2. reward, 3. advantages, 4. update
+        rows = [i for i in next(batches) for _ in range(num_generations)]
+        rollout = policy.sample([prompt_ids[i] for i in rows], seed=step_seed(seed, step))
+        scores = policy.score(rollout, [prompts[i][1] for i in rows], rewards)  # (n,)
+        advantages = group_advantages(scores, num_generations).to(trainer.device)  # (n,)
+        loss, kl = optimise(rollout, advantages)
+        reward = float(scores.mean())
+        logger.debug("step %d: loss %.4f, reward %.3f, kl %.5f", step, loss, reward, kl)
+        meter.step(step, loss=loss, tokens=int(rollout.attention.sum()), reward=reward)
+    trainer.model.eval()
+    meter.stop()
+    result = meter.result(trainer.update(), num_examples=len(prompts))
+    logger.info(
+        "%s round trained: %d steps, mean reward %.3f, %.1fs",
+        objective,
+        steps,
+        result.mean_reward,
+        result.seconds,
+    )
+    return result
+
+
+def _check_policy_round(
+    objective: str,
+    prompts: Sequence[Prompt],
+    num_generations: int,
+    rewards: Mapping[str, RewardFunction],
+    iterations: int,
+) -> None:
+    """Raise ValueError on arguments no GRPO / GSPO round can run with."""
     if objective not in POLICY_OBJECTIVES:
         raise ValueError(
             f"objective must be one of {', '.join(POLICY_OBJECTIVES)}, not {objective!r}"
@@ -206,111 +246,127 @@ def train_grpo(
         raise ValueError("GRPO needs at least one reward function")
     if iterations < 1:
         raise ValueError("iterations must be at least 1")
-    mode: PolicyObjective = "gspo" if objective == "gspo" else "grpo"
-    start = time.perf_counter()
-    model, tokenizer, device = trainer.model, trainer.tokenizer, trainer.device
-    pad_id = pad_id_of(tokenizer)
-    eos_id = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else pad_id
-    room = max(1, max_length - max_new_tokens)
-    encoded = [encode_prompt(tokenizer, conversation)[-room:] for conversation, _ in prompts]
-    answers = [answer for _, answer in prompts]
-    params = trainer.begin_round(seed)
-    optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
-    batches = prompt_batches(len(prompts), batch_size, torch.Generator().manual_seed(seed))
-    forks = [device] if device.type == "cuda" else []
-    losses: list[float] = []
-    step_rewards: list[float] = []
-    tokens = 0
-    for step in range(1, steps + 1):
-        # 1. sample: every prompt of the batch num_generations times, left-padded, adapter on
-        rows = [i for i in next(batches) for _ in range(num_generations)]
-        prompt_ids, prompt_mask = left_pad([encoded[i] for i in rows], pad_id)
-        prompt_ids, prompt_mask = prompt_ids.to(device), prompt_mask.to(device)
+
+
+@dataclass(frozen=True)
+class Rollout:
+    """One step's sampled sequences: left-padded prompts `(n, p)` followed by completions `(n, c)`."""
+
+    sequences: Tensor  # (n, p + c)
+    prompt_length: int  # p
+    mask: Tensor  # (n, c): completion tokens up to and including the first EOS
+    attention: Tensor  # (n, p + c): real prompt tokens and `mask`
+
+    @property
+    def completions(self) -> Tensor:
+        return self.sequences[:, self.prompt_length :]  # (n, c)
+
+
+@dataclass(frozen=True)
+class _Policy:
+    """The trainer's model as the sampling policy: completions, their rewards, their log-probs."""
+
+    trainer: PolicyTrainer
+    temperature: float
+    max_new_tokens: int
+
+    @property
+    def pad_id(self) -> int:
+        return pad_id_of(self.trainer.tokenizer)
+
+    @property
+    def eos_id(self) -> int:
+        eos_id = self.trainer.tokenizer.eos_token_id
+        return eos_id if eos_id is not None else self.pad_id
+
+    def sample(self, prompt_ids: Sequence[list[int]], *, seed: int) -> Rollout:
+        """One completion of each prompt, the adapter on, drawn under `seed` (the global RNG
+        state is left as it was)."""
+        device, model = self.trainer.device, self.trainer.model
+        ids, prompt_mask = left_pad(prompt_ids, self.pad_id)
+        ids, prompt_mask = ids.to(device), prompt_mask.to(device)
         model.eval()
-        with torch.no_grad(), torch.random.fork_rng(devices=forks):
-            torch.manual_seed(step_seed(seed, step))
+        with (
+            torch.no_grad(),
+            torch.random.fork_rng(devices=[device] if device.type == "cuda" else []),
+        ):
+            torch.manual_seed(seed)
             sequences = model.generate(
-                input_ids=prompt_ids,
+                input_ids=ids,
                 attention_mask=prompt_mask,
                 do_sample=True,
-                temperature=temperature,
+                temperature=self.temperature,
                 top_k=0,
                 top_p=1.0,
-                max_new_tokens=max_new_tokens,
-                pad_token_id=pad_id,
-                eos_token_id=eos_id,
+                max_new_tokens=self.max_new_tokens,
+                pad_token_id=self.pad_id,
+                eos_token_id=self.eos_id,
             )  # (n, p + c)
-        width = prompt_ids.shape[1]
-        completions = sequences[:, width:]  # (n, c)
-        mask = completion_mask(completions, eos_id)  # (n, c)
+        width = ids.shape[1]
+        mask = completion_mask(sequences[:, width:], self.eos_id)  # (n, c)
         attention = torch.cat([prompt_mask, mask.long()], dim=1)  # (n, p + c)
+        return Rollout(sequences, width, mask, attention)
 
-        # 2. rewards, summed over functions; 3. group-relative advantages
+    def score(
+        self, rollout: Rollout, answers: Sequence[str], rewards: Mapping[str, RewardFunction]
+    ) -> Tensor:
+        """The summed reward `(n,)` of each completion against its prompt's answer."""
         texts = [
-            tokenizer.decode(row[m].tolist(), skip_special_tokens=True)
-            for row, m in zip(completions, mask, strict=True)
+            self.trainer.tokenizer.decode(row[m].tolist(), skip_special_tokens=True)
+            for row, m in zip(rollout.completions, rollout.mask, strict=True)
         ]
-        scores = torch.tensor(
-            [total_reward(rewards, text, answers[i]) for text, i in zip(texts, rows, strict=True)],
+        return torch.tensor(
+            [
+                total_reward(rewards, text, answer)
+                for text, answer in zip(texts, answers, strict=True)
+            ],
             dtype=torch.float32,
         )
-        advantages = group_advantages(scores, num_generations).to(device)  # (n,)
 
-        # 4. log-probs of the sampling policy (pi_old) and of the reference (adapter off)
-        with torch.no_grad():
-            old_logp = token_logprobs(model, sequences, attention, width, temperature)
+    def logprobs(self, rollout: Rollout) -> Tensor:
+        """Log-probs `(n, c)` of the completions under the model as it is now."""
+        return token_logprobs(
+            self.trainer.model,
+            rollout.sequences,
+            rollout.attention,
+            rollout.prompt_length,
+            self.temperature,
+        )
+
+
+@dataclass(frozen=True)
+class _PolicyStep:
+    """One optimisation step of `policy` on a rollout: `iterations` AdamW updates of the loss."""
+
+    policy: _Policy
+    optimizer: torch.optim.Optimizer
+    objective: PolicyObjective
+    clip_epsilon: float
+    kl_beta: float
+    iterations: int
+
+    def __call__(self, rollout: Rollout, advantages: Tensor) -> tuple[float, float]:
+        """(the last loss, its mean per-token KL to the reference)."""
+        policy = self.policy
+        with torch.no_grad():  # the sampling policy (pi_old) and the reference (adapter off)
+            old_logp = policy.logprobs(rollout)
             ref_logp = None
-            if kl_beta > 0:
-                with trainer.reference():
-                    ref_logp = token_logprobs(model, sequences, attention, width, temperature)
-        model.train()
-        for _ in range(iterations):
-            logp = token_logprobs(model, sequences, attention, width, temperature)
+            if self.kl_beta > 0:
+                with policy.trainer.reference():
+                    ref_logp = policy.logprobs(rollout)
+        policy.trainer.model.train()
+        for _ in range(self.iterations):
             loss, kl = policy_loss(
-                logp,
+                policy.logprobs(rollout),
                 old_logp,
                 ref_logp,
-                mask,
+                rollout.mask,
                 advantages,
-                objective=mode,
-                clip_epsilon=clip_epsilon,
-                kl_beta=kl_beta,
+                objective=self.objective,
+                clip_epsilon=self.clip_epsilon,
+                kl_beta=self.kl_beta,
             )
-            optimizer.zero_grad(set_to_none=True)
+            self.optimizer.zero_grad(set_to_none=True)
             loss.backward()  # type: ignore[no-untyped-call]
-            optimizer.step()
-        losses.append(loss.item())
-        step_rewards.append(float(scores.mean()))
-        tokens += int(attention.sum())
-        logger.debug(
-            "step %d: loss %.4f, reward %.3f, kl %.5f", step, losses[-1], step_rewards[-1], kl
-        )
-        if on_step is not None:
-            rate = tokens / max(time.perf_counter() - start, 1e-9)
-            on_step(
-                StepInfo(
-                    step=step,
-                    steps=steps,
-                    loss=losses[-1],
-                    tokens_per_s=rate,
-                    reward=step_rewards[-1],
-                )
-            )
-    model.eval()
-    seconds = time.perf_counter() - start
-    mean_reward = mean_or_nan(step_rewards)
-    logger.info(
-        "%s round trained: %d steps, mean reward %.3f, %.1fs",
-        objective,
-        steps,
-        mean_reward,
-        seconds,
-    )
-    return RoundResult(
-        update=trainer.update(),
-        num_examples=len(prompts),
-        mean_loss=mean_or_nan(losses),
-        tokens=tokens,
-        seconds=seconds,
-        mean_reward=mean_reward,
-    )
+            self.optimizer.step()
+        return loss.item(), kl.item()

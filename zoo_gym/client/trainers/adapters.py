@@ -288,6 +288,14 @@ def _num_params(directory: Path) -> int:
     return total
 
 
+PEFT_TRAINERS: dict[str, type[PeftTrainer]] = {
+    "ffa_lora": FfaLoraTrainer,
+    "lora": LoraTrainer,
+    "dora": DoraTrainer,
+    "qlora": QLoraTrainer,
+}
+
+
 def make_trainer(
     model_dir_or_model: Path | str | PreTrainedModel,
     tokenizer: PreTrainedTokenizerBase,
@@ -305,9 +313,6 @@ def make_trainer(
     """
     if adapter not in ADAPTERS:
         raise ValueError(f"unknown adapter {adapter!r}; the client knows {', '.join(ADAPTERS)}")
-    on_cuda = torch.device(device).type == "cuda"
-    dtype = torch.bfloat16 if on_cuda and adapter != "full" else torch.float32
-    attention = attention_implementation(device) if dtype == torch.bfloat16 else "sdpa"
     if isinstance(model_dir_or_model, PreTrainedModel):
         if adapter == "qlora":
             raise ValueError(
@@ -315,23 +320,11 @@ def make_trainer(
             )
         model = model_dir_or_model
     else:
-        directory = Path(model_dir_or_model)
-        if adapter == "full":
-            check_full_size(_num_params(directory), max_full_params)
-        quantization = None
-        if adapter == "qlora":
-            quantization = BitsAndBytesConfig(  # type: ignore[no-untyped-call]
-                load_in_4bit=True,
-                bnb_4bit_quant_type="nf4",
-                bnb_4bit_use_double_quant=True,
-                bnb_4bit_compute_dtype=dtype,
-            )
-        model = AutoModelForCausalLM.from_pretrained(
-            directory,
-            dtype=dtype,
-            attn_implementation=attention,
-            quantization_config=quantization,
-            device_map={"": device} if quantization is not None else None,
+        model = load_base_model(
+            Path(model_dir_or_model),
+            adapter=adapter,
+            device=device,
+            max_full_params=max_full_params,
         )
     if adapter == "full":
         return FullTrainer(
@@ -342,12 +335,34 @@ def make_trainer(
             gradient_checkpointing=gradient_checkpointing,
             max_params=max_full_params,
         )
-    peft_trainers: dict[str, type[PeftTrainer]] = {
-        "ffa_lora": FfaLoraTrainer,
-        "lora": LoraTrainer,
-        "dora": DoraTrainer,
-        "qlora": QLoraTrainer,
-    }
-    return peft_trainers[adapter](
+    return PEFT_TRAINERS[adapter](
         model, tokenizer, spec=spec, device=device, gradient_checkpointing=gradient_checkpointing
     )
+
+
+def load_base_model(
+    directory: Path, *, adapter: str, device: str, max_full_params: int
+) -> PreTrainedModel:
+    """The base model in `directory` as `adapter` trains it (dtypes as in `make_trainer`; 4-bit
+    NF4 for qlora); refuses a model too large for full fine-tuning before loading it."""
+    on_cuda = torch.device(device).type == "cuda"
+    dtype = torch.bfloat16 if on_cuda and adapter != "full" else torch.float32
+    attention = attention_implementation(device) if dtype == torch.bfloat16 else "sdpa"
+    if adapter == "full":
+        check_full_size(_num_params(directory), max_full_params)
+    quantization = None
+    if adapter == "qlora":
+        quantization = BitsAndBytesConfig(  # type: ignore[no-untyped-call]
+            load_in_4bit=True,
+            bnb_4bit_quant_type="nf4",
+            bnb_4bit_use_double_quant=True,
+            bnb_4bit_compute_dtype=dtype,
+        )
+    model: PreTrainedModel = AutoModelForCausalLM.from_pretrained(
+        directory,
+        dtype=dtype,
+        attn_implementation=attention,
+        quantization_config=quantization,
+        device_map={"": device} if quantization is not None else None,
+    )
+    return model

@@ -150,27 +150,10 @@ class ClientRuntime:
         self.ensure_base(task.base_version, spec, task.adapter)
         assert self.trainer is not None
         dp = self._dp_config(plan, self.trainer)
-
-        def step(info: StepInfo) -> None:
-            detail: dict[str, float | str] = {
-                "step": info.step,
-                "steps": info.steps,
-                "loss": info.loss,
-                "tokens_per_s": info.tokens_per_s,
-            }
-            if info.reward is not None:
-                detail["reward"] = info.reward
-            self.on_event(RoundEvent("step", task.round, detail))
-
-        result = self.run_objective(self.trainer, task, step, dp=dp)
-        update = result.update
-        norm = 0.0
-        if task.clip_norm > 0:
-            update, norm = clip_delta(update, task.clip_norm)
-        if plan.update_noise_std > 0:  # user-level Gaussian mechanism, before compression
-            update = add_gaussian_noise(
-                update, std=plan.update_noise_std, generator=secure_generator()
-            )
+        result = self.run_objective(self.trainer, task, self._step_events(task.round), dp=dp)
+        update, norm = privatize(
+            result.update, clip_norm=task.clip_norm, noise_std=plan.update_noise_std
+        )
         self.state.privacy.commit(plan)  # spent once trained, whatever becomes of the upload
         self.state.save()
         if self.misbehaviour is not None:  # after clipping: an attacker ignores the protocol
@@ -184,22 +167,26 @@ class ClientRuntime:
                 "compressed", task.round, {"raw_bytes": raw_bytes, "payload_bytes": len(payload)}
             )
         )
-        return signed_reply(
-            self.identity,
-            message,
-            task,
-            payload,
-            {
-                "num_examples": float(result.num_examples),
-                "train_loss": result.mean_loss,
-                "tokens": float(result.tokens),
-                "train_seconds": result.seconds,
-                "update_norm": norm,
-                "raw_bytes": float(raw_bytes),
-                "payload_bytes": float(len(payload)),
-                **plan.metrics(),
-            },
+        metrics = train_metrics(
+            result, update_norm=norm, raw_bytes=raw_bytes, payload_bytes=len(payload)
         )
+        return signed_reply(self.identity, message, task, payload, {**metrics, **plan.metrics()})
+
+    def _step_events(self, round: int) -> Callable[[StepInfo], None]:
+        """Tell the front end about each training step of `round`."""
+
+        def step(info: StepInfo) -> None:
+            detail: dict[str, float | str] = {
+                "step": info.step,
+                "steps": info.steps,
+                "loss": info.loss,
+                "tokens_per_s": info.tokens_per_s,
+            }
+            if info.reward is not None:
+                detail["reward"] = info.reward
+            self.on_event(RoundEvent("step", round, detail))
+
+        return step
 
     def compress(self, update: Delta, task: TaskConfig, spec: LoraSpec, trainer: Trainer) -> bytes:
         """The round's envelope: `update` plus the error-feedback residual, in the task's codec.
@@ -289,6 +276,35 @@ class ClientRuntime:
             max_length=task.max_length,
             on_step=on_step,
         )
+
+
+def privatize(update: Delta, *, clip_norm: float, noise_std: float) -> tuple[Delta, float]:
+    """Clip `update` to L2 norm `clip_norm` (0: no clipping), then add Gaussian noise of std
+    `noise_std` (0: none; the user-level mechanism, from a CSPRNG-seeded generator).
+
+    Returns the update and its norm before clipping (0.0 when not clipped).
+    """
+    norm = 0.0
+    if clip_norm > 0:
+        update, norm = clip_delta(update, clip_norm)
+    if noise_std > 0:
+        update = add_gaussian_noise(update, std=noise_std, generator=secure_generator())
+    return update, norm
+
+
+def train_metrics(
+    result: RoundResult, *, update_norm: float, raw_bytes: int, payload_bytes: int
+) -> dict[str, float]:
+    """The submission's training metrics (the privacy plan's metrics go beside them)."""
+    return {
+        "num_examples": float(result.num_examples),
+        "train_loss": result.mean_loss,
+        "tokens": float(result.tokens),
+        "train_seconds": result.seconds,
+        "update_norm": update_norm,
+        "raw_bytes": float(raw_bytes),
+        "payload_bytes": float(payload_bytes),
+    }
 
 
 def signed_reply(

@@ -11,21 +11,24 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from flwr.app import Context, RecordDict
+from flwr.clientapp import ClientApp
 
 from zoo_gym.client.app import make_client_app
 from zoo_gym.client.byzantine import Misbehaviour
 from zoo_gym.client.config import ClientConfig
 from zoo_gym.client.data import load_records
 from zoo_gym.client.link import Link
-from zoo_gym.client.runtime import ClientRuntime, RoundEvent
+from zoo_gym.client.runtime import ClientRuntime, ModelSource, RoundEvent
 from zoo_gym.client.state import Contribution
+from zoo_gym.core.chat import Conversation
 from zoo_gym.core.identity import Identity
 from zoo_gym.core.manifest import read_verified
-from zoo_gym.core.protocol import ALREADY_ACCEPTED
-from zoo_gym.transport.client import FederationClient, TransportError
+from zoo_gym.core.protocol import ALREADY_ACCEPTED, Registration
+from zoo_gym.transport.client import FederationClient, ReceivedTask, TransportError
 
 log = logging.getLogger(__name__)
 
@@ -49,15 +52,7 @@ def join(
         raise JoinError("no training data; pass --data FILE.jsonl")
     conversations = load_records(config.path(config.data))
     identity = Identity.load(config.path(config.key))
-    roots = config.path(config.ca_cert).read_bytes() if config.ca_cert else None
-    offset = config.clock_offset_s
-    client = FederationClient(
-        config.coordinator,
-        identity,
-        root_certificates=roots,
-        plaintext=True if config.plaintext else None,
-        clock=(lambda: time.time() + offset) if offset else time.time,
-    )
+    client = _federation_client(config, identity)
     link = Link(
         client,
         config.name,
@@ -68,116 +63,170 @@ def join(
     )
     try:
         reg = link.register()
-        home = config.home
-        runtime_home = home / "state"
-        runtime_home.mkdir(parents=True, exist_ok=True)
-
-        def fetch(version: str, directory: Path) -> None:
-            if (
-                link.call(lambda: client.fetch_model(version, directory, reg.coordinator_key))
-                is None
-            ):
-                raise JoinError(f"stopped before {version} was downloaded")
-
-        def source(version: str, directory: Path) -> None:
-            try:
-                read_verified(directory, reg.coordinator_key)
-            except FileNotFoundError:
-                fetch(version, directory)
-            except (OSError, ValueError) as exc:
-                say(f"model {version} on disk failed its check ({exc}); downloading it again")
-                fetch(version, directory)
-
-        runtime = ClientRuntime(
-            identity=identity,
-            conversations=conversations,
-            home=runtime_home,
-            model_source=source,
-            device=config.device,
-            on_event=on_event,
-            misbehaviour=Misbehaviour(config.byzantine) if config.byzantine else None,
-            reward_functions=config.reward_functions,
-            error_feedback=config.error_feedback,
-            gradient_checkpointing=config.gradient_checkpointing,
-            max_full_params=config.max_full_params,
-            privacy_budget=config.privacy_budget(),
-            method=config.method,
-        )
-        runtime.persist_feedback = False  # saved once the coordinator holds the update
-        pinned = runtime.state.coordinator_key
-        if pinned and pinned != reg.coordinator_key.hex():
-            raise JoinError(
-                f"the coordinator at {config.coordinator} signs with a different key than the one pinned in "
-                f"{runtime.state.path}; if the operator rotated it, delete that file to trust the new key"
-            )
-        runtime.state.coordinator = config.coordinator
-        runtime.state.coordinator_key = reg.coordinator_key.hex()
-        runtime.state.contributor_id = reg.contributor_id
-        runtime.state.save()
+        source = _verified_models(link, reg.coordinator_key, say)
+        runtime = _runtime(config, identity, conversations, source, on_event)
+        _pin_coordinator(runtime, config, reg)
         say(
             f"joined {config.coordinator} as {reg.contributor_id[:16]} ({reg.status}); "
             f"{len(conversations)} local examples; current base {reg.current_version}"
         )
         if reg.status == "banned":
             raise JoinError("this key is banned by the operator")
-        app = make_client_app(runtime)
         context = Context(
             run_id=1, node_id=reg.node_id, node_config={}, state=RecordDict(), run_config={}
         )
+        session = _Session(config, link, runtime, make_client_app(runtime), context, stop, say)
+        return session.contribute()
+    finally:
+        client.close()
+
+
+def _federation_client(config: ClientConfig, identity: Identity) -> FederationClient:
+    """The gRPC client to `config.coordinator`, on a clock shifted by `clock_offset_s`."""
+    roots = config.path(config.ca_cert).read_bytes() if config.ca_cert else None
+    offset = config.clock_offset_s
+    return FederationClient(
+        config.coordinator,
+        identity,
+        root_certificates=roots,
+        plaintext=True if config.plaintext else None,
+        clock=(lambda: time.time() + offset) if offset else time.time,
+    )
+
+
+def _verified_models(link: Link, coordinator_key: bytes, say: Callable[[str], None]) -> ModelSource:
+    """A model source that keeps a version on disk while it passes its signature check and
+    downloads it (again) otherwise."""
+
+    def fetch(version: str, directory: Path) -> None:
+        if link.call(lambda: link.client.fetch_model(version, directory, coordinator_key)) is None:
+            raise JoinError(f"stopped before {version} was downloaded")
+
+    def source(version: str, directory: Path) -> None:
+        try:
+            read_verified(directory, coordinator_key)
+        except FileNotFoundError:
+            fetch(version, directory)
+        except (OSError, ValueError) as exc:
+            say(f"model {version} on disk failed its check ({exc}); downloading it again")
+            fetch(version, directory)
+
+    return source
+
+
+def _runtime(
+    config: ClientConfig,
+    identity: Identity,
+    conversations: list[Conversation],
+    source: ModelSource,
+    on_event: Callable[[RoundEvent], None] | None,
+) -> ClientRuntime:
+    """The runtime `config` describes, with its local state under HOME/state."""
+    runtime = ClientRuntime(
+        identity=identity,
+        conversations=conversations,
+        home=config.home / "state",
+        model_source=source,
+        device=config.device,
+        on_event=on_event,
+        misbehaviour=Misbehaviour(config.byzantine) if config.byzantine else None,
+        reward_functions=config.reward_functions,
+        error_feedback=config.error_feedback,
+        gradient_checkpointing=config.gradient_checkpointing,
+        max_full_params=config.max_full_params,
+        privacy_budget=config.privacy_budget(),
+        method=config.method,
+    )
+    runtime.persist_feedback = False  # saved once the coordinator holds the update
+    return runtime
+
+
+def _pin_coordinator(runtime: ClientRuntime, config: ClientConfig, reg: Registration) -> None:
+    """Trust the coordinator's key on first contact; refuse a different one later."""
+    state = runtime.state
+    if state.coordinator_key and state.coordinator_key != reg.coordinator_key.hex():
+        raise JoinError(
+            f"the coordinator at {config.coordinator} signs with a different key than the one pinned in "
+            f"{state.path}; if the operator rotated it, delete that file to trust the new key"
+        )
+    state.coordinator = config.coordinator
+    state.coordinator_key = reg.coordinator_key.hex()
+    state.contributor_id = reg.contributor_id
+    state.save()
+
+
+@dataclass(frozen=True)
+class _Session:
+    """A registered contributor's loop: poll for a task, train, submit, say what became of it."""
+
+    config: ClientConfig
+    link: Link
+    runtime: ClientRuntime
+    app: ClientApp
+    context: Context
+    stop: threading.Event
+    say: Callable[[str], None]
+
+    def contribute(self) -> int:
+        """Take rounds until `max_rounds` submissions or `stop`; returns submissions made."""
+        config, client, runtime = self.config, self.link.client, self.runtime
         made = 0
-        while not stop.is_set() and (config.max_rounds == 0 or made < config.max_rounds):
-            _report_outcomes(client, runtime, say)
-            task = link.call(lambda: client.poll(config.poll_wait_s))
+        while not self.stop.is_set() and (config.max_rounds == 0 or made < config.max_rounds):
+            _report_outcomes(client, runtime, self.say)
+            task = self.link.call(lambda: client.poll(config.poll_wait_s))
             if task is None:
                 continue
             if runtime.state.submitted(task.round):
-                say(
+                self.say(
                     f"round {task.round}: already submitted from this machine; not submitting twice"
                 )
-                stop.wait(config.poll_wait_s)
+                self.stop.wait(config.poll_wait_s)
                 continue
-            say(f"round {task.round}: training on {task.base_version}")
-            reply = app(task.message, context)
-            result = link.submit(task, reply)
-            if result is None:  # stopped while the coordinator was out of reach
-                runtime.revert_feedback()
+            if not self.submit(task):
                 break
-            metrics = reply.content.metric_records["metrics"]
-            done = result.accepted or already_accepted(result.reason)
-            if done:  # the coordinator holds the update: what compression dropped carries over
-                runtime.commit_feedback()
-            else:
-                runtime.revert_feedback()
-            runtime.state.record(
-                Contribution(
-                    round=task.round,
-                    message_id=task.message.metadata.message_id,
-                    base_version=task.base_version,
-                    decision="accepted" if done else "rejected",
-                    reason=result.reason,
-                    payload_bytes=result.payload_bytes,
-                    raw_bytes=int(_scalar(metrics["raw_bytes"])),
-                    train_loss=_scalar(metrics["train_loss"]),
-                )
+            made += 1
+        wait_s = config.poll_wait_s if made else 0.0
+        _report_outcomes(client, runtime, self.say, wait_s=wait_s, stop=self.stop)
+        return made
+
+    def submit(self, task: ReceivedTask) -> bool:
+        """Train on `task` and upload the reply; False when stopped while the coordinator was out
+        of reach. The error-feedback residual is kept only once the coordinator holds the update."""
+        self.say(f"round {task.round}: training on {task.base_version}")
+        reply = self.app(task.message, self.context)
+        result = self.link.submit(task, reply)
+        if result is None:
+            self.runtime.revert_feedback()
+            return False
+        metrics = reply.content.metric_records["metrics"]
+        done = result.accepted or already_accepted(result.reason)
+        if done:  # the coordinator holds the update: what compression dropped carries over
+            self.runtime.commit_feedback()
+        else:
+            self.runtime.revert_feedback()
+        self.runtime.state.record(
+            Contribution(
+                round=task.round,
+                message_id=task.message.metadata.message_id,
+                base_version=task.base_version,
+                decision="accepted" if done else "rejected",
+                reason=result.reason,
+                payload_bytes=result.payload_bytes,
+                raw_bytes=int(_scalar(metrics["raw_bytes"])),
+                train_loss=_scalar(metrics["train_loss"]),
             )
-            if done and not result.accepted:  # accepted before a crash kept us from recording it
-                say(
-                    f"round {task.round}: the coordinator already holds this machine's update; done"
-                )
-                made += 1
-                continue
-            say(
+        )
+        if done and not result.accepted:  # accepted before a crash kept us from recording it
+            self.say(
+                f"round {task.round}: the coordinator already holds this machine's update; done"
+            )
+        else:
+            self.say(
                 f"round {task.round}: uploaded {result.payload_bytes} bytes "
                 f"(bf16 would be {int(_scalar(metrics['raw_bytes']))}); "
                 f"{'accepted' if result.accepted else 'REJECTED'}: {result.reason}"
             )
-            made += 1
-        _report_outcomes(
-            client, runtime, say, wait_s=config.poll_wait_s if made else 0.0, stop=stop
-        )
-        return made
-    finally:
-        client.close()
+        return True
 
 
 def _report_outcomes(

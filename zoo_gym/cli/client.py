@@ -48,60 +48,66 @@ def init(
     console.print(f"contributor {identity.contributor_id} ready in {home}")
 
 
+# `join`'s options as Annotated aliases, so the command's signature stays readable
+CoordinatorArgument = Annotated[
+    str | None,
+    typer.Argument(help="HOST:PORT of the coordinator (default: coordinator in client.toml)"),
+]
+HomeOption = Annotated[Path, typer.Option(help="directory made by `gym-client init`")]
+DataOption = Annotated[Path | None, typer.Option(help="your training data (Alpaca/ShareGPT JSONL)")]
+ConfigOption = Annotated[
+    Path | None,
+    typer.Option(
+        help="config file (default: HOME/client.toml); every option below overrides its key"
+    ),
+]
+MethodOption = Annotated[
+    str | None,
+    typer.Option(
+        help="objective you accept: sft, grpo, gspo or any (the coordinator's task decides)"
+    ),
+]
+CaCertOption = Annotated[Path | None, typer.Option(help="CA certificate for a TLS coordinator")]
+InviteOption = Annotated[
+    str | None,
+    typer.Option(metavar="CODE", help="invitation code from the operator, sent when registering"),
+]
+MaxRoundsOption = Annotated[int | None, typer.Option(help="leave after this many submissions")]
+DeviceOption = Annotated[str | None, typer.Option(help="cpu, cuda, cuda:1 ...")]
+BudgetEpsilonOption = Annotated[
+    float | None,
+    typer.Option(help="refuse any round that would take your records' total epsilon past this"),
+]
+BudgetDeltaOption = Annotated[
+    float | None,
+    typer.Option(help="delta at which the budget is checked (default: each task's dp_delta)"),
+]
+VerboseOption = Annotated[bool, typer.Option("--verbose", "-v")]
+ByzantineOption = Annotated[
+    str | None,
+    typer.Option(
+        hidden=True,
+        help="attack the federation on purpose: label_flip, random_completion, sign_flip, scaling, ipm, gaussian",
+    ),
+]
+
+
 @app.command()
 @friendly
 def join(
-    coordinator: Annotated[
-        str | None,
-        typer.Argument(help="HOST:PORT of the coordinator (default: coordinator in client.toml)"),
-    ] = None,
-    data: Annotated[
-        Path | None, typer.Option(help="your training data (Alpaca/ShareGPT JSONL)")
-    ] = None,
-    home: Annotated[Path, typer.Option(help="directory made by `gym-client init`")] = Path(
-        "contributor"
-    ),
-    config: Annotated[
-        Path | None,
-        typer.Option(
-            help="config file (default: HOME/client.toml); every option below overrides its key"
-        ),
-    ] = None,
-    method: Annotated[
-        str | None,
-        typer.Option(
-            help="objective you accept: sft, grpo, gspo or any (the coordinator's task decides)"
-        ),
-    ] = None,
-    ca_cert: Annotated[
-        Path | None, typer.Option(help="CA certificate for a TLS coordinator")
-    ] = None,
-    invite: Annotated[
-        str | None,
-        typer.Option(
-            metavar="CODE", help="invitation code from the operator, sent when registering"
-        ),
-    ] = None,
-    max_rounds: Annotated[
-        int | None, typer.Option(help="leave after this many submissions")
-    ] = None,
-    device: Annotated[str | None, typer.Option(help="cpu, cuda, cuda:1 ...")] = None,
-    privacy_budget_epsilon: Annotated[
-        float | None,
-        typer.Option(help="refuse any round that would take your records' total epsilon past this"),
-    ] = None,
-    privacy_budget_delta: Annotated[
-        float | None,
-        typer.Option(help="delta at which the budget is checked (default: each task's dp_delta)"),
-    ] = None,
-    verbose: Annotated[bool, typer.Option("--verbose", "-v")] = False,
-    byzantine: Annotated[
-        str | None,
-        typer.Option(
-            hidden=True,
-            help="attack the federation on purpose: label_flip, random_completion, sign_flip, scaling, ipm, gaussian",
-        ),
-    ] = None,
+    coordinator: CoordinatorArgument = None,
+    data: DataOption = None,
+    home: HomeOption = Path("contributor"),
+    config: ConfigOption = None,
+    method: MethodOption = None,
+    ca_cert: CaCertOption = None,
+    invite: InviteOption = None,
+    max_rounds: MaxRoundsOption = None,
+    device: DeviceOption = None,
+    privacy_budget_epsilon: BudgetEpsilonOption = None,
+    privacy_budget_delta: BudgetDeltaOption = None,
+    verbose: VerboseOption = False,
+    byzantine: ByzantineOption = None,
 ) -> None:
     """Register, then train and submit an update every round until stopped (Ctrl-C).
 
@@ -110,40 +116,26 @@ def join(
     With a privacy budget set, the client stops (exit 0) before training a round that would exceed it.
     """
     setup_logging(verbose)
-    if (
-        not verbose
-    ):  # Opacus's hooks on a frozen-input model: expected with LoRA, not news to a contributor
+    if not verbose:
+        # Opacus's hooks on a frozen-input model: expected with LoRA, not news to a contributor
         warnings.filterwarnings("ignore", message="Full backward hook is firing")
-    from pydantic import ValidationError
-
     from zoo_gym.cli.progress import JoinDisplay
-    from zoo_gym.client.config import ClientConfig, ClientConfigError, load_client_config
     from zoo_gym.client.errors import RoundRefusal
     from zoo_gym.client.session import join as run_join
 
-    cfg = load_client_config(config or home / CONFIG)
-    overrides = {
-        "coordinator": coordinator,
-        "data": data and data.resolve(),
-        "ca_cert": ca_cert and ca_cert.resolve(),
-        "invite": invite,
-        "method": method,
-        "max_rounds": max_rounds,
-        "device": device,
-        "byzantine": byzantine,
-        "privacy_budget_epsilon": privacy_budget_epsilon,
-        "privacy_budget_delta": privacy_budget_delta,
-    }
-    try:
-        cfg = ClientConfig.model_validate(
-            {**cfg.model_dump(), **{k: v for k, v in overrides.items() if v is not None}}
-        )
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        where = ".".join(str(p) for p in first["loc"]).replace("_", "-")
-        raise ClientConfigError(
-            f"--{where}: {first['msg'].removeprefix('Value error, ')}"
-        ) from None
+    cfg = _join_config(
+        config or home / CONFIG,
+        coordinator=coordinator,
+        data=data and data.resolve(),
+        ca_cert=ca_cert and ca_cert.resolve(),
+        invite=invite,
+        method=method,
+        max_rounds=max_rounds,
+        device=device,
+        byzantine=byzantine,
+        privacy_budget_epsilon=privacy_budget_epsilon,
+        privacy_budget_delta=privacy_budget_delta,
+    )
     with JoinDisplay(console) as display:
         try:
             made = run_join(cfg, on_event=display.event, say=display.say)
@@ -151,6 +143,25 @@ def join(
             display.say(f"stopped: {refusal}")
             return
     console.print(f"left after {made} submission(s)")
+
+
+def _join_config(path: Path, **overrides: object) -> ClientConfig:
+    """The config file at `path` with the options given (not None) over it, validated like the
+    file; a bad option is one line naming it."""
+    from pydantic import ValidationError
+
+    from zoo_gym.client.config import ClientConfig, ClientConfigError, load_client_config
+
+    cfg = load_client_config(path)
+    given = {k: v for k, v in overrides.items() if v is not None}
+    try:
+        return ClientConfig.model_validate({**cfg.model_dump(), **given})
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first["loc"]).replace("_", "-")
+        raise ClientConfigError(
+            f"--{where}: {first['msg'].removeprefix('Value error, ')}"
+        ) from None
 
 
 class StatusFormat(StrEnum):
@@ -161,9 +172,7 @@ class StatusFormat(StrEnum):
 @app.command()
 @friendly
 def status(
-    home: Annotated[Path, typer.Option(help="directory made by `gym-client init`")] = Path(
-        "contributor"
-    ),
+    home: HomeOption = Path("contributor"),
     format: Annotated[
         StatusFormat, typer.Option("--format", help="table for people, json for programs")
     ] = (StatusFormat.table),
@@ -308,9 +317,7 @@ def _statement(
 @app.command()
 @friendly
 def rewards(
-    home: Annotated[Path, typer.Option(help="directory made by `gym-client init`")] = Path(
-        "contributor"
-    ),
+    home: HomeOption = Path("contributor"),
     api: Annotated[
         str | None,
         typer.Option(
@@ -336,8 +343,6 @@ def rewards(
     ] = False,
 ) -> None:
     """Your reward statement: per round the decision and why, quality, reward, reputation and privacy spent."""
-    from rich.console import Console
-
     from zoo_gym.cli.common import err_console
     from zoo_gym.client import report
     from zoo_gym.client.config import load_client_config
@@ -345,9 +350,31 @@ def rewards(
     cfg = load_client_config(home / CONFIG)
     url = report.api_base(api or cfg.api_url)
     statement, checked = _statement(home, cfg, url, verify=verify)
+    _write_statement(statement, checked, format=format, out=out, source=url)
+    if checked is not None and not checked.ok:
+        raise report.RewardsError(f"verification failed: {checked.problem}")
+    if checked is not None:
+        (console if format is RewardsFormat.table else err_console).print(
+            checked.summary(), markup=False, soft_wrap=True
+        )
+
+
+def _write_statement(
+    statement: Statement,
+    checked: Verification | None,
+    *,
+    format: RewardsFormat,
+    out: Path | None,
+    source: str,
+) -> None:
+    """Print the statement in `format`, or write it to `out` (html: to rewards.html by default)."""
+    from rich.console import Console
+
+    from zoo_gym.client import report
+
     if format is RewardsFormat.html:
         target = out or Path("rewards.html")
-        target.write_text(report.to_html(statement, checked, source=url), encoding="utf-8")
+        target.write_text(report.to_html(statement, checked, source=source), encoding="utf-8")
         console.print(f"wrote {target} ({len(statement.rounds)} round(s))", markup=False)
     elif format is RewardsFormat.table:
         if out is None:
@@ -366,12 +393,6 @@ def rewards(
             sys.stdout.flush()
         else:
             out.write_text(text, encoding="utf-8")
-    if checked is not None and not checked.ok:
-        raise report.RewardsError(f"verification failed: {checked.problem}")
-    if checked is not None:
-        (console if format is RewardsFormat.table else err_console).print(
-            checked.summary(), markup=False, soft_wrap=True
-        )
 
 
 def main() -> None:

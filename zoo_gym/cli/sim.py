@@ -6,13 +6,17 @@ import logging
 import sys
 import tempfile
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.table import Table
 
 from zoo_gym.cli.common import console, friendly, setup_logging
+
+if TYPE_CHECKING:
+    from zoo_gym.simulation.experiment import CellResult, SweepConfig
 
 app = typer.Typer(help="Simulate zoo-gym federations.", no_args_is_help=True, add_completion=False)
 
@@ -22,46 +26,60 @@ def sim() -> None:
     """Simulate zoo-gym federations: `demo` runs a whole one on this machine, `run` an attack matrix."""
 
 
+# `demo`'s options as Annotated aliases, so the command's signature stays readable
+ClientsOption = Annotated[int, typer.Option(help="honest contributors", min=1)]
+RoundsOption = Annotated[
+    int | None,
+    typer.Option(
+        help="rounds to run in all (default 3; with --method grpo or gspo, the warm-up + 5)",
+        min=1,
+    ),
+]
+AggregatorOption = Annotated[
+    str | None,
+    typer.Option(help="aggregation rule (default: fedavg, or trimmed_mean with --byzantine)"),
+]
+StepsOption = Annotated[int, typer.Option(help="local training steps per round", min=1)]
+CodecOption = Annotated[str, typer.Option(help="update codec")]
+ByzantineOption = Annotated[
+    str | None,
+    typer.Option(
+        help="add contributors that attack: sign_flip, scaling, ipm, gaussian, label_flip, random_completion"
+    ),
+]
+ByzantineClientsOption = Annotated[
+    int, typer.Option(help="how many attack (with --byzantine)", min=1)
+]
+WorkdirOption = Annotated[
+    Path | None, typer.Option(help="keep everything here (default: a temp dir)")
+]
+TimeoutOption = Annotated[float, typer.Option(help="give up after this many seconds")]
+MethodOption = Annotated[
+    str, typer.Option(help="objective: sft, grpo or gspo (reward on the synthetic task)")
+]
+WarmupRoundsOption = Annotated[
+    int,
+    typer.Option(
+        help="grpo / gspo: SFT rounds first, then the operator switches the policy to --method (0: none)",
+        min=0,
+    ),
+]
+
+
 @app.command()
 @friendly
 def demo(
-    clients: Annotated[int, typer.Option(help="honest contributors", min=1)] = 3,
-    rounds: Annotated[
-        int | None,
-        typer.Option(
-            help="rounds to run in all (default 3; with --method grpo or gspo, the warm-up + 5)",
-            min=1,
-        ),
-    ] = None,
-    aggregator: Annotated[
-        str | None,
-        typer.Option(help="aggregation rule (default: fedavg, or trimmed_mean with --byzantine)"),
-    ] = None,
-    steps: Annotated[int, typer.Option(help="local training steps per round", min=1)] = 30,
-    codec: Annotated[str, typer.Option(help="update codec")] = "bitdelta",
-    byzantine: Annotated[
-        str | None,
-        typer.Option(
-            help="add contributors that attack: sign_flip, scaling, ipm, gaussian, label_flip, random_completion"
-        ),
-    ] = None,
-    byzantine_clients: Annotated[
-        int, typer.Option(help="how many attack (with --byzantine)", min=1)
-    ] = 1,
-    workdir: Annotated[
-        Path | None, typer.Option(help="keep everything here (default: a temp dir)")
-    ] = None,
-    timeout: Annotated[float, typer.Option(help="give up after this many seconds")] = 1800.0,
-    method: Annotated[
-        str, typer.Option(help="objective: sft, grpo or gspo (reward on the synthetic task)")
-    ] = "sft",
-    warmup_rounds: Annotated[
-        int,
-        typer.Option(
-            help="grpo / gspo: SFT rounds first, then the operator switches the policy to --method (0: none)",
-            min=0,
-        ),
-    ] = 3,
+    clients: ClientsOption = 3,
+    rounds: RoundsOption = None,
+    aggregator: AggregatorOption = None,
+    steps: StepsOption = 30,
+    codec: CodecOption = "bitdelta",
+    byzantine: ByzantineOption = None,
+    byzantine_clients: ByzantineClientsOption = 1,
+    workdir: WorkdirOption = None,
+    timeout: TimeoutOption = 1800.0,
+    method: MethodOption = "sft",
+    warmup_rounds: WarmupRoundsOption = 3,
 ) -> None:
     """Run a coordinator and CLIENTS contributors on 127.0.0.1 for ROUNDS rounds.
 
@@ -70,9 +88,73 @@ def demo(
     training.method through the REST API as an operator would; the table shows each round's
     validation loss, mean reward (closeness + exact_answer) and exact-answer accuracy.
     """
+    plan = demo_plan(
+        clients=clients,
+        rounds=rounds,
+        aggregator=aggregator,
+        steps=steps,
+        codec=codec,
+        byzantine=byzantine,
+        byzantine_clients=byzantine_clients,
+        workdir=workdir,
+        timeout=timeout,
+        method=method,
+        warmup_rounds=warmup_rounds,
+    )
+    rows = _run_demo(plan)
+    _print_summary(plan, rows)
+
+
+@dataclass(frozen=True)
+class DemoPlan:
+    """What `gym-sim demo` runs: its options checked, with their defaults filled in."""
+
+    clients: int
+    rounds: int  # in all, warm-up included
+    aggregator: str
+    steps: int
+    codec: str
+    byzantine: str | None
+    byzantine_clients: int
+    workdir: Path
+    timeout: float
+    method: str
+    warmup: int  # SFT rounds before the first `method` round
+
+    @property
+    def rl(self) -> bool:
+        return self.method != "sft"
+
+    @property
+    def attackers(self) -> str:
+        return f" + {self.byzantine_clients} running {self.byzantine}" if self.byzantine else ""
+
+    @property
+    def schedule(self) -> str:
+        return f"{self.warmup} sft rounds, then {self.method}" if self.warmup else self.method
+
+    def objective(self, row: dict[str, Any]) -> str:
+        """The objective a round ran: the coordinator scores by reward only in RL rounds."""
+        return "sft" if row.get("reward_before") is None else self.method
+
+
+def demo_plan(
+    *,
+    clients: int,
+    rounds: int | None,
+    aggregator: str | None,
+    steps: int,
+    codec: str,
+    byzantine: str | None,
+    byzantine_clients: int,
+    workdir: Path | None,
+    timeout: float,
+    method: str,
+    warmup_rounds: int,
+) -> DemoPlan:
+    """Check `demo`'s options against each other and fill in their defaults."""
     from zoo_gym.client.byzantine import BYZANTINE_ATTACKS
     from zoo_gym.core.protocol import OBJECTIVES
-    from zoo_gym.simulation.demo import GRPO_REWARDS, Federation
 
     if byzantine is not None and byzantine not in BYZANTINE_ATTACKS:
         raise typer.BadParameter(
@@ -87,67 +169,86 @@ def demo(
         raise typer.BadParameter(
             f"--rounds ({total}) must exceed --warmup-rounds ({warmup}) to run any {method} round"
         )
-    rule = aggregator or ("trimmed_mean" if byzantine else "fedavg")
-    work = workdir or Path(tempfile.mkdtemp(prefix="zoo-gym-demo-"))
-    attackers = f" + {byzantine_clients} running {byzantine}" if byzantine else ""
-    plan = f"{warmup} sft rounds, then {method}" if warmup else method
-
-    def objective(row: dict[str, Any]) -> str:  # the coordinator scores by reward only in RL rounds
-        return "sft" if row.get("reward_before") is None else method
-
-    def show(row: dict[str, Any]) -> None:
-        reward = (
-            f"mean reward {row['reward_before']:.4f} -> {row.get('mean_reward') or 0.0:.4f}, "
-            if row.get("reward_before") is not None
-            else ""
-        )
-        console.print(
-            f"round {row['round']} ({objective(row)}): {row['accepted']}/{row['participants']} accepted, "
-            f"validation loss {row['loss_before']:.4f} -> {row['loss_after']:.4f}, {reward}"
-            f"{row['published_version'] or row['status']}"
-        )
-
-    with Federation(
-        work,
+    return DemoPlan(
         clients=clients,
         rounds=total,
-        aggregator=rule,
+        aggregator=aggregator or ("trimmed_mean" if byzantine else "fedavg"),
         steps=steps,
         codec=codec,
-        byzantine=byzantine or "",
+        byzantine=byzantine,
         byzantine_clients=byzantine_clients,
-        stay=True,
+        workdir=workdir or Path(tempfile.mkdtemp(prefix="zoo-gym-demo-")),
+        timeout=timeout,
         method=method,
-        warmup_rounds=warmup,
+        warmup=warmup,
+    )
+
+
+def _run_demo(plan: DemoPlan) -> list[dict[str, Any]]:
+    """Run the federation, saying how each round went; then the table of rounds and every
+    contributor's reward statement, verified against the ledger. Returns the round summaries."""
+    from zoo_gym.simulation.demo import Federation
+
+    work = plan.workdir
+    with Federation(
+        work,
+        clients=plan.clients,
+        rounds=plan.rounds,
+        aggregator=plan.aggregator,
+        steps=plan.steps,
+        codec=plan.codec,
+        byzantine=plan.byzantine or "",
+        byzantine_clients=plan.byzantine_clients,
+        stay=True,
+        method=plan.method,
+        warmup_rounds=plan.warmup,
     ) as fed:
         console.print(f"preparing tiny model and {fed.total_clients} data shards in {work} ...")
         fed.prepare()
         fed.start()
         console.print(
             f"coordinator on 127.0.0.1:{fed.port} (REST :{fed.rest_port}); "
-            f"{clients} clients{attackers} joining; {plan}"
+            f"{plan.clients} clients{plan.attackers} joining; {plan.schedule}"
         )
-        fed.wait(timeout_s=timeout, on_round=show)
+        fed.wait(timeout_s=plan.timeout, on_round=lambda row: _show_round(plan, row))
         fed.wait_clients(60)
         rows = fed.summaries()
         scores = {}
-        if rl:  # each round's resulting model, scored on the validation set
+        if plan.rl:  # each round's resulting model, scored on the validation set
             console.print("scoring each round's model on the validation set (greedy) ...")
             scores = fed.task_scores([r["published_version"] or r["base_version"] for r in rows])
-        console.print(
-            _demo_table(
-                rows,
-                scores,
-                title=f"zoo-gym demo: {clients} clients{attackers}, {plan}, {rule}, {codec}",
-                objective=objective,
-            )
+        title = (
+            f"zoo-gym demo: {plan.clients} clients{plan.attackers}, {plan.schedule}, "
+            f"{plan.aggregator}, {plan.codec}"
         )
+        console.print(_demo_table(rows, scores, title=title, objective=plan.objective))
         # each contributor's own statement, checked against the ledger
         for i in range(fed.total_clients):
             console.print(f"\n[bold]{fed.client_name(i)}[/bold]: gym-client rewards --verify")
             report = fed.reward_report(i, "--verify", width=max(console.width, 120))
             sys.stdout.write(report.stdout or report.stderr)
             sys.stdout.flush()
+    return rows
+
+
+def _show_round(plan: DemoPlan, row: dict[str, Any]) -> None:
+    """One line for a round that closed."""
+    reward = (
+        f"mean reward {row['reward_before']:.4f} -> {row.get('mean_reward') or 0.0:.4f}, "
+        if row.get("reward_before") is not None
+        else ""
+    )
+    console.print(
+        f"round {row['round']} ({plan.objective(row)}): {row['accepted']}/{row['participants']} accepted, "
+        f"validation loss {row['loss_before']:.4f} -> {row['loss_after']:.4f}, {reward}"
+        f"{row['published_version'] or row['status']}"
+    )
+
+
+def _print_summary(plan: DemoPlan, rows: list[dict[str, Any]]) -> None:
+    """How far the RL rounds moved the validation reward, and the whole run the validation loss."""
+    from zoo_gym.simulation.demo import GRPO_REWARDS
+
     rl_rows = [r for r in rows if r.get("reward_before") is not None]
     if rl_rows:  # the reward of the base the RL rounds started from and of the base they end on
         end = (
@@ -156,13 +257,13 @@ def demo(
             else rl_rows[-1]["reward_before"]
         )
         console.print(
-            f"{method} rounds {rl_rows[0]['round']}-{rl_rows[-1]['round']}: mean validation reward "
+            f"{plan.method} rounds {rl_rows[0]['round']}-{rl_rows[-1]['round']}: mean validation reward "
             f"({' + '.join(GRPO_REWARDS)}) {rl_rows[0]['reward_before']:.4f} -> {end or 0.0:.4f}"
         )
     if rows:
         console.print(
             f"validation loss {rows[0]['loss_before']:.4f} -> {rows[-1]['loss_after']:.4f} "
-            f"over {len(rows)} rounds; logs and ledger in {work}"
+            f"over {len(rows)} rounds; logs and ledger in {plan.workdir}"
         )
 
 
@@ -243,27 +344,16 @@ def run(
     """Run an attack matrix (aggregators x attacks x Byzantine shares) and write tables and plots."""
     setup_logging(False)
     from rich.markdown import Markdown
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from zoo_gym.simulation.experiment import CellResult, SweepError, load_sweep, run_sweep
+    from zoo_gym.simulation.experiment import load_sweep
     from zoo_gym.simulation.report import write_report
 
     # after flwr's import: one warning per federation otherwise
     logging.getLogger("flwr").setLevel(logging.ERROR)
-
-    def items(value: str) -> list[str]:
-        return [v.strip() for v in value.split(",") if v.strip()]
-
-    def numbers(value: str) -> list[float]:
-        try:
-            return [float(v) for v in items(value)]
-        except ValueError:
-            raise SweepError(f"--shares takes numbers like 0.1,0.2,0.3, not {value!r}") from None
-
     flags: dict[str, Any] = {
-        "aggregators": aggregators and items(aggregators),
-        "attacks": attacks and items(attacks),
-        "byzantine_shares": shares and numbers(shares),
+        "aggregators": aggregators and _items(aggregators),
+        "attacks": attacks and _items(attacks),
+        "byzantine_shares": shares and _shares(shares),
         "clients": clients,
         "rounds": rounds,
         "steps": steps,
@@ -273,6 +363,33 @@ def run(
         "seed": seed,
     }
     sweep = load_sweep(config, {k: v for k, v in flags.items() if v is not None})
+    results = _run_sweep(sweep, out)
+    paths = write_report(results, sweep, out)
+    console.print(Markdown((out / "results.md").read_text()))
+    console.print("wrote " + ", ".join(str(p) for p in paths))
+
+
+def _items(value: str) -> list[str]:
+    """The items of a comma-separated flag."""
+    return [v.strip() for v in value.split(",") if v.strip()]
+
+
+def _shares(value: str) -> list[float]:
+    """The numbers of `--shares`."""
+    from zoo_gym.simulation.experiment import SweepError
+
+    try:
+        return [float(v) for v in _items(value)]
+    except ValueError:
+        raise SweepError(f"--shares takes numbers like 0.1,0.2,0.3, not {value!r}") from None
+
+
+def _run_sweep(sweep: SweepConfig, out: Path) -> list[CellResult]:
+    """Every federation of `sweep`, with a progress bar and one line per federation done."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from zoo_gym.simulation.experiment import run_sweep
+
     cells = list(sweep.cells())
     console.print(
         f"{len(cells)} federations: {len(sweep.aggregators)} aggregators x ({len(sweep.attacks)} attacks "
@@ -295,10 +412,7 @@ def run(
                 f"loss {r.losses[0]:.3f} -> {r.losses[-1]:.3f} ({r.seconds:.0f} s)"
             )
 
-        results = run_sweep(sweep, out / "work", on_result=show)
-    paths = write_report(results, sweep, out)
-    console.print(Markdown((out / "results.md").read_text()))
-    console.print("wrote " + ", ".join(str(p) for p in paths))
+        return run_sweep(sweep, out / "work", on_result=show)
 
 
 def main() -> None:

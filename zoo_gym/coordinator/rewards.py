@@ -54,18 +54,11 @@ def pay_round(
     settings = config.rewards
     if settings.method == "none" or agg.rows is None or not agg.row_contributors:
         return None
-    params: dict[str, Any] = dict(config.aggregator_params)
-
-    def aggregate_fn(rows: torch.Tensor) -> torch.Tensor:  # (k, d) -> (d,), the round's rule
-        return aggregate(
-            config.aggregator, rows, f=config.byzantine_f, pre=config.pre, **params
-        ).vector
-
     quality = score_contributions(
         agg.rows,
         utility=utility,
         method=settings.method,
-        aggregate_fn=aggregate_fn,
+        aggregate_fn=coalition_rule(config),
         baseline=baseline,
     )
     contributions = [
@@ -78,6 +71,35 @@ def pay_round(
         )
         for cid, q, d in zip(agg.row_contributors, quality.scores, agg.decisions, strict=True)
     ]
+    split = record_rewards(engine, config, round_number, contributions)
+    log.info(
+        "round %d rewards (%s, %d utility evaluations): %s",
+        round_number,
+        quality.method,
+        quality.utility_calls,
+        split.summary,
+    )
+    return split
+
+
+def coalition_rule(config: CoordinatorConfig) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The round's rule with its parameters, unweighted: (k, d) rows -> (d,) aggregate."""
+    params: dict[str, Any] = dict(config.aggregator_params)
+
+    def aggregate_fn(rows: torch.Tensor) -> torch.Tensor:
+        return aggregate(
+            config.aggregator, rows, f=config.byzantine_f, pre=config.pre, **params
+        ).vector
+
+    return aggregate_fn
+
+
+def record_rewards(
+    engine: Engine, config: CoordinatorConfig, round_number: int, contributions: list[Contribution]
+) -> RewardSplit:
+    """Split the round's pool among `contributions` (weighted by the contributors' reputations
+    before the round) and record each reward with the reputation it leaves."""
+    settings = config.rewards
     with Session(engine) as session:
         previous = {c.contributor_id: c.reputation for c in ledger.list_contributors(session)}
     policy = RewardPolicy(
@@ -104,11 +126,4 @@ def pay_round(
                 reputation_after=reputations[reward.contributor],
                 reason=reward.reason,
             )
-    log.info(
-        "round %d rewards (%s, %d utility evaluations): %s",
-        round_number,
-        quality.method,
-        quality.utility_calls,
-        split.summary,
-    )
     return split

@@ -240,6 +240,34 @@ def latest_round(session: Session) -> Round | None:
 # --- submissions --------------------------------------------------------------------------------
 
 
+def _refuse_repeats(
+    session: Session, round_number: int, contributor_id: str, nonce: str, *, accepted: bool
+) -> None:
+    """`ReplayedNonce` for a nonce the contributor used before; with `accepted`,
+    `DuplicateSubmission` when it already has an accepted submission in the round."""
+    replay = session.exec(
+        select(Submission.id).where(
+            Submission.contributor_id == contributor_id, Submission.nonce == nonce
+        )
+    ).first()
+    if replay is not None:
+        raise ReplayedNonce(f"contributor {contributor_id} already used nonce {nonce}")
+    if not accepted:
+        return
+    earlier = session.exec(
+        select(Submission.id).where(
+            Submission.round_number == round_number,
+            Submission.contributor_id == contributor_id,
+            Submission.decision == "accepted",
+        )
+    ).first()
+    if earlier is not None:
+        raise DuplicateSubmission(
+            f"contributor {contributor_id} already has accepted submission {earlier} "
+            f"in round {round_number}"
+        )
+
+
 def record_submission(
     session: Session,
     *,
@@ -262,26 +290,9 @@ def record_submission(
     """
     _check(decision, DECISIONS, "decision")
     with _writing(session):
-        replay = session.exec(
-            select(Submission.id).where(
-                Submission.contributor_id == contributor_id, Submission.nonce == nonce
-            )
-        ).first()
-        if replay is not None:
-            raise ReplayedNonce(f"contributor {contributor_id} already used nonce {nonce}")
-        if decision == "accepted":
-            accepted = session.exec(
-                select(Submission.id).where(
-                    Submission.round_number == round_number,
-                    Submission.contributor_id == contributor_id,
-                    Submission.decision == "accepted",
-                )
-            ).first()
-            if accepted is not None:
-                raise DuplicateSubmission(
-                    f"contributor {contributor_id} already has accepted submission {accepted} "
-                    f"in round {round_number}"
-                )
+        _refuse_repeats(
+            session, round_number, contributor_id, nonce, accepted=decision == "accepted"
+        )
         submission = Submission(
             round_number=round_number,
             contributor_id=contributor_id,

@@ -79,13 +79,7 @@ class InProcessFederation:
         config = load_config(home / "coordinator.toml")
         config = CoordinatorConfig.model_validate({**config.model_dump(), **(overrides or {})})
         co = Coordinator(config)
-        signer_key = co.signer.public_key
-
-        def source(version: str, directory: Path) -> None:
-            if not directory.exists():
-                shutil.copytree(co.registry.root / version, directory)
-            read_verified(directory, signer_key)
-
+        source = registry_source(co)
         runtimes: dict[int, ClientRuntime] = {}
         nodes = {}
         crafted: dict[int, Identity] = {}
@@ -109,10 +103,7 @@ class InProcessFederation:
                 else None,
             )
             runtimes[node] = runtime
-            context = Context(
-                run_id=1, node_id=node, node_config={}, state=RecordDict(), run_config={}
-            )
-            nodes[node] = (make_client_app(runtime), context)
+            nodes[node] = (make_client_app(runtime), client_context(node))
         adversary = None
         if crafted:
             adversary = Adversary(
@@ -136,3 +127,21 @@ class InProcessFederation:
 
         self.coordinator.run(self.grid, on_round=record)
         return self.summaries
+
+
+def registry_source(co: Coordinator) -> Callable[[str, Path], None]:
+    """How in-process clients fetch a version: a copy of the coordinator's published directory,
+    verified against its signing key as a downloaded one would be."""
+    signer_key = co.signer.public_key
+
+    def source(version: str, directory: Path) -> None:
+        if not directory.exists():
+            shutil.copytree(co.registry.root / version, directory)
+        read_verified(directory, signer_key)
+
+    return source
+
+
+def client_context(node: int) -> Context:
+    """The Flower context of the ClientApp of `node`."""
+    return Context(run_id=1, node_id=node, node_config={}, state=RecordDict(), run_config={})

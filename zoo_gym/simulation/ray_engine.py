@@ -154,26 +154,18 @@ def run_ray_federation(
     co = Coordinator(
         CoordinatorConfig.model_validate({**base.model_dump(), **cell_overrides(config, cell)})
     )
-    shards = shards_for(config)
     params = config.attack_params.get(cell.attack, {})
     crafted = set(attackers) if cell.attack in UPDATE_ATTACKS else set()
     clients = [i for i in range(config.clients) if i not in crafted]
-    keys = {i: node_identity(config.seed, i) for i in sorted(crafted)}
-    virtual = {register(co.backend, key, f"client-{i}"): key for i, key in keys.items()}
-    adversary = (
-        Adversary(cell.attack, virtual, f=config.tolerated, seed=config.seed, params=params)
-        if virtual
-        else None
-    )
-    misbehaviour = {
-        i: Misbehaviour(cell.attack, dict(params), seed=config.seed + i)
-        for i in attackers
-        if i not in crafted
-    }
+    adversary = crafted_adversary(config, cell, co, crafted, params)
     client_app = make_simulated_client_app(
-        shards=shards,
+        shards=shards_for(config),
         clients=clients,
-        misbehaviour=misbehaviour,
+        misbehaviour={
+            i: Misbehaviour(cell.attack, dict(params), seed=config.seed + i)
+            for i in attackers
+            if i not in crafted
+        },
         seed=config.seed,
         workdir=home / "clients",
         registry=co.registry.root,
@@ -190,17 +182,43 @@ def run_ray_federation(
         )
         run_rounds(co, sim_grid, on_round=summaries.append)
 
-    backend_config: dict[str, Any] = {
-        "client_resources": {"num_cpus": 1, "num_gpus": 0.0},
-        "init_args": {
-            "num_cpus": config.jobs,
-            "include_dashboard": False,
-            "logging_level": "error",
-            "log_to_driver": False,
-        },
-    }
     run_simulation(
-        server_app, client_app, num_supernodes=len(clients), backend_config=backend_config
+        server_app,
+        client_app,
+        num_supernodes=len(clients),
+        backend_config=ray_backend_config(config.jobs),
     )
     bad = {node_identity(config.seed, i).contributor_id for i in attackers}
     return summaries, co, bad
+
+
+def crafted_adversary(
+    config: SweepConfig,
+    cell: Cell,
+    co: Coordinator,
+    crafted: set[int],
+    params: dict[str, float],
+) -> Adversary | None:
+    """The colluding attackers whose updates are computed on the coordinator's side, each
+    registered under its own key; None when the cell's attack is not such an update attack."""
+    keys = {i: node_identity(config.seed, i) for i in sorted(crafted)}
+    virtual = {register(co.backend, key, f"client-{i}"): key for i, key in keys.items()}
+    if not virtual:
+        return None
+    return Adversary(cell.attack, virtual, f=config.tolerated, seed=config.seed, params=params)
+
+
+def ray_backend_config(jobs: int) -> dict[str, Any]:
+    """Flower's Ray backend on this machine: one CPU per ClientApp, `jobs` CPUs in all, the node
+    known by 127.0.0.1, no dashboard. (Ray 2.55's GCS, raylet and workers still listen on every
+    interface; it has no setting that keeps them on loopback.)"""
+    return {
+        "client_resources": {"num_cpus": 1, "num_gpus": 0.0},
+        "init_args": {
+            "num_cpus": jobs,
+            "include_dashboard": False,
+            "logging_level": "error",
+            "log_to_driver": False,
+            "_node_ip_address": "127.0.0.1",
+        },
+    }

@@ -15,7 +15,7 @@ from zoo_gym.cli.client import app
 from zoo_gym.cli.progress import JoinDisplay, privacy_text, size_text
 from zoo_gym.client.privacy import PrivacyAccount, plan_round
 from zoo_gym.client.runtime import RoundEvent
-from zoo_gym.client.state import Contribution, LocalState
+from zoo_gym.client.state import LocalState, RoundRecord
 from zoo_gym.core.protocol import TaskConfig
 from zoo_gym.simulation.demo import Federation
 
@@ -52,7 +52,7 @@ def contributor(tmp_path: Path, budget: float | None = 8.0) -> Path:
         )
         state.privacy.commit(plan_round(task, num_records=80, account=state.privacy))
         state.record(
-            Contribution(
+            RoundRecord(
                 round=r,
                 message_id=f"m{r}",
                 base_version=f"v000{r - 1}",

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 import zoo_gym.client.trainers.reward_functions as reward_functions
-import zoo_gym.core.rewards as core_rewards
+import zoo_gym.core.reward_functions as core_rewards
 from zoo_gym.client.trainers.reward_functions import (
     BUILTIN,
     RewardError,
@@ -107,7 +107,7 @@ def test_a_task_cannot_name_code_that_is_not_a_builtin() -> None:
     with pytest.raises(RewardError, match=r"'os:system'.*not a built-in.*refused"):
         load_reward_functions(["exact_answer", "os:system"], [])
     with pytest.raises(RewardError, match="not a built-in"):
-        load_reward_functions(["zoo_gym.core.rewards:exact_answer"], [])
+        load_reward_functions(["zoo_gym.core.reward_functions:exact_answer"], [])
 
 
 @pytest.mark.parametrize(

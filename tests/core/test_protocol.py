@@ -6,7 +6,7 @@ import dataclasses
 
 from flwr.app import ConfigRecord
 
-from zoo_gym.core.protocol import Submission, TaskConfig
+from zoo_gym.core.protocol import SignedSubmission, TaskConfig
 
 
 def test_task_config_round_trips_through_a_config_record() -> None:
@@ -21,7 +21,7 @@ def test_task_config_round_trips_through_a_config_record() -> None:
 
 
 def test_submission_statement_covers_every_signed_field() -> None:
-    sub = Submission("c1", 2, "v0001", "m1", b"\x01" * 16, "ab" * 32, 100)
+    sub = SignedSubmission("c1", 2, "v0001", "m1", b"\x01" * 16, "ab" * 32, 100)
     changed = [
         dataclasses.replace(sub, **{f.name: value})
         for f, value in zip(

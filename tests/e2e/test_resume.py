@@ -20,7 +20,7 @@ from zoo_gym.client.session import already_accepted
 from zoo_gym.compression import CodecSpec, encode
 from zoo_gym.coordinator.backend import OpenRound
 from zoo_gym.core.delta import TensorSpec
-from zoo_gym.core.protocol import Submission
+from zoo_gym.core.protocol import SignedSubmission
 from zoo_gym.simulation.demo import Federation
 from zoo_gym.simulation.inprocess import InProcessFederation
 
@@ -102,8 +102,8 @@ def test_a_second_upload_for_a_round_is_refused_and_the_client_counts_it_done(
             payload_sha256=hashlib.sha256(payload).hexdigest(),
             payload_size=len(payload),
         )
-        unsigned = Submission(**fields)  # type: ignore[arg-type]
-        signed = Submission(**fields, signature=identity.sign(unsigned.statement()))  # type: ignore[arg-type]
+        unsigned = SignedSubmission(**fields)  # type: ignore[arg-type]
+        signed = SignedSubmission(**fields, signature=identity.sign(unsigned.statement()))  # type: ignore[arg-type]
         verdict, _ = backend.receive(signed, spool, RecordDict(), node_id=node)
         return verdict.accepted, verdict.reason
 

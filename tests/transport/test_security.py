@@ -46,9 +46,9 @@ def test_a_reused_nonce_is_refused_as_a_replay(wire: Wire) -> None:
     nonce = bytes(first.content.config_records["submission"]["nonce"])  # type: ignore[arg-type]
     second = signed_reply(me, task.message, config, wire.payload(task), {"num_examples": 1.0})
     record = second.content.config_records["submission"]
-    from zoo_gym.core.protocol import Submission
+    from zoo_gym.core.protocol import SignedSubmission
 
-    statement = Submission(
+    statement = SignedSubmission(
         me.contributor_id,
         config.round,
         config.base_version,

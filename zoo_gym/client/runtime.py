@@ -38,7 +38,7 @@ from zoo_gym.core.protocol import (
     SUBMISSION,
     TASK_CONFIG,
     TRAIN_METRICS,
-    Submission,
+    SignedSubmission,
     TaskConfig,
 )
 from zoo_gym.privacy.clip import clip_delta
@@ -315,7 +315,7 @@ def signed_reply(
     metrics: dict[str, int | float | list[int] | list[float]],
 ) -> Message:
     """Sign `payload` as `identity`'s update for `task` and wrap it as the reply to `message`."""
-    submission = Submission(
+    submission = SignedSubmission(
         contributor_id=identity.contributor_id,
         round=task.round,
         base_version=task.base_version,

@@ -23,7 +23,7 @@ from zoo_gym.client.config import ClientConfig
 from zoo_gym.client.data import load_records
 from zoo_gym.client.link import Link
 from zoo_gym.client.runtime import ClientRuntime, ModelSource, RoundEvent
-from zoo_gym.client.state import Contribution
+from zoo_gym.client.state import RoundRecord
 from zoo_gym.core.chat import Conversation
 from zoo_gym.core.identity import Identity
 from zoo_gym.core.manifest import read_verified
@@ -205,7 +205,7 @@ class _Session:
         else:
             self.runtime.revert_feedback()
         self.runtime.state.record(
-            Contribution(
+            RoundRecord(
                 round=task.round,
                 message_id=task.message.metadata.message_id,
                 base_version=task.base_version,

@@ -21,7 +21,7 @@ STATE_FORMAT = 1
 
 
 @dataclass
-class Contribution:
+class RoundRecord:
     round: int
     message_id: str
     base_version: str
@@ -41,7 +41,7 @@ class LocalState:
     coordinator: str = ""
     coordinator_key: str = ""
     contributor_id: str = ""
-    contributions: dict[str, Contribution] = field(default_factory=dict)
+    contributions: dict[str, RoundRecord] = field(default_factory=dict)
     privacy: PrivacyAccount = field(default_factory=PrivacyAccount)  # every DP mechanism so far
     checkpoints: dict[str, dict[str, Any]] = field(default_factory=dict)  # key hex -> checkpoint
 
@@ -50,7 +50,7 @@ class LocalState:
         if not path.exists():
             return cls(path)
         data: dict[str, Any] = json.loads(path.read_text())
-        contributions = {k: Contribution(**v) for k, v in data.get("contributions", {}).items()}
+        contributions = {k: RoundRecord(**v) for k, v in data.get("contributions", {}).items()}
         return cls(
             path,
             data.get("coordinator", ""),
@@ -78,7 +78,7 @@ class LocalState:
         c = self.contributions.get(str(round_number))
         return c is not None and c.decision == "accepted"
 
-    def record(self, contribution: Contribution) -> None:
+    def record(self, contribution: RoundRecord) -> None:
         self.contributions[str(contribution.round)] = contribution
         self.save()
 

@@ -35,7 +35,7 @@ from zoo_gym.core.protocol import (
     Outcome,
     Registration,
     RequestError,
-    Submission,
+    SignedSubmission,
     Verdict,
     already_accepted_reason,
     register_statement,
@@ -365,7 +365,7 @@ class CoordinatorBackend:
     # -- intake -------------------------------------------------------------
     def _record(
         self,
-        sub: Submission,
+        sub: SignedSubmission,
         *,
         accepted: bool,
         reason: str,
@@ -419,7 +419,7 @@ class CoordinatorBackend:
                 return Verdict(False, reason)
             return Verdict(accepted, reason, int(row.id or 0))
 
-    def refuse(self, sub: Submission, reason: str) -> Verdict:
+    def refuse(self, sub: SignedSubmission, reason: str) -> Verdict:
         """Record a rejection that happened before the payload was read."""
         verdict = self._record(sub, accepted=False, reason=reason)
         log.info("rejected %s round %d: %s", sub.contributor_id[:12], sub.round, verdict.reason)
@@ -430,7 +430,7 @@ class CoordinatorBackend:
         if self.metrics is not None:
             self.metrics.observe_submission(accepted=verdict.accepted, reason=verdict.reason)
 
-    def _sender_reason(self, sub: Submission, node: int) -> str:
+    def _sender_reason(self, sub: SignedSubmission, node: int) -> str:
         key, status, _ = self._contributor(sub.contributor_id)
         if node_id(key) != node:
             return "submission names a different contributor than the one that sent it"
@@ -440,7 +440,7 @@ class CoordinatorBackend:
             return "submission signature does not match your key; it was altered or signed with another key"
         return ""
 
-    def _round_reason(self, sub: Submission, current: OpenRound | None) -> str:
+    def _round_reason(self, sub: SignedSubmission, current: OpenRound | None) -> str:
         if current is None or not current.accepting:
             return f"round {sub.round} is not open for submissions; wait for the next task"
         if sub.round != current.number:
@@ -456,7 +456,7 @@ class CoordinatorBackend:
         return ""
 
     def receive(
-        self, sub: Submission, payload: Path, content: RecordDict, *, node_id: int
+        self, sub: SignedSubmission, payload: Path, content: RecordDict, *, node_id: int
     ) -> tuple[Verdict, RecordDict]:
         """Check `sub` (as `check` does) and record the decision.
 

@@ -28,7 +28,7 @@ from zoo_gym.core.chat import (
     to_conversation,
 )
 from zoo_gym.core.evaluate import validation_loss
-from zoo_gym.core.rewards import BUILTIN
+from zoo_gym.core.reward_functions import BUILTIN
 
 
 class Evaluator:

@@ -29,7 +29,7 @@ from zoo_gym.compression import CodecSpec, honest_norm_bound
 from zoo_gym.coordinator.backend import OpenRound
 from zoo_gym.coordinator.config import CoordinatorConfig
 from zoo_gym.coordinator.control import Request
-from zoo_gym.coordinator.rewards import pay_round
+from zoo_gym.coordinator.payout import pay_round
 from zoo_gym.coordinator.service import Coordinator
 from zoo_gym.coordinator.strategy import RoundAggregate
 from zoo_gym.core.delta import Layout, TensorSpec, unflatten

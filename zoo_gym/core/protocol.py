@@ -60,7 +60,7 @@ def rest_challenge_statement(contributor_id: str, nonce: str, expires_at_ms: int
 
 
 @dataclass(frozen=True)
-class Submission:
+class SignedSubmission:
     """A contributor's signed claim: "this payload is my update for this round and base".
 
     The signature covers every field except `signature`, so a payload cannot be

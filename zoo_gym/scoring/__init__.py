@@ -22,6 +22,7 @@ from zero as its reputation grows.
 
 from ._core import AggregateFn, Quality, Utility
 from .dispatch import METHODS, score_contributions
+from .payout import Contribution, Payout, RewardPolicy, RewardSplit, split_rewards
 from .quality import individual, leave_one_out
 from .reputation import (
     influence_weights,
@@ -31,15 +32,14 @@ from .reputation import (
     trust,
     update_reputations,
 )
-from .rewards import Contribution, Reward, RewardPolicy, RewardSplit, split_rewards
 from .shapley import exact_shapley, gtg_shapley
 
 __all__ = [
     "METHODS",
     "AggregateFn",
     "Contribution",
+    "Payout",
     "Quality",
-    "Reward",
     "RewardPolicy",
     "RewardSplit",
     "Utility",

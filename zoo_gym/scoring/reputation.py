@@ -38,7 +38,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from .rewards import Reward
+from .payout import Payout
 
 __all__ = [
     "influence_weights",
@@ -50,7 +50,7 @@ __all__ = [
 ]
 
 
-def round_outcomes(rewards: Sequence[Reward]) -> dict[str, float]:
+def round_outcomes(rewards: Sequence[Payout]) -> dict[str, float]:
     """Normalised outcome s_i in [0, 1] of each contributor in a round's reward split.
 
     s_i = q_i / max_j q_j over the qualifying contributions, 0 for every other one.

@@ -12,7 +12,7 @@ from typing import Protocol
 
 from flwr.app import RecordDict
 
-from zoo_gym.core.protocol import Outcome, Registration, Submission, Verdict
+from zoo_gym.core.protocol import Outcome, Registration, SignedSubmission, Verdict
 
 
 class FederationBackend(Protocol):
@@ -55,7 +55,7 @@ class FederationBackend(Protocol):
         """Path of one file of a published version. Raises RequestError."""
 
     def receive(
-        self, submission: Submission, payload: Path, content: RecordDict, *, node_id: int
+        self, submission: SignedSubmission, payload: Path, content: RecordDict, *, node_id: int
     ) -> tuple[Verdict, RecordDict]:
         """Validate and record a submission whose payload was spooled to `payload`.
 
@@ -63,7 +63,7 @@ class FederationBackend(Protocol):
         will see (with the payload replaced by a reference to stored bytes).
         """
 
-    def refuse(self, submission: Submission, reason: str) -> Verdict:
+    def refuse(self, submission: SignedSubmission, reason: str) -> Verdict:
         """Record a rejection decided before the payload was read."""
 
     def outcome(self, contributor_id: str, round_number: int) -> Outcome: ...

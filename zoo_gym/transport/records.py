@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from flwr.app import ConfigRecord, Message, RecordDict
 
-from zoo_gym.core.protocol import PAYLOAD, SUBMISSION, Submission
+from zoo_gym.core.protocol import PAYLOAD, SUBMISSION, SignedSubmission
 
 
 def split_payload(reply: Message) -> tuple[bytes, RecordDict, ConfigRecord]:
@@ -20,9 +20,9 @@ def split_payload(reply: Message) -> tuple[bytes, RecordDict, ConfigRecord]:
     return payload, RecordDict({**dict(reply.content.items()), SUBMISSION: stripped}), record
 
 
-def submission_of(record: ConfigRecord) -> Submission:
+def submission_of(record: ConfigRecord) -> SignedSubmission:
     """The signed statement inside a ClientApp's reply record."""
-    return Submission(
+    return SignedSubmission(
         contributor_id=str(record["contributor_id"]),
         round=int(record["round"]),  # type: ignore[arg-type]
         base_version=str(record["base_version"]),

@@ -38,7 +38,7 @@ from flwr.proto.message_pb2 import Message as FlowerMessageProto  # type: ignore
 from google.protobuf.message import DecodeError
 from google.protobuf.message import Message as Message_
 
-from zoo_gym.core.protocol import RequestError, Submission
+from zoo_gym.core.protocol import RequestError, SignedSubmission
 from zoo_gym.proto.v1 import federation_pb2 as pb
 from zoo_gym.transport.backend import FederationBackend
 from zoo_gym.transport.limits import (
@@ -523,8 +523,8 @@ def _open_binary(path: Path) -> BinaryIO:
     return path.open("rb")
 
 
-def _submission(header: pb.SubmissionHeader) -> Submission:
-    return Submission(
+def _submission(header: pb.SubmissionHeader) -> SignedSubmission:
+    return SignedSubmission(
         contributor_id=header.auth.contributor_id,
         round=header.round,
         base_version=header.base_version,

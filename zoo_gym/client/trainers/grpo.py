@@ -49,7 +49,7 @@ from zoo_gym.core.chat import (
 )
 from zoo_gym.core.delta import Delta
 from zoo_gym.core.protocol import POLICY_OBJECTIVES, PolicyObjective
-from zoo_gym.core.rewards import RewardFunction, total_reward
+from zoo_gym.core.reward_functions import RewardFunction, total_reward
 
 logger = logging.getLogger(__name__)
 

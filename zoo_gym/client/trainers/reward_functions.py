@@ -1,7 +1,7 @@
 """Reward functions for GRPO / GSPO: the built-ins and the contributor's own.
 
 A reward function is a pure ``(completion: str, answer: str) -> float``. The
-built-ins (`exact_answer`, `format`, `length`, `closeness`, defined in `zoo_gym.core.rewards`
+built-ins (`exact_answer`, `format`, `length`, `closeness`, defined in `zoo_gym.core.reward_functions`
 so the coordinator scores with the same code) are the only names a round's task
 may carry. A contributor adds its own by import path (``"package.module:function"``)
 in its client config; those modules come from the contributor's own installation.
@@ -19,7 +19,7 @@ from __future__ import annotations
 import importlib
 from collections.abc import Iterable
 
-from zoo_gym.core.rewards import (
+from zoo_gym.core.reward_functions import (
     BUILTIN,
     RewardFunction,
     closeness,

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from decimal import Decimal
 from fractions import Fraction
 
-__all__ = ["Contribution", "Reward", "RewardPolicy", "RewardSplit", "split_rewards"]
+__all__ = ["Contribution", "Payout", "RewardPolicy", "RewardSplit", "split_rewards"]
 
 
 @dataclass(frozen=True)
@@ -104,7 +104,7 @@ class RewardPolicy:
 
 
 @dataclass(frozen=True)
-class Reward:
+class Payout:
     """What one contribution earned: `amount` (a whole number of units), its `share` of the
     pool, whether it `qualified`, and a one-line `reason`."""
 
@@ -123,7 +123,7 @@ class RewardSplit:
     `paid` is the sum of the amounts: the whole pool, or 0 when nobody qualified.
     """
 
-    rewards: tuple[Reward, ...]
+    rewards: tuple[Payout, ...]
     pool: Decimal
     paid: Decimal
     summary: str
@@ -241,7 +241,7 @@ def _reward(
     qualified: bool,
     reputations: Mapping[str, float] | None,
     trust: float = 1.0,
-) -> Reward:
+) -> Payout:
     with decimal.localcontext() as ctx:
         ctx.prec = 60
         ctx.traps[decimal.Inexact] = True  # amounts are exact or the split fails loudly
@@ -255,7 +255,7 @@ def _reward(
         else f"quality {c.quality:.4g}, but a new identity earns in proportion to its reputation "
         f"(0, trusted from {policy.trusted_reputation:g}): nothing yet"
     )
-    return Reward(c.contributor, c.quality, amount, share, qualified, reason)
+    return Payout(c.contributor, c.quality, amount, share, qualified, reason)
 
 
 def _reason(c: Contribution, policy: RewardPolicy) -> str:

@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from zoo_gym.core.rewards import CLOSENESS_SCALE, closeness
+from zoo_gym.core.reward_functions import CLOSENESS_SCALE, closeness
 
 
 @pytest.mark.parametrize(

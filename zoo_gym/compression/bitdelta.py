@@ -18,11 +18,13 @@ little-endian int64 ``v`` gather into the top byte of ``v * 0x8040201008040201``
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Iterator, Sequence
 
 import numpy as np
 import torch
+from numpy.typing import NDArray
 from torch import Tensor
 
 _MAGIC = 0x8040201008040201 - (1 << 64)  # the constant as a signed int64
@@ -31,6 +33,8 @@ _CHUNK = 1 << 18  # values per chunk on CPU
 _SIGN_TABLE = torch.from_numpy(
     np.unpackbits(np.arange(256, dtype=np.uint8)[:, None], axis=1).astype(np.float32) * 2 - 1
 )  # (256, 8): row p holds +-1 for the eight bits of byte p, most significant first
+
+_Segment = tuple[int, int, int, int]  # (tensor, start, length, padded), see `_segments`
 
 
 def pack_signs(x: Tensor) -> Tensor:
@@ -108,7 +112,7 @@ def _signed(bits: Tensor, scales: Tensor, group: int, out: Tensor) -> Tensor:
     return out
 
 
-def _segments(ns: Sequence[int], group: int) -> Iterator[list[tuple[int, int, int, int]]]:
+def _segments(ns: Sequence[int], group: int) -> Iterator[list[_Segment]]:
     """Split tensors of `ns` values into chunks of (tensor, start, length, padded) segments.
 
     A chunk holds at most `_chunk_len(group)` values. A tensor longer than that spans several
@@ -117,7 +121,7 @@ def _segments(ns: Sequence[int], group: int) -> Iterator[list[tuple[int, int, in
     """
     unit = math.lcm(group, 8)
     limit = _chunk_len(group)
-    chunk: list[tuple[int, int, int, int]] = []
+    chunk: list[_Segment] = []
     used = 0
     for i, n in enumerate(ns):
         for start in range(0, n, limit):
@@ -158,6 +162,114 @@ def _pack_aligned(xs: Sequence[Tensor], ns: list[int], group: int) -> tuple[list
     return list(torch.split(bits, [n // 8 for n in ns])), scales
 
 
+def _buffer_len(ns: Sequence[int], group: int) -> int:
+    """Values in the chunk buffers: one chunk, or fewer when the whole update is smaller."""
+    unit = math.lcm(group, 8)
+    return min(_chunk_len(group), sum(-(-n // unit) * unit for n in ns))
+
+
+def _read_run(
+    segment: _Segment, flats: Sequence[Tensor], signs: NDArray[np.bool_], absbuf: Tensor
+) -> int:
+    """Write ``x >= 0`` and ``|x|`` of one long segment, read in place, into the chunk buffers
+    `signs` and `absbuf`, zero-padded; return its padded length."""
+    i, start, length, padded = segment
+    part = flats[i].numpy()[start : start + length]
+    absnp = absbuf.numpy()
+    np.greater_equal(part, 0, out=signs[:length])
+    np.abs(part, out=absnp[:length])
+    absnp[length:padded] = 0.0
+    signs[length:padded] = False
+    return padded
+
+
+def _gather_short(
+    chunk: list[_Segment],
+    flats: Sequence[Tensor],
+    zeros: Tensor,
+    signs: NDArray[np.bool_],
+    absbuf: Tensor,
+) -> int:
+    """Write ``x >= 0`` and ``|x|`` of many short segments, gathered zero-padded with one
+    ``torch.cat``, into the chunk buffers `signs` and `absbuf`; return their padded length."""
+    pieces = []
+    for i, start, length, padded in chunk:
+        pieces.append(flats[i][start : start + length])
+        if padded > length:
+            pieces.append(zeros[: padded - length])
+    size = sum(padded for _, _, _, padded in chunk)
+    torch.cat(pieces, out=absbuf[:size])
+    values = absbuf.numpy()[:size]
+    np.greater_equal(values, 0, out=signs[:size])
+    np.abs(values, out=values)
+    end = 0
+    for _, _, length, padded in chunk:
+        signs[end + length : end + padded] = False  # a padded zero is not ">= 0"
+        end += padded
+    return size
+
+
+def _group_means(abs_values: Tensor, chunk: list[_Segment], group: int) -> Tensor:
+    """Mean of each group of the chunk's `abs_values` (size,) -> (size / group,); the last group
+    of a segment divides by its real length, the padded zeros adding nothing to its sum."""
+    sums = torch.sum(abs_values.view(-1, group), 1)
+    counts = torch.full_like(sums, float(group))
+    off = 0
+    for _, _, length, padded in chunk:
+        if length % group:
+            counts[(off + length) // group] = float(length % group)
+        off += padded
+    return sums.div_(counts)
+
+
+def _scatter_chunk(
+    chunk: list[_Segment],
+    bits: NDArray[np.uint8],
+    means: NDArray[np.float32],
+    goff: Sequence[int],
+    group: int,
+    packed: list[NDArray[np.uint8]],
+    scales: NDArray[np.float32],
+) -> None:
+    """Copy the packed `bits` and group `means` of a chunk to each segment's place in its
+    tensor's `packed` bytes and in the concatenated `scales` (`goff` from `_group_offsets`)."""
+    off = 0
+    for i, start, length, padded in chunk:
+        nb, k = (length + 7) // 8, -(-length // group)
+        packed[i][start // 8 : start // 8 + nb] = bits[off // 8 : off // 8 + nb]
+        g = goff[i] + start // group
+        scales[g : g + k] = means[off // group : off // group + k]
+        off += padded
+
+
+def _pack_chunked(xs: Sequence[Tensor], ns: list[int], group: int) -> tuple[list[Tensor], Tensor]:
+    """`pack_many` on CPU, streaming the values through cache-sized chunks of `_segments`."""
+    flats = [x.detach().reshape(-1).contiguous() for x in xs]
+    goff = _group_offsets(ns, group)
+    packed = [np.empty((n + 7) // 8, dtype=np.uint8) for n in ns]
+    scales = torch.empty(goff[-1], dtype=torch.float32)
+    scales_np = scales.numpy()
+    limit = _buffer_len(ns, group)
+    signs = np.empty(limit, dtype=np.bool_)
+    absbuf = torch.empty(limit, dtype=torch.float32)
+    zeros = torch.zeros(math.lcm(group, 8), dtype=torch.float32)
+    for chunk in _segments(ns, group):
+        if len(chunk) == 1:
+            size = _read_run(chunk[0], flats, signs, absbuf)
+        else:
+            size = _gather_short(chunk, flats, zeros, signs, absbuf)
+        bits = np.packbits(signs[:size])
+        means = _group_means(absbuf[:size], chunk, group).numpy()
+        _scatter_chunk(chunk, bits, means, goff, group, packed, scales_np)
+    return [torch.from_numpy(p) for p in packed], scales
+
+
+def _pack_torch(xs: Sequence[Tensor], group: int) -> tuple[list[Tensor], Tensor]:
+    """`pack_many` with torch operations only, tensor by tensor: any device, any group size."""
+    signs = [pack_signs(x) for x in xs]
+    return signs, torch.cat([group_reduce(x.reshape(-1), group, ord=1) for x in xs])
+
+
 def pack_many(xs: Sequence[Tensor], group: int) -> tuple[list[Tensor], Tensor]:
     """BitDelta-compress flat float32 tensors `xs` (n_i,) that share one group size.
 
@@ -168,65 +280,126 @@ def pack_many(xs: Sequence[Tensor], group: int) -> tuple[list[Tensor], Tensor]:
     lcm(group, 8) values (a padded zero adds nothing to a group's sum of |x| and its sign bit
     is cleared), so one ``numpy.packbits`` and one grouped sum serve many tensors.
     """
-    ns = [x.numel() for x in xs]
     if not xs:
         return [], torch.empty(0, dtype=torch.float32)
     if not all(_use_numpy(x, group) for x in xs):
-        signs = [pack_signs(x) for x in xs]
-        return signs, torch.cat([group_reduce(x.reshape(-1), group, ord=1) for x in xs])
-    unit = math.lcm(group, 8)
+        return _pack_torch(xs, group)
+    ns = [x.numel() for x in xs]
     if _aligned(ns, group):
         return _pack_aligned(xs, ns, group)
-    flats = [x.detach().reshape(-1).contiguous() for x in xs]
+    return _pack_chunked(xs, ns, group)
+
+
+def _store(target: Tensor, values: Tensor, *, add: bool) -> None:
+    """``target += values`` when `add`, else ``target = values``."""
+    if add:
+        target.add_(values)
+    else:
+        target.copy_(values)
+
+
+def _decode_bytes(index: Tensor, scales: Tensor, group: int, dest: Tensor) -> None:
+    """Write ``+-scale`` into `dest` (8 m,) from bytes `index` (m,) int64 and `scales` (8 m / group,):
+    the +-1 patterns of the bytes from `_SIGN_TABLE`, each group then scaled in place."""
+    torch.index_select(_SIGN_TABLE, 0, index, out=dest.view(-1, 8))
+    dest.view(-1, group).mul_(scales[:, None])
+
+
+def _unpack_torch(
+    packed: Sequence[Tensor],
+    scales: Tensor,
+    ns: Sequence[int],
+    group: int,
+    out: Tensor,
+    *,
+    add: bool,
+) -> None:
+    """`unpack_many` with torch operations only, tensor by tensor: any device, any group size."""
+    offset, goff = 0, _group_offsets(ns, group)
+    for i, n in enumerate(ns):
+        target = out[offset : offset + n]
+        bits = unpack_signs(packed[i], n)
+        signed = _signed(bits, scales[goff[i] : goff[i + 1]], group, torch.empty_like(target))
+        _store(target, signed, add=add)
+        offset += n
+
+
+def _unpack_aligned(
+    packed: Sequence[Tensor], scales: Tensor, group: int, out: Tensor, *, add: bool
+) -> None:
+    """`unpack_many` of a short update whose tensors all hold whole groups and whole bytes: their
+    bytes concatenated decode as one flat vector."""
+    index = torch.cat(list(packed)).long() if packed else torch.empty(0, dtype=torch.long)
+    dest = torch.empty_like(out) if add else out
+    _decode_bytes(index, scales, group, dest)
+    if add:
+        out.add_(dest)
+
+
+def _copy_out(
+    chunk: list[_Segment], decoded: Tensor, starts: Sequence[int], out: Tensor, *, add: bool
+) -> None:
+    """Store the values of each segment of a `decoded` chunk, padding left out, at its place in
+    `out`, where tensor i begins at `starts[i]`."""
+    off = 0
+    for i, start, length, padded in chunk:
+        at = starts[i] + start
+        _store(out[at : at + length], decoded[off : off + length], add=add)
+        off += padded
+
+
+def _gather_chunk(
+    chunk: list[_Segment],
+    packed: Sequence[NDArray[np.uint8]],
+    scales: NDArray[np.float32],
+    goff: Sequence[int],
+    group: int,
+    bytebuf: NDArray[np.uint8],
+    chunk_scales: NDArray[np.float32],
+) -> int:
+    """Copy each segment's bytes and scales into the chunk buffers `bytebuf` and `chunk_scales`,
+    the mirror of `_scatter_chunk`; return the chunk's padded length."""
+    off = 0
+    for i, start, length, padded in chunk:
+        nb, k = (length + 7) // 8, -(-length // group)
+        bytebuf[off // 8 : off // 8 + nb] = packed[i][start // 8 : start // 8 + nb]
+        g = goff[i] + start // group
+        chunk_scales[off // group : off // group + k] = scales[g : g + k]
+        off += padded
+    return off
+
+
+def _unpack_chunked(
+    packed: Sequence[Tensor],
+    scales: Tensor,
+    ns: Sequence[int],
+    group: int,
+    out: Tensor,
+    *,
+    add: bool,
+) -> None:
+    """`unpack_many` on CPU, chunk by chunk of `_segments`. A chunk without padding decodes
+    straight into `out`; otherwise it decodes into a buffer and each segment is copied out."""
     goff = _group_offsets(ns, group)
-    packed = [np.empty((n + 7) // 8, dtype=np.uint8) for n in ns]
-    scales = torch.empty(goff[-1], dtype=torch.float32)
-    scales_np = scales.numpy()
-    limit = min(_chunk_len(group), sum(-(-n // unit) * unit for n in ns))
-    signbuf = np.empty(limit, dtype=np.bool_)
-    absbuf = torch.empty(limit, dtype=torch.float32)
-    absnp = absbuf.numpy()
-    zeros = torch.zeros(unit, dtype=torch.float32)
+    starts = list(itertools.accumulate(ns, initial=0))
+    scales_np = scales.contiguous().numpy()
+    packed_np = [p.numpy() for p in packed]
+    limit = _buffer_len(ns, group)
+    step = torch.empty(limit, dtype=torch.float32)
+    bytebuf = np.empty(limit // 8, dtype=np.uint8)
+    chunk_scales = torch.empty(limit // group, dtype=torch.float32)
+    chunk_scales_np = chunk_scales.numpy()
     for chunk in _segments(ns, group):
-        if len(chunk) == 1:  # one long run: read it in place
-            i, start, length, padded = chunk[0]
-            part = flats[i].numpy()[start : start + length]
-            np.greater_equal(part, 0, out=signbuf[:length])
-            np.abs(part, out=absnp[:length])
-            absnp[length:padded] = 0.0
-            signbuf[length:padded] = False
-            off = padded
-        else:  # many short tensors: gather them (zero-padded) with one torch.cat
-            pieces = []
-            for i, start, length, padded in chunk:
-                pieces.append(flats[i][start : start + length])
-                if padded > length:
-                    pieces.append(zeros[: padded - length])
-            off = sum(padded for _, _, _, padded in chunk)
-            torch.cat(pieces, out=absbuf[:off])
-            np.greater_equal(absnp[:off], 0, out=signbuf[:off])
-            np.abs(absnp[:off], out=absnp[:off])
-            end = 0
-            for _, _, length, padded in chunk:
-                signbuf[end + length : end + padded] = False
-                end += padded
-        bits = np.packbits(signbuf[:off])
-        sums = torch.sum(absbuf[:off].view(-1, group), 1)
-        counts = torch.full_like(sums, float(group))
-        off = 0
-        for _, _, length, padded in chunk:
-            if length % group:
-                counts[(off + length) // group] = float(length % group)
-            off += padded
-        sums_np = sums.div_(counts).numpy()
-        off = 0
-        for i, start, length, padded in chunk:
-            nb, k = (length + 7) // 8, -(-length // group)
-            packed[i][start // 8 : start // 8 + nb] = bits[off // 8 : off // 8 + nb]
-            g = goff[i] + start // group
-            scales_np[g : g + k] = sums_np[off // group : off // group + k]
-            off += padded
-    return [torch.from_numpy(p) for p in packed], scales
+        size = _gather_chunk(chunk, packed_np, scales_np, goff, group, bytebuf, chunk_scales_np)
+        direct = all(length == padded for _, _, length, padded in chunk)
+        first = starts[chunk[0][0]] + chunk[0][1]
+        dest = out[first : first + size] if direct and not add else step[:size]
+        index = torch.from_numpy(bytebuf[: size // 8]).long()
+        _decode_bytes(index, chunk_scales[: size // group], group, dest)
+        if not direct:
+            _copy_out(chunk, step, starts, out, add=add)
+        elif add:
+            out[first : first + size].add_(dest)
 
 
 def unpack_many(
@@ -247,67 +420,13 @@ def unpack_many(
     each group in place while the chunk is in cache.
     """
     step_scales = scales.float() if weight is None else scales.float() * weight
+    add = weight is not None
     if not _use_numpy(out, group):
-        offset, goff = 0, _group_offsets(ns, group)
-        for i, n in enumerate(ns):
-            target = out[offset : offset + n]
-            bits = unpack_signs(packed[i], n)
-            signed = _signed(
-                bits, step_scales[goff[i] : goff[i + 1]], group, torch.empty_like(target)
-            )
-            if weight is None:
-                target.copy_(signed)
-            else:
-                target.add_(signed)
-            offset += n
-        return
-    unit = math.lcm(group, 8)
-    if _aligned(ns, group):
-        index = torch.cat(list(packed)).long() if packed else torch.empty(0, dtype=torch.long)
-        dest = out if weight is None else torch.empty_like(out)
-        torch.index_select(_SIGN_TABLE, 0, index, out=dest.view(-1, 8))
-        dest.view(-1, group).mul_(step_scales[:, None])
-        if weight is not None:
-            out.add_(dest)
-        return
-    goff = _group_offsets(ns, group)
-    starts = [0]
-    for n in ns:
-        starts.append(starts[-1] + n)
-    scales_np = step_scales.contiguous().numpy()
-    packed_np = [p.numpy() for p in packed]
-    limit = min(_chunk_len(group), sum(-(-n // unit) * unit for n in ns))
-    step = torch.empty(limit, dtype=torch.float32)
-    bytebuf = np.empty(limit // 8, dtype=np.uint8)
-    chunk_scales = torch.empty(limit // group, dtype=torch.float32)
-    chunk_scales_np = chunk_scales.numpy()
-    for chunk in _segments(ns, group):
-        off = 0
-        for i, start, length, padded in chunk:
-            nb, k = (length + 7) // 8, -(-length // group)
-            bytebuf[off // 8 : off // 8 + nb] = packed_np[i][start // 8 : start // 8 + nb]
-            g = goff[i] + start // group
-            chunk_scales_np[off // group : off // group + k] = scales_np[g : g + k]
-            off += padded
-        direct = all(length == padded for _, _, length, padded in chunk)
-        first = starts[chunk[0][0]] + chunk[0][1]
-        dest = out[first : first + off] if direct and weight is None else step[:off]
-        index = torch.from_numpy(bytebuf[: off // 8]).long()
-        torch.index_select(_SIGN_TABLE, 0, index, out=dest.view(-1, 8))
-        dest.view(-1, group).mul_(chunk_scales[: off // group, None])
-        if direct:
-            if weight is not None:
-                out[first : first + off].add_(dest)
-            continue
-        off = 0
-        for i, start, length, padded in chunk:
-            target = out[starts[i] + start : starts[i] + start + length]
-            source = step[off : off + length]
-            if weight is None:
-                target.copy_(source)
-            else:
-                target.add_(source)
-            off += padded
+        _unpack_torch(packed, step_scales, ns, group, out, add=add)
+    elif _aligned(ns, group):
+        _unpack_aligned(packed, step_scales, group, out, add=add)
+    else:
+        _unpack_chunked(packed, step_scales, ns, group, out, add=add)
 
 
 def unpack(packed: Tensor, scales: Tensor, group: int, out: Tensor) -> None:

@@ -238,8 +238,6 @@ def _report_outcomes(
     stop: threading.Event | None = None,
 ) -> None:
     """Tell the contributor what became of earlier submissions once their rounds closed."""
-    import time
-
     deadline = time.monotonic() + wait_s
     while True:
         pending = [c for c in runtime.state.contributions.values() if not c.final]

@@ -17,7 +17,7 @@ examples per client, seed 0, OMP_NUM_THREADS=1 everywhere):
    `merge_update` / `Evaluator.loss` / `ModelRegistry.publish` (publish). Upload is measured after
    that run: each client's real last-round reply is streamed with `FederationClient.submit` to a
    gRPC server over the same coordinator backend (the intake refuses it, round closed, after the
-   full payload is spooled and hashed).
+   full payload is spooled).
 3. Flower (anchor): `flower-superlink --insecure` + N `flower-supernode --insecure` on
    127.0.0.1 (subprocess isolation), `flwr run` of bench/flower_anchor: FedAvg over an
    ArrayRecord of the float32 B matrices, each ClientApp loads the tiny model and trains it with

@@ -2,9 +2,9 @@
 
 Every handler turns protobuf into domain values, asks the backend, and turns
 the answer back; a `RequestError` becomes a gRPC status with its one-line
-message. Uploads are spooled to disk chunk by chunk while hashed, and refused as
-soon as they exceed their declared or the configured size; intake then reads the
-spooled file whole, once, to check its envelope (it is at most `max_upload_bytes`).
+message. Uploads are spooled to disk chunk by chunk, and refused as soon as they
+exceed their declared or the configured size; intake then reads the spooled file
+whole, once, to check its hash and envelope (it is at most `max_upload_bytes`).
 
 The server runs on `grpc.aio` in an event loop of its own thread, so a call that waits (a long
 poll, an upload between chunks, a call whose request has not come) holds no thread. Blocking
@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import hashlib
 import logging
 import os
 import tempfile
@@ -463,7 +462,7 @@ class FederationServicer:
     async def _receive(
         self, call: Admission, context: Context, header: pb.SubmissionHeader
     ) -> _Spool:
-        """The payload spooled to disk and hashed; the call ends when it is broken or too long.
+        """The payload spooled to disk; the call ends when it is broken or too long.
 
         A broken transmission (truncated, or silent for `upload_idle_timeout_s`) is not a
         decision about the submission: nothing is recorded (its nonce stays unused), so the same
@@ -542,22 +541,18 @@ class _TooLong(RequestError):
 
 @dataclass
 class _Spool:
-    """A payload being written to a file in the spool directory while it is hashed."""
+    """A payload being written to a file in the spool directory (intake reads it once, and
+    checks its size and SHA-256 against the signed statement)."""
 
     path: Path
     declared: int
     fd: int
     received: int = 0
-    digest: Any = field(default_factory=hashlib.sha256)
 
     @classmethod
     def open(cls, spool: Path, declared: int) -> _Spool:
         fd, name = tempfile.mkstemp(dir=spool, suffix=".part")
         return cls(Path(name), declared, fd)
-
-    @property
-    def sha256(self) -> str:
-        return str(self.digest.hexdigest())
 
     def write(self, data: bytes) -> None:
         self.received += len(data)
@@ -566,7 +561,6 @@ class _Spool:
                 "INVALID_ARGUMENT",
                 f"upload is longer than its declared {self.declared} bytes",
             )
-        self.digest.update(data)
         os.write(self.fd, data)
 
     def finish(self) -> None:

@@ -138,7 +138,7 @@ def credential_name(token: str) -> str | None:
 
 
 def client_address(request: Request) -> str:
-    return request.client.host if request.client is not None else "unknown"
+    return scope_address(request.scope)
 
 
 def too_many(detail: str, retry_after_s: float) -> HTTPException:
@@ -236,7 +236,7 @@ async def refuse_body(scope: Scope, send: Send, status_code: int, detail: str) -
 
 
 def scope_address(scope: Scope) -> str:
-    """The socket peer of an ASGI request, as `client_address` gives it."""
+    """The socket peer of an ASGI request ("unknown" when the server did not say)."""
     client = scope.get("client")
     return str(client[0]) if client else "unknown"
 

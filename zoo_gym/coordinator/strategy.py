@@ -16,7 +16,7 @@ import random
 import threading
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -157,12 +157,12 @@ class ZooStrategy(FedAvg):
             return nothing
         layout = self.layout()
         if self.rule == "fedavg" and self.pre is None and not self.keep_rows:
-            fused = self._fused_fedavg(accepted, layout)
+            fused = self._fused_fedavg(accepted, layout, received=len(replies))
             if fused is not None:
                 log.info(
                     "round %d: %d updates averaged in one fused pass", server_round, len(accepted)
                 )
-                return replace(fused, received=len(replies))
+                return fused
         updates, rows = self._decoded(accepted, layout)
         needed = max(self.quorum, min_clients(self.rule, self.f))
         if len(rows) < needed:
@@ -181,8 +181,7 @@ class ZooStrategy(FedAvg):
                     reason=f"round aborted: {len(rows)} usable updates, {self.rule} needs {needed}",
                 )
             return nothing
-        robust = self._robust(updates, rows, layout)
-        return replace(robust, received=len(replies), accepted=len(accepted))
+        return self._robust(updates, rows, layout, received=len(replies), accepted=len(accepted))
 
     def _decoded(
         self, accepted: list[Message], layout: Layout
@@ -206,7 +205,15 @@ class ZooStrategy(FedAvg):
             rows.append(reply)
         return updates[: len(rows)], rows
 
-    def _robust(self, updates: torch.Tensor, rows: list[Message], layout: Layout) -> RoundAggregate:
+    def _robust(
+        self,
+        updates: torch.Tensor,
+        rows: list[Message],
+        layout: Layout,
+        *,
+        received: int,
+        accepted: int,
+    ) -> RoundAggregate:
         """The round's rule over the decoded `updates` (weighted rules by the examples each
         trained on, ramped by trust), its decision about each row recorded."""
         weights = None
@@ -226,14 +233,16 @@ class ZooStrategy(FedAvg):
         return RoundAggregate(
             {k: v.clone() for k, v in unflatten(result.vector.float(), layout).items()},
             tuple(contributors),
-            received=len(rows),
-            accepted=len(rows),
+            received=received,
+            accepted=accepted,
             rows=updates,
             row_contributors=_senders(rows),
             decisions=result.decisions,
         )
 
-    def _fused_fedavg(self, accepted: list[Message], layout: Layout) -> RoundAggregate | None:
+    def _fused_fedavg(
+        self, accepted: list[Message], layout: Layout, *, received: int
+    ) -> RoundAggregate | None:
         """FedAvg without one decoded row per update: every envelope is decoded and added in
         place into one `(d,)` float32 sum (`decode_accumulate`, fused for BitDelta).
 
@@ -270,7 +279,7 @@ class ZooStrategy(FedAvg):
         return RoundAggregate(
             {k: v.clone() for k, v in unflatten(summed, layout).items()},
             tuple(contributors),
-            received=len(accepted),
+            received=received,
             accepted=len(accepted),
             row_contributors=_senders(accepted),
             decisions=decisions,

@@ -27,7 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, BinaryIO, NoReturn, TypeAlias, TypeVar
+from typing import Any, NoReturn, TypeAlias, TypeVar
 
 import grpc
 import grpc.aio
@@ -327,7 +327,7 @@ class FederationServicer:
             )
         except RequestError as exc:
             await _abort(context, exc)
-        fh = await self._blocking(call, functools.partial(_open_binary, path))
+        fh = path.open("rb")  # here, not on the pool, for the reason `_receive` gives
         try:
             total = os.fstat(fh.fileno()).st_size
             if request.offset > total:
@@ -469,7 +469,9 @@ class FederationServicer:
         signed submission can simply be sent again. One longer than its signed size is refused
         and recorded.
         """
-        spool = await self._blocking(call, lambda: _Spool.open(self.spool, header.payload_size))
+        # opened here, not on the worker pool: a call cancelled while it waited for the pool
+        # would leave the file (and its descriptor) open for nobody to remove
+        spool = _Spool.open(self.spool, header.payload_size)
         idle = self.limits.upload_idle_timeout_s
         try:
             while True:
@@ -516,10 +518,6 @@ def _decode(kind: type[M], data: bytes) -> M | None:
 
 def _not_a(kind: type[Message_]) -> str:
     return f"the request is not a valid {kind.DESCRIPTOR.name} message; use a zoo-gym client of protocol v1"
-
-
-def _open_binary(path: Path) -> BinaryIO:
-    return path.open("rb")
 
 
 def _submission(header: pb.SubmissionHeader) -> SignedSubmission:

@@ -8,14 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from zoo_gym.simulation.experiment import (
-    SweepConfig,
-    SweepError,
-    byzantine_indices,
-    load_sweep,
-    run_sweep,
-)
+from zoo_gym.simulation.experiment import run_sweep
 from zoo_gym.simulation.report import write_report
+from zoo_gym.simulation.sweep import SweepConfig, SweepError, byzantine_indices, load_sweep
 
 
 def test_scaling_attack_breaks_fedavg_but_not_median(tmp_path: Path) -> None:

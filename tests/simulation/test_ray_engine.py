@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from zoo_gym.simulation.experiment import Cell, SweepConfig, make_template, run_cell
+from zoo_gym.simulation.experiment import make_template, run_cell
+from zoo_gym.simulation.sweep import Cell, SweepConfig
 
 pytest.importorskip("ray", reason="Flower's simulation engine needs the `sim` extra (ray)")
 

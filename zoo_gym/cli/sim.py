@@ -16,7 +16,7 @@ from rich.table import Table
 from zoo_gym.cli.common import console, friendly, setup_logging
 
 if TYPE_CHECKING:
-    from zoo_gym.simulation.experiment import CellResult, SweepConfig
+    from zoo_gym.simulation.sweep import CellResult, SweepConfig
 
 app = typer.Typer(help="Simulate zoo-gym federations.", no_args_is_help=True, add_completion=False)
 
@@ -345,8 +345,8 @@ def run(
     setup_logging(False)
     from rich.markdown import Markdown
 
-    from zoo_gym.simulation.experiment import load_sweep
     from zoo_gym.simulation.report import write_report
+    from zoo_gym.simulation.sweep import load_sweep
 
     # after flwr's import: one warning per federation otherwise
     logging.getLogger("flwr").setLevel(logging.ERROR)
@@ -376,7 +376,7 @@ def _items(value: str) -> list[str]:
 
 def _shares(value: str) -> list[float]:
     """The numbers of `--shares`."""
-    from zoo_gym.simulation.experiment import SweepError
+    from zoo_gym.simulation.sweep import SweepError
 
     try:
         return [float(v) for v in _items(value)]

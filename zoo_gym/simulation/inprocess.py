@@ -23,7 +23,7 @@ from typing import Any
 from flwr.app import Context, Message, RecordDict
 
 from zoo_gym.client.app import make_client_app
-from zoo_gym.client.byzantine import DATA_ATTACKS, Misbehaviour
+from zoo_gym.client.byzantine import Misbehaviour
 from zoo_gym.client.runtime import ClientRuntime
 from zoo_gym.coordinator.backend import CoordinatorBackend
 from zoo_gym.coordinator.config import CoordinatorConfig, load_config
@@ -35,9 +35,8 @@ from zoo_gym.core.manifest import read_verified
 from zoo_gym.core.protocol import register_statement
 from zoo_gym.simulation.adversary import UPDATE_ATTACKS, Adversary
 from zoo_gym.simulation.grid import SimulationGrid
+from zoo_gym.simulation.sweep import ATTACK_NAMES
 from zoo_gym.transport.loopback import LoopbackGrid
-
-ATTACK_NAMES = ("none", *UPDATE_ATTACKS, *DATA_ATTACKS)
 
 
 def register(backend: CoordinatorBackend, identity: Identity, name: str) -> int:

@@ -24,7 +24,7 @@ import shutil
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from flwr.app import ConfigRecord, Context, Message, MessageType, RecordDict
 from flwr.clientapp import ClientApp
@@ -42,9 +42,7 @@ from zoo_gym.core.protocol import register_statement
 from zoo_gym.simulation.adversary import UPDATE_ATTACKS, Adversary
 from zoo_gym.simulation.grid import SimulationGrid
 from zoo_gym.simulation.inprocess import register
-
-if TYPE_CHECKING:
-    from zoo_gym.simulation.experiment import Cell, SweepConfig
+from zoo_gym.simulation.sweep import Cell, SweepConfig, cell_overrides, shards_for
 
 log = logging.getLogger(__name__)
 REGISTRATION = "registration"
@@ -147,8 +145,6 @@ def run_ray_federation(
 ) -> tuple[list[RoundSummary], Coordinator, set[str]]:
     """Run one cell on Flower's simulation engine; returns its rounds, coordinator and attackers' ids."""
     from flwr.simulation import run_simulation
-
-    from zoo_gym.simulation.experiment import cell_overrides, shards_for
 
     base = load_config(home / "coordinator.toml")
     co = Coordinator(

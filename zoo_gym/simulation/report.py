@@ -7,7 +7,8 @@ import math
 from collections.abc import Sequence
 from pathlib import Path
 
-from zoo_gym.simulation.experiment import CellResult, SweepConfig, as_row, relative
+from zoo_gym.simulation.experiment import as_row, relative
+from zoo_gym.simulation.sweep import CellResult, SweepConfig
 
 COLUMNS = (
     "aggregator",

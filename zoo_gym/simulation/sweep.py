@@ -1,0 +1,195 @@
+"""What an attack matrix is: its settings (`SweepConfig`), its cells, and what each cell
+configures (the coordinator's settings, the data shards, which clients attack).
+
+Running a sweep is `zoo_gym.simulation.experiment`'s job; both engines (in-process and Ray)
+build their federations from what is defined here.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import tomllib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from zoo_gym.aggregation import RULES, min_clients
+from zoo_gym.client.byzantine import DATA_ATTACKS
+from zoo_gym.core.synthetic import make_examples, shard
+from zoo_gym.simulation.adversary import UPDATE_ATTACKS
+
+ATTACK_NAMES = ("none", *UPDATE_ATTACKS, *DATA_ATTACKS)
+
+
+class SweepError(ValueError):
+    """A sweep config or flag holds a bad value (one-line message)."""
+
+
+class SweepConfig(BaseModel):
+    """One attack matrix; every field can come from a TOML file or a flag."""
+
+    model_config = ConfigDict(extra="forbid")
+    aggregators: list[str] = [
+        "fedavg",
+        "krum",
+        "multikrum",
+        "trimmed_mean",
+        "median",
+        "geometric_median",
+    ]
+    attacks: list[str] = ["sign_flip", "scaling", "alie", "ipm", "label_flip"]
+    byzantine_shares: list[float] = [0.1, 0.2, 0.3]
+    clients: int = Field(10, ge=2)
+    rounds: int = Field(4, ge=1)
+    warmup_rounds: int = Field(
+        2,
+        ge=0,
+        description="honest FedAvg rounds every cell starts from (past the quick format-learning phase)",
+    )
+    steps: int = Field(10, ge=1, description="local training steps per round")
+    learning_rate: float = Field(0.01, gt=0)
+    batch_size: int = Field(8, ge=1)
+    examples_per_client: int = Field(60, ge=4)
+    f: int | None = Field(
+        None,
+        ge=0,
+        description="Byzantine updates the rules tolerate; default: attackers at the largest share",
+    )
+    pre_aggregation: str = "none"
+    aggregator_params: dict[str, dict[str, float]] = {}
+    attack_params: dict[str, dict[str, float]] = {}
+    codec: str = "bitdelta"
+    quality_gate: bool = Field(
+        False, description="keep the coordinator's quality gate (off: measure the rule alone)"
+    )
+    engine: Literal["inprocess", "ray"] = "inprocess"
+    jobs: int = Field(1, ge=1, description="cells run in parallel (in-process engine)")
+    seed: int = 0
+
+    @model_validator(mode="after")
+    def _check(self) -> SweepConfig:
+        for rule in self.aggregators:
+            if rule not in RULES:
+                raise ValueError(f"unknown aggregator {rule!r}; choose from {', '.join(RULES)}")
+        for attack in self.attacks:
+            if attack not in ATTACK_NAMES or attack == "none":
+                raise ValueError(
+                    f"unknown attack {attack!r}; choose from {', '.join(ATTACK_NAMES[1:])}"
+                )
+        for share in self.byzantine_shares:
+            if not 0.0 < share < 0.5:
+                raise ValueError(f"Byzantine shares must lie in (0, 0.5), got {share}")
+        for rule in self.aggregators:
+            needed = min_clients(rule, self.tolerated)
+            if needed > self.clients:
+                raise ValueError(
+                    f"{rule} needs {needed} clients to tolerate f = {self.tolerated}; "
+                    f"raise clients to {needed} or drop {rule}"
+                )
+        return self
+
+    @property
+    def tolerated(self) -> int:
+        if self.f is not None:
+            return self.f
+        return max((self.attackers(s) for s in self.byzantine_shares), default=0)
+
+    def attackers(self, share: float) -> int:
+        return math.floor(share * self.clients + 0.5)
+
+    def cells(self) -> Iterator[Cell]:
+        for rule in self.aggregators:
+            yield Cell(rule, "none", 0.0)
+            for attack in self.attacks:
+                for share in self.byzantine_shares:
+                    yield Cell(rule, attack, share)
+
+
+def load_sweep(path: Path | None, overrides: dict[str, Any]) -> SweepConfig:
+    """The sweep in the TOML file `path` (or the defaults), with `overrides` on top."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        try:
+            data = tomllib.loads(path.read_text())
+        except FileNotFoundError:
+            raise SweepError(f"no sweep config at {path}; pass an existing --config file") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise SweepError(f"{path} is not valid TOML ({exc})") from None
+    try:
+        return SweepConfig.model_validate({**data, **overrides})
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        where = "".join(f"{p}: " for p in (path, ".".join(str(p) for p in err["loc"])) if p)
+        raise SweepError(where + err["msg"].removeprefix("Value error, ")) from None
+
+
+@dataclass(frozen=True)
+class Cell:
+    aggregator: str
+    attack: str
+    share: float
+
+    @property
+    def name(self) -> str:
+        return f"{self.aggregator}-{self.attack}-{round(self.share * 100):02d}"
+
+
+@dataclass(frozen=True)
+class CellResult:
+    aggregator: str
+    attack: str
+    byzantine_share: float
+    byzantine_clients: int
+    f: int
+    losses: tuple[float, ...]  # L_0 (initial base), then after each round
+    published: int  # rounds whose aggregate was published
+    byzantine_selected: float  # share of Byzantine updates the rule selected, over all rounds
+    seconds: float
+
+    @property
+    def quality(self) -> float:
+        return self.losses[0] - self.losses[-1]
+
+
+def byzantine_indices(config: SweepConfig, share: float) -> list[int]:
+    """Which clients attack at `share`: a seeded choice, nested across shares."""
+    digest = hashlib.sha256(f"zoo-gym/byzantine|{config.seed}".encode()).digest()
+    order = torch.randperm(
+        config.clients, generator=torch.Generator().manual_seed(int.from_bytes(digest[:7], "big"))
+    )
+    return sorted(order[: config.attackers(share)].tolist())
+
+
+def cell_overrides(config: SweepConfig, cell: Cell) -> dict[str, Any]:
+    """Coordinator settings for one cell."""
+    return {
+        "rounds": config.rounds,
+        "min_clients": config.clients,
+        "aggregator": cell.aggregator,
+        "byzantine_f": config.tolerated,
+        "aggregator_params": config.aggregator_params.get(cell.aggregator, {}),
+        "pre_aggregation": config.pre_aggregation,
+        "seed": config.seed,
+        "round_timeout_s": 3600.0,
+        "wait_for_clients_s": 60.0,
+        "quality_gate_tolerance": 0.02 if config.quality_gate else math.inf,
+        "rewards": {
+            "method": "none"
+        },  # the matrix measures the rule; scoring would add n + 1 evaluations
+        "training": {
+            "steps": config.steps,
+            "learning_rate": config.learning_rate,
+            "batch_size": config.batch_size,
+            "codec": config.codec,
+        },
+    }
+
+
+def shards_for(config: SweepConfig) -> list[list[dict[str, str]]]:
+    records = make_examples(config.clients * config.examples_per_client, seed=config.seed + 1)
+    return shard(records, config.clients)

@@ -30,6 +30,7 @@ from zoo_gym.client.report import (
 from zoo_gym.client.state import LocalState
 from zoo_gym.coordinator.api.app import RestServer
 from zoo_gym.coordinator.config import load_config
+from zoo_gym.coordinator.serve import api_services
 from zoo_gym.coordinator.service import Coordinator
 from zoo_gym.core import merkle
 from zoo_gym.core.hashing import canonical_json
@@ -150,7 +151,7 @@ def start(coordinator_home: Path, contributor: Path) -> tuple[Network, RestServe
     populate(co, alice, bob)
     pin(contributor, co)
     port = free_port()
-    server = RestServer(co, f"127.0.0.1:{port}")
+    server = RestServer(api_services(co), f"127.0.0.1:{port}")
     server.start(wait_s=10)
     return Network(contributor, co, f"http://127.0.0.1:{port}", alice, bob), server
 

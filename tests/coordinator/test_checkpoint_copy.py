@@ -53,7 +53,7 @@ def test_a_copy_that_cannot_be_written_is_logged_and_the_checkpoint_kept(
     )
 
     with caplog.at_level(logging.ERROR), Session(co.engine) as s:
-        head = co.sign_checkpoint(s)
+        head = co.checkpoints.sign_checkpoint(s)
         latest = ledger.latest_checkpoint(s)
     co.engine.dispose()
 

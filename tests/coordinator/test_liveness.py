@@ -11,6 +11,7 @@ from fastapi.testclient import TestClient
 from zoo_gym.coordinator.api.app import create_app
 from zoo_gym.coordinator.config import load_config
 from zoo_gym.coordinator.liveness import LoopHealth
+from zoo_gym.coordinator.serve import api_services, run_loop
 from zoo_gym.coordinator.service import Coordinator
 from zoo_gym.transport.grid import GrpcGrid
 from zoo_gym.transport.mailbox import Mailbox
@@ -24,14 +25,14 @@ class LostRegistry(Mailbox):
 def test_crashed_round_loop_answers_503_with_its_reason(tiny_home: Path) -> None:
     # Prepare
     co = Coordinator(load_config(tiny_home / "coordinator.toml"))
-    client = TestClient(create_app(co, control=co.control, metrics=co.metrics, health=co.health))
+    client = TestClient(create_app(api_services(co)))
     before = client.get("/health")
     co.control.pause(by="ops")
     paused = client.get("/health").json()
 
     # Execute
     co.control.resume(by="ops")
-    co.run_loop(GrpcGrid(LostRegistry()))
+    run_loop(co, GrpcGrid(LostRegistry()))
     after = client.get("/health")
 
     # Assert

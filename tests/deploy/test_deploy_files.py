@@ -392,7 +392,7 @@ def test_systemd_analyze_verify(tmp_path: Path) -> None:
 def test_every_deployment_waits_longer_than_serve_takes_to_stop() -> None:
     """systemd, compose and Kubernetes give serve the same grace after SIGTERM, with a margin
     over the bound serve keeps (`STOP_WITHIN_S`) before they kill it."""
-    from zoo_gym.coordinator.service import STOP_WITHIN_S
+    from zoo_gym.coordinator.serve import STOP_WITHIN_S
 
     unit = _unit(DEPLOY / "systemd" / "gym-coordinator.service")["Service"]
     compose = _compose()["services"]["coordinator"]

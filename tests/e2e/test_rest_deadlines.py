@@ -16,6 +16,7 @@ from hostile_rest import trickle
 
 from zoo_gym.coordinator.api.app import RestServer
 from zoo_gym.coordinator.config import load_config
+from zoo_gym.coordinator.serve import api_services
 from zoo_gym.coordinator.service import Coordinator
 from zoo_gym.simulation.demo import free_port
 
@@ -25,7 +26,7 @@ def rest(tiny_home_template: Path) -> Iterator[str]:
     config = load_config(tiny_home_template / "coordinator.toml")
     co = Coordinator(config.model_copy(update={"api_read_timeout_s": 1.0}))
     port = free_port()
-    server = RestServer(co, f"127.0.0.1:{port}")
+    server = RestServer(api_services(co), f"127.0.0.1:{port}")
     server.start(wait_s=10)
     try:
         yield f"http://127.0.0.1:{port}"

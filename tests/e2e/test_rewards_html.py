@@ -24,6 +24,7 @@ from zoo_gym import ledger
 from zoo_gym.client.state import LocalState
 from zoo_gym.coordinator.api.app import RestServer
 from zoo_gym.coordinator.config import load_config
+from zoo_gym.coordinator.serve import api_services
 from zoo_gym.coordinator.service import Coordinator
 from zoo_gym.core.identity import Identity
 from zoo_gym.simulation.demo import free_port
@@ -96,7 +97,7 @@ def served(tiny_home: Path, tmp_path: Path) -> Iterator[tuple[str, Path]]:
     ).save()
     populate(co, alice)
     port = free_port()
-    server = RestServer(co, f"127.0.0.1:{port}")
+    server = RestServer(api_services(co), f"127.0.0.1:{port}")
     server.start(wait_s=10)
     try:
         yield f"http://127.0.0.1:{port}", home

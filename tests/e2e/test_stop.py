@@ -37,7 +37,7 @@ from zoo_gym import ledger
 from zoo_gym.client.runtime import signed_reply
 from zoo_gym.compression import CodecSpec, encode
 from zoo_gym.coordinator.config import load_config
-from zoo_gym.coordinator.service import STOP_WITHIN_S
+from zoo_gym.coordinator.serve import STOP_WITHIN_S
 from zoo_gym.core.identity import Identity
 from zoo_gym.core.lora import LoraSpec, update_shapes
 from zoo_gym.core.protocol import TASK_CONFIG, TaskConfig

@@ -142,6 +142,7 @@ def serve(
     """Serve contributors (gRPC) and operators (REST) and run rounds."""
     setup_logging(verbose)
     from zoo_gym.coordinator.config import CoordinatorConfig, load_config
+    from zoo_gym.coordinator.serve import serve as serve_coordinator
     from zoo_gym.coordinator.service import Coordinator
 
     cfg = load_config(config)
@@ -158,7 +159,7 @@ def serve(
     }
     if overrides:
         cfg = CoordinatorConfig.model_validate({**cfg.model_dump(), **overrides})
-    ended = Coordinator(cfg).serve(stay=stay)
+    ended = serve_coordinator(Coordinator(cfg), stay=stay)
     if ended.state in ("stopped", "crashed", "stuck"):
         _fail(ended.reason)
 

@@ -8,6 +8,9 @@ or record the round as rolled back. An operator's abort, or the coordinator
 stopping (collection ends at once when serve closes the mailbox), records the
 round as aborted with the reason, before or after aggregation; nothing is paid
 or published. The loop reports what it does to `co.health` (`/health`).
+
+`RoundLoop` drives the parts a `Coordinator` is made of; the helpers beside it take only the
+parts they use.
 """
 
 from __future__ import annotations
@@ -16,28 +19,33 @@ import functools
 import hashlib
 import json
 import logging
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import torch
-from flwr.app import ArrayRecord, ConfigRecord, Context, Message
+from flwr.app import ArrayRecord, ConfigRecord, Context, Message, RecordDict
 from flwr.serverapp import Grid, ServerApp
 
 from zoo_gym import ledger
 from zoo_gym.compression import CodecSpec, honest_norm_bound
 from zoo_gym.coordinator.backend import OpenRound
-from zoo_gym.coordinator.config import CoordinatorConfig
-from zoo_gym.coordinator.control import Request
+from zoo_gym.coordinator.config import CoordinatorConfig, TrainingPolicy
+from zoo_gym.coordinator.control import Request, RoundControl
+from zoo_gym.coordinator.evaluation import Evaluator
+from zoo_gym.coordinator.liveness import LoopHealth
 from zoo_gym.coordinator.payout import pay_round
 from zoo_gym.coordinator.service import Coordinator
 from zoo_gym.coordinator.strategy import RoundAggregate
 from zoo_gym.core.delta import Layout, TensorSpec, unflatten
 from zoo_gym.core.lora import LoraSpec, merge_update, update_shapes
 from zoo_gym.core.protocol import POLICY_OBJECTIVES, TASK_CONFIG, TaskConfig
-from zoo_gym.ledger import Session
+from zoo_gym.ledger import Engine, Session
+from zoo_gym.transport.flower_internals import set_task_identity
 
 log = logging.getLogger(__name__)
+SERVERAPP_NODE_ID = 0
 STOPPING = "coordinator stopping"
 """The reason recorded on a round that was open when serve was asked to stop."""
 
@@ -66,8 +74,7 @@ def round_seed(run_seed: int, round_number: int) -> int:
     return int.from_bytes(digest[:8], "big") >> 1
 
 
-def lora_spec(co: Coordinator) -> LoraSpec:
-    t = co.config.training
+def lora_spec(t: TrainingPolicy) -> LoraSpec:
     return LoraSpec(rank=t.lora_rank, alpha=t.lora_alpha, target_modules=tuple(t.target_modules))
 
 
@@ -79,7 +86,12 @@ def update_layout(state: dict[str, object], spec: LoraSpec, adapter: str = "ffa_
 
 
 def validation_utility(
-    co: Coordinator, state: dict[str, torch.Tensor], layout: Layout, spec: LoraSpec, seed: int
+    evaluator: Evaluator,
+    t: TrainingPolicy,
+    state: dict[str, torch.Tensor],
+    layout: Layout,
+    spec: LoraSpec,
+    seed: int,
 ) -> Callable[[torch.Tensor], float]:
     """U(v) of the base with the flat `(d,)` update v merged in: minus the validation loss
     (SFT), or the mean validation reward (GRPO / GSPO)."""
@@ -87,33 +99,32 @@ def validation_utility(
     def utility(vector: torch.Tensor) -> float:
         merged = {k: v.clone() for k, v in state.items()}
         update = unflatten(vector.float(), layout)
-        merge_update(merged, update, adapter=co.config.training.adapter, spec=spec, seed=seed)
-        reward = validation_reward(co, merged)
-        return -co.evaluator.loss(merged) if reward is None else reward
+        merge_update(merged, update, adapter=t.adapter, spec=spec, seed=seed)
+        reward = validation_reward(evaluator, t, merged)
+        return -evaluator.loss(merged) if reward is None else reward
 
     return utility
 
 
-def validation_reward(co: Coordinator, state: dict[str, torch.Tensor]) -> float | None:
+def validation_reward(
+    evaluator: Evaluator, t: TrainingPolicy, state: dict[str, torch.Tensor]
+) -> float | None:
     """Mean reward of greedy completions on the validation prompts for GRPO / GSPO; None for SFT."""
-    t = co.config.training
     if t.method not in POLICY_OBJECTIVES:
         return None
-    return co.evaluator.mean_reward(
+    return evaluator.mean_reward(
         state, reward_functions=t.reward_functions, max_new_tokens=t.max_new_tokens
     )
 
 
-def round_epsilon(
-    co: Coordinator, round_number: int, contributors: tuple[str, ...]
-) -> float | None:
+def round_epsilon(engine: Engine, round_number: int, contributors: tuple[str, ...]) -> float | None:
     """The largest per-round sample-level epsilon the round's aggregated contributors reported
     (None when one of them reported none: that update carries no DP guarantee).
 
     It bounds what this round added about any one record; a contributor's total over rounds
     is in its reward report and its own `gym-client status`.
     """
-    with Session(co.engine) as session:
+    with Session(engine) as session:
         subs = ledger.list_submissions(session, round_number=round_number)
     spent = {s.contributor_id: s.epsilon for s in subs if s.decision == "accepted"}
     values = [spent.get(c) for c in contributors]
@@ -143,22 +154,23 @@ def _same(layout: Layout) -> Layout:
     return layout
 
 
-def abort_request(co: Coordinator, round_number: int) -> Request | None:
+def abort_request(
+    control: RoundControl, stop: threading.Event, round_number: int
+) -> Request | None:
     """An operator's abort of round `round_number`, or the coordinator's own while it stops."""
-    request = co.control.abort_requested(round_number)
-    if request is None and co.stop.is_set():
+    request = control.abort_requested(round_number)
+    if request is None and stop.is_set():
         request = Request("coordinator", STOPPING)
     return request
 
 
-def nobody_came(co: Coordinator, done: int) -> bool:
+def nobody_came(c: CoordinatorConfig, stop: threading.Event, health: LoopHealth, done: int) -> bool:
     """No contributors connected in time: True when the loop ends for it.
 
     With `rounds = 0` (run until stopped) the loop waits again; with `rounds = N` it ends, and
     says so in the log and on `/health`.
     """
-    c = co.config
-    if co.stop.is_set():
+    if stop.is_set():
         return True
     waited = (
         f"no contributors connected within {c.wait_for_clients_s:.0f} s "
@@ -172,7 +184,7 @@ def nobody_came(co: Coordinator, done: int) -> bool:
         "(start contributors sooner or raise wait_for_clients_s)"
     )
     log.warning("%s; stopping", reason)
-    co.health.set("stopped", reason)
+    health.set("stopped", reason)
     return True
 
 
@@ -213,14 +225,14 @@ class RoundLoop:
         """Layout, strategy and the base's validation reward under the current policy (the
         reward method, and so the utility, may have changed)."""
         self.config = self.co.config
-        self.spec = lora_spec(self.co)
+        self.spec = lora_spec(self.config.training)
         self.layout = update_layout(self.state, self.spec, self.config.training.adapter)  # type: ignore[arg-type]
         self.strategy = self.co.make_strategy(functools.partial(_same, self.layout))
-        self.reward = validation_reward(self.co, self.state)
+        self.reward = validation_reward(self.co.evaluator, self.config.training, self.state)
 
     def run(self, on_round: Callable[[RoundSummary], None] | None = None) -> None:
         co = self.co
-        done, number = 0, first_round(co)
+        done, number = 0, first_round(co.engine)
         log.info(
             "starting at round %d on %s (validation loss %.4f)",
             number,
@@ -233,7 +245,7 @@ class RoundLoop:
             self._take_policy()
             opened = self._open(number)
             if opened is None:
-                if nobody_came(co, done):
+                if nobody_came(self.config, co.stop, co.health, done):
                     break
                 continue
             replies = list(
@@ -309,12 +321,12 @@ class RoundLoop:
         """Aggregate the replies unless the round is aborted (before or during aggregation);
         then pay, merge and check the quality gate."""
         co = self.co
-        abort = abort_request(co, opened.number)
+        abort = abort_request(co.control, co.stop, opened.number)
         aggregation_started = time.perf_counter()
         agg = None if abort else self.strategy.aggregate_round(opened.number, replies)
         if not abort:
             co.metrics.observe_aggregation(time.perf_counter() - aggregation_started)
-        abort = abort or abort_request(co, opened.number)  # a stop while aggregating
+        abort = abort or abort_request(co.control, co.stop, opened.number)  # stopped meanwhile
         if abort or agg is None or not agg.update:
             return Outcome("aborted", self.loss, self.reward), agg, abort
         return self._judge(opened, agg), agg, None
@@ -329,7 +341,9 @@ class RoundLoop:
             config,
             round_number=opened.number,
             agg=agg,
-            utility=validation_utility(co, self.state, self.layout, self.spec, opened.seed),
+            utility=validation_utility(
+                co.evaluator, config.training, self.state, self.layout, self.spec, opened.seed
+            ),
             baseline=-loss if reward is None else reward,
         )
         candidate = {k: v.clone() for k, v in self.state.items()}
@@ -337,7 +351,7 @@ class RoundLoop:
             candidate, agg.update, adapter=config.training.adapter, spec=self.spec, seed=opened.seed
         )
         new_loss = co.evaluator.loss(candidate)
-        new_reward = validation_reward(co, candidate)
+        new_reward = validation_reward(co.evaluator, config.training, candidate)
         tolerance = config.quality_gate_tolerance
         if reward is None or new_reward is None:
             passes = new_loss <= loss * (1.0 + tolerance)
@@ -367,7 +381,7 @@ class RoundLoop:
             aggregator=self.config.aggregator,
             contributors=contributors,
             metrics=metrics,
-            epsilon=round_epsilon(co, number, contributors),
+            epsilon=round_epsilon(co.engine, number, contributors),
         )
         with Session(co.engine) as session:
             ledger.record_model_version(
@@ -417,7 +431,7 @@ class RoundLoop:
                 metrics=closing,
                 signer=co.signer,  # the checkpoint contributors verify their rewards against
             )
-            co.copy_checkpoint(ledger.latest_checkpoint(session))
+            co.checkpoints.copy_checkpoint(ledger.latest_checkpoint(session))
         co.metrics.observe_round(opened.number, summary.seconds, status=outcome.status)
         co.control.round_finished(opened.number)
         if outcome.status == "published":
@@ -438,9 +452,9 @@ class RoundLoop:
         return summary
 
 
-def first_round(co: Coordinator) -> int:
+def first_round(engine: Engine) -> int:
     """The number of the next round; a round a restart left open is recorded aborted."""
-    with Session(co.engine) as session:
+    with Session(engine) as session:
         last = ledger.latest_round(session)
         if last is not None and last.status in ("open", "aggregating"):
             ledger.close_round(
@@ -468,3 +482,15 @@ def make_server_app(
         run_rounds(co, grid, on_round=on_round)
 
     return app
+
+
+def run_server_app(
+    co: Coordinator, grid: Grid, *, on_round: Callable[[RoundSummary], None] | None = None
+) -> None:
+    """Run the round loop as a ServerApp on `grid` in this thread, outside Flower's runners
+    (`serve` and the in-process federation)."""
+    set_task_identity(run_id=1, node_id=SERVERAPP_NODE_ID, task_id=1)
+    context = Context(
+        run_id=1, node_id=SERVERAPP_NODE_ID, node_config={}, state=RecordDict(), run_config={}
+    )
+    make_server_app(co, on_round=on_round)(grid, context)

@@ -27,7 +27,7 @@ from zoo_gym.client.byzantine import Misbehaviour
 from zoo_gym.client.runtime import ClientRuntime
 from zoo_gym.coordinator.backend import CoordinatorBackend
 from zoo_gym.coordinator.config import CoordinatorConfig, load_config
-from zoo_gym.coordinator.rounds import RoundSummary
+from zoo_gym.coordinator.rounds import RoundSummary, run_server_app
 from zoo_gym.coordinator.service import Coordinator
 from zoo_gym.core.chat import to_conversation
 from zoo_gym.core.identity import Identity
@@ -124,7 +124,7 @@ class InProcessFederation:
             if on_round is not None:
                 on_round(summary)
 
-        self.coordinator.run(self.grid, on_round=record)
+        run_server_app(self.coordinator, self.grid, on_round=record)
         return self.summaries
 
 

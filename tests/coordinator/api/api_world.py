@@ -21,6 +21,7 @@ from zoo_gym.coordinator.api.auth import challenge_statement
 from zoo_gym.coordinator.config import load_config
 from zoo_gym.coordinator.control import RoundControl
 from zoo_gym.coordinator.metrics import CoordinatorMetrics
+from zoo_gym.coordinator.serve import api_services
 from zoo_gym.coordinator.service import Coordinator
 from zoo_gym.core.identity import Identity
 
@@ -127,14 +128,13 @@ def build_world(home: Path) -> World:
         )
         admin = ledger.create_api_key(s, name="ops", role="admin", actor="test").token
         viewer = ledger.create_api_key(s, name="grafana", role="viewer", actor="test").token
-    control, metrics = RoundControl(), CoordinatorMetrics()
-    app = create_app(co, control=control, metrics=metrics)
+    app = create_app(api_services(co))
     return World(
         co,
         app,
         TestClient(app),
-        control,
-        metrics,
+        co.control,
+        co.metrics,
         admin,
         viewer,
         alice,

@@ -6,7 +6,7 @@ here (and `create_app` refuses to build).
 
 from __future__ import annotations
 
-from types import SimpleNamespace
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any, cast
 
 import pytest
@@ -15,18 +15,34 @@ from fastapi.routing import APIRoute
 from fastapi.testclient import TestClient
 
 from zoo_gym.coordinator.api.app import OPEN_ROUTES, api_routes, create_app
-from zoo_gym.coordinator.api.deps import route_access
+from zoo_gym.coordinator.api.deps import ApiServices, route_access
 from zoo_gym.coordinator.api.limits import ApiGuard
 from zoo_gym.coordinator.config import CoordinatorConfig
+from zoo_gym.coordinator.control import RoundControl
+from zoo_gym.coordinator.liveness import LoopHealth
+from zoo_gym.coordinator.metrics import CoordinatorMetrics
+from zoo_gym.coordinator.serve import api_services
 
 if TYPE_CHECKING:
     from api_world import World
 
-    from zoo_gym.coordinator.service import Coordinator
 
-# the app's routes, built against a stand-in coordinator (routes never touch it at build time)
-STAND_IN = SimpleNamespace(engine=None, config=CoordinatorConfig.model_validate({}))
-APP = create_app(cast("Coordinator", STAND_IN), guard=ApiGuard())
+def stand_in(config: CoordinatorConfig) -> ApiServices:
+    """Services for building the app only: routes never touch them at build time."""
+    return ApiServices(
+        engine=cast(Any, None),
+        settings=lambda: config,
+        registry=cast(Any, None),
+        checkpoints=cast(Any, None),
+        rounds=cast(Any, None),
+        control=RoundControl(),
+        metrics=CoordinatorMetrics(),
+        health=LoopHealth(),
+    )
+
+
+# the app's routes, built against stand-in services
+APP = create_app(stand_in(CoordinatorConfig.model_validate({})), guard=ApiGuard())
 ROUTES = [
     pytest.param(method, route, id=f"{method} {route.path}")
     for route in api_routes(APP)
@@ -155,8 +171,8 @@ def test_schema_needs_a_viewer_key_and_docs_are_off(shared_world: World, alice_t
 
 def test_api_docs_setting_serves_docs_and_an_open_schema(world: World) -> None:
     config = world.co.config.model_copy(update={"api_docs": True})
-    co = cast("Coordinator", SimpleNamespace(engine=world.co.engine, config=config))
-    client = TestClient(create_app(co))
+    services = replace(api_services(world.co), settings=lambda: config)
+    client = TestClient(create_app(services))
 
     assert client.get("/docs").status_code == 200
     assert client.get("/redoc").status_code == 200

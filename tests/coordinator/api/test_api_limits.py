@@ -11,6 +11,7 @@ from fastapi.testclient import TestClient
 from zoo_gym.coordinator.api.app import create_app
 from zoo_gym.coordinator.api.limits import ApiGuard, credential_name
 from zoo_gym.coordinator.config import CoordinatorConfig
+from zoo_gym.coordinator.serve import api_services
 
 if TYPE_CHECKING:
     from api_world import World
@@ -132,6 +133,6 @@ def test_guard_comes_from_the_configuration(world: World) -> None:
     assert (c.api_max_failures, c.api_lockout_s, c.api_auth_burst) == (10, 300.0, 20)
     assert c.api_max_body_bytes == defaults.api_max_body_bytes == 64 << 10
 
-    guard = create_app(world.co).state.zoo.guard
+    guard = create_app(api_services(world.co)).state.zoo.guard
     assert (guard.max_failures, guard.lockout_s, guard.sign_in.burst) == (10, 300.0, 20.0)
     assert guard.address_failures.rate == guard.credential_failures.rate == 10 / 300.0

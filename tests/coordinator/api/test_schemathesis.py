@@ -67,7 +67,7 @@ def anonymous(world: World) -> Callable[[Any], None]:
     token counts against its address's failure budget, as a bad one does)."""
 
     def check(case: Any) -> None:
-        world.app.state.zoo.guard = make_guard(world.co)
+        world.app.state.zoo.guard = make_guard(world.co.config)
         without_credentials(case)
 
     return check

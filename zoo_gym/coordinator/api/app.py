@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import fastapi.routing
 import uvicorn
@@ -27,19 +27,21 @@ from starlette.exceptions import HTTPException
 
 from zoo_gym import ledger
 from zoo_gym.coordinator.api.auth import ContributorAuth
-from zoo_gym.coordinator.api.deps import ACCESS_TEXT, ApiState, ViewerDep, route_access
+from zoo_gym.coordinator.api.deps import (
+    ACCESS_TEXT,
+    ApiServices,
+    ApiState,
+    ViewerDep,
+    route_access,
+)
 from zoo_gym.coordinator.api.limits import ApiGuard, RequestLimits, head_deadline, short
 from zoo_gym.coordinator.api.pacing import FailurePacing, KeyTable
 from zoo_gym.coordinator.api.routes import auth, contributors, models, policy, rewards, rounds
 from zoo_gym.coordinator.api.routes import ledger as ledger_routes
 from zoo_gym.coordinator.api.routes import metrics as metrics_routes
-from zoo_gym.coordinator.control import PolicyError, RoundControl
-from zoo_gym.coordinator.liveness import LoopHealth
-from zoo_gym.coordinator.metrics import CoordinatorMetrics
+from zoo_gym.coordinator.config import CoordinatorConfig
+from zoo_gym.coordinator.control import PolicyError
 from zoo_gym.ledger import Session
-
-if TYPE_CHECKING:
-    from zoo_gym.coordinator.service import Coordinator
 
 OPEN_ROUTES: frozenset[tuple[str, str]] = frozenset(
     {("GET", "/health"), ("POST", "/auth/challenge"), ("POST", "/auth/token")}
@@ -121,8 +123,7 @@ def _document_access(app: FastAPI) -> None:
             route.description = f"{route.description}\n\n{note}".strip()
 
 
-def make_guard(co: Coordinator) -> ApiGuard:
-    c = co.config
+def make_guard(c: CoordinatorConfig) -> ApiGuard:
     return ApiGuard(
         auth_rate_per_s=c.api_auth_rate_per_s,
         auth_burst=c.api_auth_burst,
@@ -162,15 +163,16 @@ def _fastapi(*, docs: bool) -> FastAPI:
     )
 
 
-def _guard_requests(app: FastAPI, co: Coordinator) -> None:
+def _guard_requests(app: FastAPI, state: ApiState) -> None:
     """The viewer-only schema (unless docs are on), the error handlers, the pacing of failed
     credentials and, around everything, the request limits."""
-    if not co.config.api_docs:
+    services, config = state.services, state.services.settings()
+    if not config.api_docs:
         _serve_schema(app)
     _handle_errors(app)
 
     def load_keys() -> dict[str, str]:
-        with Session(co.engine) as session:
+        with Session(services.engine) as session:
             return ledger.active_key_digests(session)
 
     app.add_middleware(
@@ -180,34 +182,28 @@ def _guard_requests(app: FastAPI, co: Coordinator) -> None:
     )
     app.add_middleware(
         RequestLimits,
-        max_body_bytes=co.config.api_max_body_bytes,
-        read_timeout_s=co.config.api_read_timeout_s,
+        max_body_bytes=config.api_max_body_bytes,
+        read_timeout_s=config.api_read_timeout_s,
     )
 
 
 def create_app(
-    co: Coordinator,
+    services: ApiServices,
     *,
-    control: RoundControl | None = None,
-    metrics: CoordinatorMetrics | None = None,
     contributor_auth: ContributorAuth | None = None,
     guard: ApiGuard | None = None,
-    health: LoopHealth | None = None,
 ) -> FastAPI:
-    """The REST API of `co`. `control`, `metrics` and `health` are the ones the round loop uses
-    (fresh ones when not given)."""
-    app = _fastapi(docs=co.config.api_docs)
+    """The REST API over `services` (`serve.api_services` builds them from a coordinator)."""
+    config = services.settings()
+    app = _fastapi(docs=config.api_docs)
     state = ApiState(
-        co=co,
-        control=control if control is not None else RoundControl(),
-        metrics=metrics if metrics is not None else CoordinatorMetrics(),
+        services,
         auth=contributor_auth if contributor_auth is not None else ContributorAuth(),
-        guard=guard if guard is not None else make_guard(co),
+        guard=guard if guard is not None else make_guard(config),
     )
-    state.metrics.watch_ledger(co.engine)
-    state.metrics.watch_control(state.control)
-    loop_health = health if health is not None else LoopHealth()
-    state.metrics.watch_loop(loop_health)
+    services.metrics.watch_ledger(services.engine)
+    services.metrics.watch_control(services.control)
+    services.metrics.watch_loop(services.health)
     app.state.zoo = state
 
     @app.get(
@@ -219,22 +215,22 @@ def create_app(
     def health_route(response: Response) -> dict[str, Any]:
         """`status` "ok" while rounds run or wait (also while paused); otherwise a 503 whose
         `reason` says why the round loop ended."""
-        loop = loop_health.status()
+        loop = services.health.status()
         if not loop.healthy:
             response.status_code = status.HTTP_503_SERVICE_UNAVAILABLE
-        current = co.backend.open_round
+        current = services.rounds.open_round
         return {
             "status": "ok" if loop.healthy else "unavailable",
             "round_loop": loop.state,
             "reason": loop.reason,
-            "paused": state.control.paused,
+            "paused": services.control.paused,
             "open_round": current.number if current else None,
-            "model_version": co.backend.current_version(),
+            "model_version": services.rounds.current_version(),
         }
 
     for module in ROUTERS:
         app.include_router(module.router)
-    _guard_requests(app, co)
+    _guard_requests(app, state)
     _document_access(app)
     return app
 
@@ -242,24 +238,18 @@ def create_app(
 class RestServer:
     """Uvicorn in a background thread."""
 
-    def __init__(
-        self,
-        co: Coordinator,
-        listen: str,
-        *,
-        control: RoundControl | None = None,
-        metrics: CoordinatorMetrics | None = None,
-    ) -> None:
+    def __init__(self, services: ApiServices, listen: str) -> None:
         host, port = listen.rsplit(":", 1)
-        self.app = create_app(co, control=control, metrics=metrics, health=co.health)
+        settings = services.settings()
+        self.app = create_app(services)
         config = uvicorn.Config(
             self.app,
             host=host,
             port=int(port),
             log_level="warning",
             # h11 bounds the request line and headers (httptools does not), within a deadline
-            http=head_deadline(co.config.api_read_timeout_s),
-            h11_max_incomplete_event_size=co.config.api_max_header_bytes,
+            http=head_deadline(settings.api_read_timeout_s),
+            h11_max_incomplete_event_size=settings.api_max_header_bytes,
         )
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, name="rest", daemon=True)

@@ -1,4 +1,8 @@
-"""Dependencies of the REST routes: the coordinator, a ledger session, and who is calling.
+"""Dependencies of the REST routes: the coordinator's services, a ledger session, and who is calling.
+
+The API reaches the coordinator only through `ApiServices`: the ledger's engine, the policy in
+force, the model registry, checkpoint signing, the open round, the operators' round control,
+metrics and the round loop's health. Each is a small service or a protocol it satisfies.
 
 Roles, from most to least power:
 
@@ -17,8 +21,8 @@ authenticated); `route_access` reads that back, for the OpenAPI description and 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Annotated, Any, Literal
+from dataclasses import dataclass
+from typing import Annotated, Any, Literal, Protocol
 
 from fastapi import Depends, HTTPException, Query, Request, status
 from fastapi.routing import APIRoute
@@ -32,26 +36,58 @@ from zoo_gym.coordinator.api.limits import (
     credential_name,
     refuse_credential,
 )
+from zoo_gym.coordinator.backend import OpenRound
+from zoo_gym.coordinator.config import CoordinatorConfig
 from zoo_gym.coordinator.control import RoundControl
+from zoo_gym.coordinator.liveness import LoopHealth
 from zoo_gym.coordinator.metrics import CoordinatorMetrics
-from zoo_gym.ledger import Session
+from zoo_gym.coordinator.registry import ModelRegistry
+from zoo_gym.ledger import Engine, Session
 from zoo_gym.ledger.models import MAX_INT64
-
-if TYPE_CHECKING:
-    from zoo_gym.coordinator.service import Coordinator
 
 Role = Literal["admin", "viewer", "contributor"]
 
 
-@dataclass
-class ApiState:
-    """What every route may reach: the coordinator and the API's own state."""
+class Checkpoints(Protocol):
+    """Signs the ledger's tree head as the coordinator (`POST /ledger/checkpoints`)."""
 
-    co: Coordinator
+    @property
+    def public_key(self) -> bytes: ...
+
+    def sign_checkpoint(self, session: Session) -> ledger.Checkpoint: ...
+
+
+class RoundView(Protocol):
+    """The round intake is accepting now, and the version rounds start from (`/health`)."""
+
+    @property
+    def open_round(self) -> OpenRound | None: ...
+
+    def current_version(self) -> str: ...
+
+
+@dataclass(frozen=True)
+class ApiServices:
+    """What the API reaches of the coordinator."""
+
+    engine: Engine
+    settings: Callable[[], CoordinatorConfig]
+    """The policy in force (a change staged through the API takes effect between rounds)."""
+    registry: ModelRegistry
+    checkpoints: Checkpoints
+    rounds: RoundView
     control: RoundControl
     metrics: CoordinatorMetrics
+    health: LoopHealth
+
+
+@dataclass
+class ApiState:
+    """What every route may reach: the coordinator's services and the API's own state."""
+
+    services: ApiServices
     auth: ContributorAuth
-    guard: ApiGuard = field(default_factory=ApiGuard)
+    guard: ApiGuard
 
 
 @dataclass(frozen=True)
@@ -80,7 +116,7 @@ StateDep = Annotated[ApiState, Depends(get_state)]
 
 
 def get_session(state: StateDep) -> Iterator[Session]:
-    with Session(state.co.engine) as session:
+    with Session(state.services.engine) as session:
         yield session
 
 

@@ -34,7 +34,7 @@ import hmac
 import math
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
@@ -42,8 +42,13 @@ from zoo_gym.coordinator.api.auth import ContributorAuth
 from zoo_gym.coordinator.api.limits import ApiGuard, answer, credential_name, scope_address
 from zoo_gym.ledger.apikeys import hash_token, token_prefix
 
-if TYPE_CHECKING:
-    from zoo_gym.coordinator.api.deps import ApiState
+
+class Guarded(Protocol):
+    """What the middleware reads of the app's state (`deps.ApiState`): the guard and the
+    contributor tokens the routes use."""
+
+    guard: ApiGuard
+    auth: ContributorAuth
 
 
 class KeyTable:
@@ -88,7 +93,11 @@ class FailurePacing:
     """Pure ASGI middleware: see the module docstring."""
 
     def __init__(
-        self, app: ASGIApp, *, keys: KeyTable, open_routes: frozenset[tuple[str, str]]
+        self,
+        app: ASGIApp,
+        *,
+        keys: KeyTable,
+        open_routes: frozenset[tuple[str, str]],
     ) -> None:
         self.app = app
         self.keys = keys
@@ -98,7 +107,7 @@ class FailurePacing:
         if scope["type"] != "http" or (scope["method"], scope["path"]) in self.open_routes:
             await self.app(scope, receive, send)
             return
-        state: ApiState = scope["app"].state.zoo  # the guard and the tokens the routes use
+        state: Guarded = scope["app"].state.zoo
         guard, address = state.guard, scope_address(scope)
         token = bearer_token(scope)
         named = credential_name(token) if token is not None else None

@@ -34,7 +34,9 @@ MAX_PAGE = 1000
 
 
 def _signed(state: ApiState, head: Checkpoint) -> CheckpointSigned:
-    return CheckpointSigned(**head.model_dump(), public_key=state.co.signer.public_key.hex())
+    return CheckpointSigned(
+        **head.model_dump(), public_key=state.services.checkpoints.public_key.hex()
+    )
 
 
 @router.get("/ledger/entries", operation_id="list_ledger_entries", response_model=LedgerPage)
@@ -73,7 +75,7 @@ def get_checkpoint(state: StateDep, session: SessionDep, reader: ReaderDep) -> C
 )
 def create_checkpoint(state: StateDep, session: SessionDep, admin: AdminDep) -> CheckpointSigned:
     """Sign the log's current tree head now (also appended to `checkpoint_copy` when set)."""
-    return _signed(state, state.co.sign_checkpoint(session))
+    return _signed(state, state.services.checkpoints.sign_checkpoint(session))
 
 
 def _default_size(session: Session, tree_size: int | None) -> int:

@@ -18,4 +18,4 @@ router = APIRouter(tags=["metrics"])
 )
 def get_metrics(state: StateDep, viewer: ViewerDep) -> Response:
     """Round, submission, aggregation and ledger metrics in Prometheus text format."""
-    return Response(state.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
+    return Response(state.services.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)

@@ -28,7 +28,7 @@ FILE_RESPONSES: dict[int | str, dict[str, Any]] = {
 
 def _published(state: ApiState, version: str) -> Published:
     """The published `version`; only names the registry lists, so no path can escape it."""
-    registry = state.co.registry
+    registry = state.services.registry
     if version not in registry.versions():
         raise HTTPException(
             status.HTTP_404_NOT_FOUND, f"model version {version!r} is not published"
@@ -46,7 +46,7 @@ def list_models(state: StateDep, session: SessionDep, viewer: ViewerDep) -> list
     """Every published base version, oldest first."""
     recorded = {m.version: m for m in ledger.list_model_versions(session)}
     out = []
-    for version in state.co.registry.versions():
+    for version in state.services.registry.versions():
         published = _published(state, version)
         manifest = published.manifest
         row = recorded.get(version)

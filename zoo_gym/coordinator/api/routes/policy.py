@@ -36,8 +36,8 @@ def _next_round(session: Session) -> int:
 
 
 def policy_public(state: ApiState, session: Session) -> PolicyPublic:
-    current = policy_settings(state.co.config)
-    pending = state.control.pending_policy()
+    current = policy_settings(state.services.settings())
+    pending = state.services.control.pending_policy()
     return PolicyPublic(
         current=current,
         pending=policy_settings(pending.config) if pending else None,
@@ -68,13 +68,15 @@ def update_policy(
     policy settings: aggregator, byzantine_f, quality_gate_tolerance, training.clip_norm,
     training.codec, ...). It is validated like coordinator.toml and recorded as an audit event.
     """
-    current = state.co.config
-    pending = state.control.pending_policy()
+    current = state.services.settings()
+    pending = state.services.control.pending_policy()
     base = pending.config if pending is not None else current
     updated, changes = merge_policy(base, patch)
     if changes:
         total = diff_policy(current, updated)
-        state.control.stage_policy(PolicyChange(updated, total, admin.actor) if total else None)
+        state.services.control.stage_policy(
+            PolicyChange(updated, total, admin.actor) if total else None
+        )
         ledger.record_audit(
             session,
             actor=admin.actor,

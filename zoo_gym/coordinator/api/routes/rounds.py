@@ -64,7 +64,7 @@ def list_rounds(session: SessionDep, viewer: ViewerDep) -> list[Round]:
 @router.get("/control", operation_id="get_round_control", response_model=ControlPublic)
 def get_round_control(state: StateDep, viewer: ViewerDep) -> ControlPublic:
     """Pause, start and abort requests the round loop has not acted on yet."""
-    return control_public(state.control)
+    return control_public(state.services.control)
 
 
 @router.post("/pause", operation_id="pause_rounds", response_model=ControlPublic)
@@ -73,7 +73,7 @@ def pause_rounds(
 ) -> ControlPublic:
     """Start no new round until resumed; a round under way finishes normally."""
     reason = body.reason if body else ""
-    state.control.pause(by=admin.actor, reason=reason)
+    state.services.control.pause(by=admin.actor, reason=reason)
     ledger.record_audit(
         session,
         actor=admin.actor,
@@ -81,7 +81,7 @@ def pause_rounds(
         target="rounds",
         detail={"reason": reason},
     )
-    return control_public(state.control)
+    return control_public(state.services.control)
 
 
 @router.post("/resume", operation_id="resume_rounds", response_model=ControlPublic)
@@ -89,7 +89,7 @@ def resume_rounds(
     state: StateDep, session: SessionDep, admin: AdminDep, body: ControlCreate | None = None
 ) -> ControlPublic:
     """Lift a pause: the loop starts the next round when it is ready."""
-    if not state.control.resume(by=admin.actor):
+    if not state.services.control.resume(by=admin.actor):
         raise HTTPException(status.HTTP_409_CONFLICT, "rounds are not paused")
     ledger.record_audit(
         session,
@@ -98,7 +98,7 @@ def resume_rounds(
         target="rounds",
         detail={"reason": body.reason if body else ""},
     )
-    return control_public(state.control)
+    return control_public(state.services.control)
 
 
 @router.post(
@@ -112,7 +112,7 @@ def start_round(
 ) -> ControlPublic:
     """Run the next round now, even while paused (one round; the pause then holds again)."""
     reason = body.reason if body else ""
-    state.control.request_start(by=admin.actor, reason=reason)
+    state.services.control.request_start(by=admin.actor, reason=reason)
     ledger.record_audit(
         session,
         actor=admin.actor,
@@ -120,7 +120,7 @@ def start_round(
         target="rounds",
         detail={"reason": reason},
     )
-    return control_public(state.control)
+    return control_public(state.services.control)
 
 
 @router.get("/{number}", operation_id="get_round", response_model=RoundDetail)
@@ -180,7 +180,7 @@ def abort_round(
     row = _round(session, number)
     if row.status not in ("open", "aggregating"):
         raise HTTPException(status.HTTP_409_CONFLICT, f"round {number} is already {row.status}")
-    state.control.request_abort(number, by=admin.actor, reason=body.reason)
+    state.services.control.request_abort(number, by=admin.actor, reason=body.reason)
     ledger.record_audit(
         session,
         actor=admin.actor,
@@ -188,4 +188,4 @@ def abort_round(
         target=f"round:{number}",
         detail={"reason": body.reason},
     )
-    return control_public(state.control)
+    return control_public(state.services.control)

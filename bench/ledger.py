@@ -59,8 +59,9 @@ from sqlmodel import Session, select
 from zoo_gym import ledger
 from zoo_gym.core import merkle
 from zoo_gym.core.identity import Identity
-from zoo_gym.ledger.log import build_record, leaf_hashes, lock_log, log_size
+from zoo_gym.ledger.log import leaf_hashes, lock_log, log_size
 from zoo_gym.ledger.models import AuditEvent, LogEntry, utcnow
+from zoo_gym.ledger.records import build_record
 
 PRODUCTION_BATCH = 100
 AUDIT_COLUMNS = ("id", "actor", "action", "target", "detail", "at")

@@ -96,7 +96,7 @@ def test_rejected_write_appends_nothing(session: Session, populated: Populated) 
 
 def test_version_1_float_amounts_read_as_exact_decimals() -> None:
     # Records written before amounts became exact decimals still verify against migrated rows
-    from zoo_gym.ledger.log import _from_v1
+    from zoo_gym.ledger.records import _from_v1
 
     assert _from_v1("rewards", "amount", 10.0) == "10.000000000"
     assert _from_v1("rewards", "amount", 0.1) == "0.100000000"

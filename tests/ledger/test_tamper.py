@@ -11,7 +11,7 @@ from sqlmodel import Session
 from zoo_gym.core import merkle
 from zoo_gym.core.hashing import canonical_json
 from zoo_gym.ledger import verify_ledger
-from zoo_gym.ledger.log import VerifyReport
+from zoo_gym.ledger.verify import VerifyReport
 
 if TYPE_CHECKING:
     from conftest import Populated

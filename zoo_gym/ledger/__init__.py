@@ -1,9 +1,10 @@
 """The ledger: every decision of the network in a database backed by a verifiable Merkle log.
 
-SQLModel tables (`models`), repository functions that change them (`repository`), the log with
-signed checkpoints, proofs and `verify_ledger` (`log`, over the pure RFC 9162 Merkle tree and
-checkpoint file format of `zoo_gym.core.merkle` and `zoo_gym.core.checkpoints`), operators' hashed API
-keys (`apikeys`), hashed invitation codes (`invites`), counts for monitoring (`stats`), and
+SQLModel tables (`models`), repository functions that change them (`repository`), the records
+the log holds for each change (`records`), the log with signed checkpoints and proofs (`log`) and
+its replay `verify_ledger` (`verify`), both over the pure RFC 9162 Merkle tree and checkpoint file
+format of `zoo_gym.core.merkle` and `zoo_gym.core.checkpoints`; operators' hashed API keys
+(`apikeys`), hashed invitation codes (`invites`), counts for monitoring (`stats`), and
 `open_database` with the Alembic migrations shipped in this package (`db`). This is the only
 package that imports the database; it never imports torch.
 
@@ -41,8 +42,6 @@ from zoo_gym.ledger.invites import (
 from zoo_gym.ledger.log import (
     ConsistencyProof,
     InclusionProof,
-    Problem,
-    VerifyReport,
     append_entry,
     checkpoint,
     get_consistency_proof,
@@ -51,7 +50,6 @@ from zoo_gym.ledger.log import (
     list_entries,
     log_size,
     reward_entries,
-    verify_ledger,
 )
 from zoo_gym.ledger.models import (
     API_ROLES,
@@ -107,6 +105,7 @@ from zoo_gym.ledger.repository import (
     set_round_status,
 )
 from zoo_gym.ledger.stats import LedgerStats, ledger_stats
+from zoo_gym.ledger.verify import Problem, VerifyReport, verify_ledger
 
 __all__ = [
     "API_ROLES",

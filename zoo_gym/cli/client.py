@@ -73,7 +73,9 @@ InviteOption = Annotated[
     typer.Option(metavar="CODE", help="invitation code from the operator, sent when registering"),
 ]
 MaxRoundsOption = Annotated[int | None, typer.Option(help="leave after this many submissions")]
-DeviceOption = Annotated[str | None, typer.Option(help="cpu, cuda, cuda:1 ...")]
+DeviceOption = Annotated[
+    str | None, typer.Option(help="auto (CUDA when present, else the CPU), cpu, cuda, cuda:1 ...")
+]
 BudgetEpsilonOption = Annotated[
     float | None,
     typer.Option(help="refuse any round that would take your records' total epsilon past this"),

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Literal
 
 from pydantic import Field, field_validator
 
+from zoo_gym.client.device import check_device_name
 from zoo_gym.core.settings import HomeConfig, load_toml
 
 if TYPE_CHECKING:
@@ -39,7 +40,10 @@ class ClientConfig(HomeConfig):
         description="connect without TLS to a coordinator on another machine (private networks only); "
         "a loopback address is always plaintext unless ca_cert is set",
     )
-    device: str = "cpu"
+    device: str = Field(
+        "auto",
+        description="where to train: auto (CUDA when present, else the CPU), cpu, cuda, cuda:N",
+    )
     poll_wait_s: float = Field(10.0, gt=0, le=30)
     max_rounds: int = Field(0, ge=0, description="leave after this many submissions; 0 = stay")
     reconnect_for_s: float = Field(
@@ -90,6 +94,11 @@ class ClientConfig(HomeConfig):
         if value and not value.startswith(("http://", "https://")):
             raise ValueError(f"api_url must start with http:// or https://, not {value!r}")
         return value.rstrip("/")
+
+    @field_validator("device")
+    @classmethod
+    def _device_name(cls, value: str) -> str:
+        return check_device_name(value)
 
     @field_validator("byzantine")
     @classmethod

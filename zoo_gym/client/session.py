@@ -21,6 +21,7 @@ from zoo_gym.client.app import make_client_app
 from zoo_gym.client.byzantine import Misbehaviour
 from zoo_gym.client.config import ClientConfig
 from zoo_gym.client.data import load_records
+from zoo_gym.client.device import DeviceError, describe_device, resolve_device
 from zoo_gym.client.link import Link
 from zoo_gym.client.runtime import ClientRuntime, ModelSource, RoundEvent
 from zoo_gym.client.state import RoundRecord
@@ -50,6 +51,10 @@ def join(
         raise JoinError("no coordinator address; pass HOST:PORT to `gym-client join`")
     if config.data is None:
         raise JoinError("no training data; pass --data FILE.jsonl")
+    try:
+        device = resolve_device(config.device)
+    except DeviceError as exc:
+        raise JoinError(str(exc)) from None
     conversations = load_records(config.path(config.data))
     identity = Identity.load(config.path(config.key))
     client = _federation_client(config, identity)
@@ -64,12 +69,13 @@ def join(
     try:
         reg = link.register()
         source = _verified_models(link, reg.coordinator_key, say)
-        runtime = _runtime(config, identity, conversations, source, on_event)
+        runtime = _runtime(config, device, identity, conversations, source, on_event)
         _pin_coordinator(runtime, config, reg)
         say(
             f"joined {config.coordinator} as {reg.contributor_id[:16]} ({reg.status}); "
             f"{len(conversations)} local examples; current base {reg.current_version}"
         )
+        say(f"training on {describe_device(device)}")
         if reg.status == "banned":
             raise JoinError("this key is banned by the operator")
         context = Context(
@@ -116,18 +122,19 @@ def _verified_models(link: Link, coordinator_key: bytes, say: Callable[[str], No
 
 def _runtime(
     config: ClientConfig,
+    device: str,
     identity: Identity,
     conversations: list[Conversation],
     source: ModelSource,
     on_event: Callable[[RoundEvent], None] | None,
 ) -> ClientRuntime:
-    """The runtime `config` describes, with its local state under HOME/state."""
+    """The runtime `config` describes on `device`, with its local state under HOME/state."""
     runtime = ClientRuntime(
         identity=identity,
         conversations=conversations,
         home=config.home / "state",
         model_source=source,
-        device=config.device,
+        device=device,
         on_event=on_event,
         misbehaviour=Misbehaviour(config.byzantine) if config.byzantine else None,
         reward_functions=config.reward_functions,

@@ -36,6 +36,7 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
+from zoo_gym.client.device import compute_dtype
 from zoo_gym.client.trainers.sft import ADAPTER, FfaLoraTrainer, PeftTrainer, Trainer, _lora
 from zoo_gym.core.delta import Delta
 from zoo_gym.core.lora import LoraSpec, target_weights
@@ -308,8 +309,9 @@ def make_trainer(
 ) -> Trainer:
     """The trainer of `adapter` on a model directory (or an already loaded model).
 
-    Float32 on the CPU; on CUDA the LoRA adapters run a bfloat16 base (with flash-attention 2
-    when installed) and `full` stays float32 so small updates are not rounded away.
+    Float32 on the CPU; on CUDA the LoRA adapters run a bfloat16 base where the GPU supports it
+    (with flash-attention 2 when installed) and `full` stays float32 so small updates are not
+    rounded away (`zoo_gym.client.device`).
     """
     if adapter not in ADAPTERS:
         raise ValueError(f"unknown adapter {adapter!r}; the client knows {', '.join(ADAPTERS)}")
@@ -345,8 +347,7 @@ def load_base_model(
 ) -> PreTrainedModel:
     """The base model in `directory` as `adapter` trains it (dtypes as in `make_trainer`; 4-bit
     NF4 for qlora); refuses a model too large for full fine-tuning before loading it."""
-    on_cuda = torch.device(device).type == "cuda"
-    dtype = torch.bfloat16 if on_cuda and adapter != "full" else torch.float32
+    dtype = compute_dtype(device, adapter)
     attention = attention_implementation(device) if dtype == torch.bfloat16 else "sdpa"
     if adapter == "full":
         check_full_size(_num_params(directory), max_full_params)

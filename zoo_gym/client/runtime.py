@@ -323,19 +323,7 @@ def signed_reply(
         nonce=os.urandom(16),
         payload_sha256=hashlib.sha256(payload).hexdigest(),
         payload_size=len(payload),
-    )
-    record = ConfigRecord(
-        {
-            "contributor_id": submission.contributor_id,
-            "round": submission.round,
-            "base_version": submission.base_version,
-            "message_id": submission.message_id,
-            "nonce": submission.nonce,
-            "payload_sha256": submission.payload_sha256,
-            "payload_size": submission.payload_size,
-            "signature": identity.sign(submission.statement()),
-            PAYLOAD: payload,
-        }
-    )
+    ).signed(identity)
+    record = ConfigRecord({**submission.to_record(), PAYLOAD: payload})
     content = RecordDict({SUBMISSION: record, TRAIN_METRICS: MetricRecord(metrics)})
     return Message(content, reply_to=message)

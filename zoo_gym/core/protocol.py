@@ -8,10 +8,12 @@ another.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
-from typing import Any, Literal, get_args
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, fields, replace
+from typing import Any, Literal, TypeAlias, TypeVar, get_args
 
 from zoo_gym.core.hashing import canonical_json
+from zoo_gym.core.identity import Identity
 
 PROTOCOL_VERSION = 1
 PREFIX = f"zoo-gym/v{PROTOCOL_VERSION}"
@@ -21,6 +23,42 @@ TASK_CONFIG = "task"
 SUBMISSION = "submission"
 TRAIN_METRICS = "metrics"
 PAYLOAD = "payload"
+
+RecordValue: TypeAlias = (
+    int
+    | float
+    | str
+    | bytes
+    | bool
+    | list[int]
+    | list[float]
+    | list[str]
+    | list[bytes]
+    | list[bool]
+)
+"""A value of a Flower ConfigRecord (core does not import Flower; a ConfigRecord is a Mapping)."""
+_V = TypeVar("_V", int, str, bytes, bool)
+
+
+class MalformedRecord(ValueError):
+    """A record lacks a field, or holds one of the wrong type."""
+
+
+def _field(record: Mapping[str, object], what: str, name: str, kind: type[_V]) -> _V:
+    """`record[name]`, which must be a `kind` (a bool is not an int here)."""
+    if name not in record:
+        raise MalformedRecord(f"the {what} record has no {name!r} field")
+    value = record[name]
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        raise MalformedRecord(
+            f"the {what} record's {name!r} is {type(value).__name__}, not {kind.__name__}"
+        )
+    return value
+
+
+def payload_of(record: Mapping[str, object]) -> bytes:
+    """The update bytes a ClientApp put beside its signed submission (under PAYLOAD)."""
+    return _field(record, SUBMISSION, PAYLOAD, bytes)
 
 
 def register_statement(public_key: bytes, name: str, timestamp_ms: int) -> bytes:
@@ -89,6 +127,40 @@ class SignedSubmission:
         }
         return f"{PREFIX}|submission|".encode() + canonical_json(body)
 
+    def signed(self, identity: Identity) -> SignedSubmission:
+        """This statement with `identity`'s signature over it."""
+        return replace(self, signature=identity.sign(self.statement()))
+
+    def to_record(self) -> dict[str, RecordValue]:
+        """Every field, for the ConfigRecord under SUBMISSION (the payload goes beside them)."""
+        return {
+            "contributor_id": self.contributor_id,
+            "round": self.round,
+            "base_version": self.base_version,
+            "message_id": self.message_id,
+            "nonce": self.nonce,
+            "payload_sha256": self.payload_sha256,
+            "payload_size": self.payload_size,
+            "signature": self.signature,
+        }
+
+    @classmethod
+    def from_record(cls, record: Mapping[str, object]) -> SignedSubmission:
+        """Inverse of `to_record` (other keys, such as PAYLOAD, are left alone).
+
+        Raises MalformedRecord when a field is missing or of the wrong type.
+        """
+        return cls(
+            contributor_id=_field(record, SUBMISSION, "contributor_id", str),
+            round=_field(record, SUBMISSION, "round", int),
+            base_version=_field(record, SUBMISSION, "base_version", str),
+            message_id=_field(record, SUBMISSION, "message_id", str),
+            nonce=_field(record, SUBMISSION, "nonce", bytes),
+            payload_sha256=_field(record, SUBMISSION, "payload_sha256", str),
+            payload_size=_field(record, SUBMISSION, "payload_size", int),
+            signature=_field(record, SUBMISSION, "signature", bytes),
+        )
+
 
 ALREADY_ACCEPTED = "you already have an accepted submission for round"
 """How intake's refusal of a second upload for a round begins: the first one counts, so a client
@@ -106,6 +178,53 @@ class Verdict:
     accepted: bool
     reason: str
     submission_id: int = 0
+
+
+@dataclass(frozen=True)
+class IntakeResult:
+    """What the ServerApp sees of one submission after intake (the ConfigRecord under
+    SUBMISSION of the reply it pulls): whose it is, the verdict, and the stored payload's hash,
+    which names its file."""
+
+    contributor_id: str
+    accepted: bool
+    reason: str
+    submission_id: int
+    payload_sha256: str
+    payload_size: int
+
+    @classmethod
+    def of(cls, sub: SignedSubmission, verdict: Verdict) -> IntakeResult:
+        return cls(
+            contributor_id=sub.contributor_id,
+            accepted=verdict.accepted,
+            reason=verdict.reason,
+            submission_id=verdict.submission_id,
+            payload_sha256=sub.payload_sha256,
+            payload_size=sub.payload_size,
+        )
+
+    def to_record(self) -> dict[str, RecordValue]:
+        return {
+            "contributor_id": self.contributor_id,
+            "accepted": self.accepted,
+            "reason": self.reason,
+            "submission_id": self.submission_id,
+            "payload_sha256": self.payload_sha256,
+            "payload_size": self.payload_size,
+        }
+
+    @classmethod
+    def from_record(cls, record: Mapping[str, object]) -> IntakeResult:
+        """Inverse of `to_record`; raises MalformedRecord when a field is missing or mistyped."""
+        return cls(
+            contributor_id=_field(record, "intake result", "contributor_id", str),
+            accepted=_field(record, "intake result", "accepted", bool),
+            reason=_field(record, "intake result", "reason", str),
+            submission_id=_field(record, "intake result", "submission_id", int),
+            payload_sha256=_field(record, "intake result", "payload_sha256", str),
+            payload_size=_field(record, "intake result", "payload_size", int),
+        )
 
 
 @dataclass(frozen=True)

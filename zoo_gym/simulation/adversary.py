@@ -23,7 +23,13 @@ from zoo_gym.client.runtime import signed_reply
 from zoo_gym.compression import CodecSpec, decode, encode
 from zoo_gym.core.delta import Layout, flatten, layout_of, numel, unflatten
 from zoo_gym.core.identity import Identity
-from zoo_gym.core.protocol import PAYLOAD, SUBMISSION, TASK_CONFIG, TRAIN_METRICS, TaskConfig
+from zoo_gym.core.protocol import (
+    SUBMISSION,
+    TASK_CONFIG,
+    TRAIN_METRICS,
+    TaskConfig,
+    payload_of,
+)
 
 UPDATE_ATTACKS = tuple(name for name in ATTACKS if name != "none")
 
@@ -86,7 +92,7 @@ class Adversary:
 
 
 def _payload(reply: Message) -> bytes:
-    return bytes(reply.content.config_records[SUBMISSION][PAYLOAD])  # type: ignore[arg-type]
+    return payload_of(reply.content.config_records[SUBMISSION])
 
 
 def _num_examples(reply: Message) -> float:

@@ -221,7 +221,7 @@ def zoo_inprocess(workdir: Path, clients: int, steps: int, rounds: int) -> dict[
 
 def _grpc_upload(fed: Any, captured: dict[int, Any], workdir: Path) -> float:
     """Mean seconds of `FederationClient.submit` of each client's real last reply, over loopback gRPC."""
-    from zoo_gym.core.protocol import SUBMISSION
+    from zoo_gym.core.protocol import SUBMISSION, SignedSubmission
     from zoo_gym.transport.client import FederationClient, ReceivedTask
     from zoo_gym.transport.mailbox import Mailbox, PendingTask
     from zoo_gym.transport.server import start_server
@@ -235,10 +235,8 @@ def _grpc_upload(fed: Any, captured: dict[int, Any], workdir: Path) -> float:
         for node_id, reply in captured.items():
             runtime = fed.runtimes[node_id]
             task_message = _task_message_of(reply)
-            record = reply.content.config_records[SUBMISSION]
-            pending = PendingTask(
-                task_message, int(record["round"]), str(record["base_version"]), 0
-            )
+            sub = SignedSubmission.from_record(reply.content.config_records[SUBMISSION])
+            pending = PendingTask(task_message, sub.round, sub.base_version, 0)
             mailbox.put(node_id, pending)
             client = FederationClient(f"127.0.0.1:{handle.port}", runtime.identity)
             try:

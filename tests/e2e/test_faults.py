@@ -347,14 +347,11 @@ def test_skewed_clock_and_corrupt_model_file(tiny_home: Path, tmp_path: Path, pr
 def _contributor(argv: list[str]) -> int:
     import argparse
 
-    import grpc
-
     from zoo_gym.client.link import Link
     from zoo_gym.client.runtime import signed_reply
     from zoo_gym.core.identity import Identity
     from zoo_gym.core.protocol import TASK_CONFIG, TaskConfig
     from zoo_gym.transport.client import FederationClient, TransportError
-    from zoo_gym.transport.records import split_payload
 
     parser = argparse.ArgumentParser()
     parser.add_argument("address")
@@ -399,7 +396,7 @@ def _contributor(argv: list[str]) -> int:
         )
         if args.slow_upload:
             print(f"uploading round {config.round} slowly", flush=True)
-            _slow_submit(client, task, reply, grpc, split_payload)
+            _slow_submit(client, task, reply)
         result = link.submit(task, reply)
         assert result is not None
         print(
@@ -425,30 +422,19 @@ def _zero_update(task: object, home: Path) -> bytes:
     return encode(delta, CodecSpec(task.codec, task.group_size))  # type: ignore[attr-defined]
 
 
-def _slow_submit(
-    client: object, task: object, reply: object, grpc: object, split_payload: object
-) -> None:
+def _slow_submit(client: object, task: object, reply: object) -> None:
     """Stream the submission 256 bytes a second (never finishes before the kill)."""
-    import hashlib
-
     from flwr.app import Message
 
     from zoo_gym.proto.v1 import federation_pb2 as pb
+    from zoo_gym.transport.records import header_of, unpack_reply
     from zoo_gym.transport.server import serialize_message
 
-    payload, content, record = split_payload(reply)  # type: ignore[operator]
-    sha = hashlib.sha256(payload).hexdigest()
-    mid = task.message.metadata.message_id  # type: ignore[attr-defined]
-    header = pb.SubmissionHeader(
-        auth=client._auth("submit", f"{mid}|{sha}"),
-        message_id=mid,
-        round=int(record["round"]),  # type: ignore[attr-defined]
-        base_version=str(record["base_version"]),
-        nonce=bytes(record["nonce"]),
-        payload_sha256=sha,
-        payload_size=len(payload),
-        signature=bytes(record["signature"]),
-        flower_reply=serialize_message(Message(content, reply_to=task.message)),  # type: ignore[attr-defined]
+    sub, payload, rest = unpack_reply(reply)  # type: ignore[arg-type]
+    header = header_of(
+        sub,
+        client._auth("submit", f"{sub.message_id}|{sub.payload_sha256}"),  # type: ignore[attr-defined]
+        serialize_message(Message(rest, reply_to=task.message)),  # type: ignore[attr-defined]
     )
 
     def chunks() -> Iterator[pb.UpdateChunk]:

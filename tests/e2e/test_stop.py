@@ -14,7 +14,6 @@ processes on 127.0.0.1 and the default limits and timeouts unless a test names o
 
 from __future__ import annotations
 
-import hashlib
 import os
 import signal
 import subprocess
@@ -44,7 +43,7 @@ from zoo_gym.core.protocol import TASK_CONFIG, TaskConfig
 from zoo_gym.proto.v1 import federation_pb2 as pb
 from zoo_gym.simulation.demo import free_port
 from zoo_gym.transport.client import FederationClient, ReceivedTask
-from zoo_gym.transport.records import split_payload
+from zoo_gym.transport.records import header_of, unpack_reply
 from zoo_gym.transport.server import serialize_message
 
 pytestmark = pytest.mark.e2e
@@ -99,19 +98,11 @@ def stalled_upload(
     """Start `task`'s signed submission, send the header and a few bytes, then hold the stream."""
     config = TaskConfig.from_record(task.message.content.config_records[TASK_CONFIG])
     reply = signed_reply(me, task.message, config, zero_update(home, config), {"num_examples": 1})
-    payload, content, record = split_payload(reply)
-    sha = hashlib.sha256(payload).hexdigest()
-    mid = task.message.metadata.message_id
-    header = pb.SubmissionHeader(
-        auth=client._auth("submit", f"{mid}|{sha}"),
-        message_id=mid,
-        round=task.round,
-        base_version=task.base_version,
-        nonce=bytes(record["nonce"]),  # type: ignore[arg-type]
-        payload_sha256=sha,
-        payload_size=len(payload),
-        signature=bytes(record["signature"]),  # type: ignore[arg-type]
-        flower_reply=serialize_message(Message(content, reply_to=task.message)),
+    sub, payload, rest = unpack_reply(reply)
+    header = header_of(
+        sub,
+        client._auth("submit", f"{sub.message_id}|{sub.payload_sha256}"),
+        serialize_message(Message(rest, reply_to=task.message)),
     )
 
     def chunks() -> Iterator[pb.UpdateChunk]:

@@ -12,7 +12,7 @@ from zoo_gym.core.identity import Identity, verify
 from zoo_gym.core.protocol import PAYLOAD, SUBMISSION, TASK_CONFIG, TaskConfig
 from zoo_gym.simulation.adversary import Adversary
 from zoo_gym.transport.flower_internals import assign_message_id, set_task_identity
-from zoo_gym.transport.records import split_payload, submission_of
+from zoo_gym.transport.records import unpack_reply
 
 TASK = TaskConfig(
     round=3,
@@ -70,9 +70,8 @@ def test_sign_flip_reply_is_minus_the_honest_mean_and_signed_by_the_attacker() -
     (reply,) = adversary.replies(honest, [_request(9)])
 
     # Assert: -2 * mean, encoded with the round's codec, signed with the attacker's key
-    payload, _, record = split_payload(reply)
+    sub, payload, _ = unpack_reply(reply)
     assert torch.equal(decode(payload, max_elements=4)["b"], torch.full((2, 2), -4.0))
-    sub = submission_of(record)
     assert sub.contributor_id == attacker.contributor_id
     assert (sub.round, sub.base_version, sub.message_id) == (3, "v0002", "m9")
     assert verify(attacker.public_key, sub.signature, sub.statement())

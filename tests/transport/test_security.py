@@ -22,6 +22,7 @@ from zoo_gym import ledger
 from zoo_gym.client.runtime import signed_reply
 from zoo_gym.compression import CodecSpec, encode
 from zoo_gym.core.identity import Identity
+from zoo_gym.core.protocol import SignedSubmission
 from zoo_gym.proto.v1 import federation_pb2 as pb
 from zoo_gym.transport.client import TransportError
 from zoo_gym.transport.limits import RateLimits, TokenBuckets, peer_host
@@ -43,21 +44,11 @@ def test_a_reused_nonce_is_refused_as_a_replay(wire: Wire) -> None:
         client.submit(task, first)  # refused before the payload is read: the task stays open
 
     # the same nonce, now on a valid payload (a captured statement re-signed or replayed)
-    nonce = bytes(first.content.config_records["submission"]["nonce"])  # type: ignore[arg-type]
+    nonce = SignedSubmission.from_record(first.content.config_records["submission"]).nonce
     second = signed_reply(me, task.message, config, wire.payload(task), {"num_examples": 1.0})
     record = second.content.config_records["submission"]
-    from zoo_gym.core.protocol import SignedSubmission
-
-    statement = SignedSubmission(
-        me.contributor_id,
-        config.round,
-        config.base_version,
-        task.message.metadata.message_id,
-        nonce,
-        str(record["payload_sha256"]),
-        int(record["payload_size"]),
-    )  # type: ignore[arg-type]
-    record["nonce"], record["signature"] = nonce, me.sign(statement.statement())
+    statement = dataclasses.replace(SignedSubmission.from_record(record), nonce=nonce).signed(me)
+    record.update(statement.to_record())
     result = client.submit(task, second)
 
     assert not result.accepted and "nonce was already used (a replay)" in result.reason

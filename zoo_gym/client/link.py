@@ -26,7 +26,7 @@ from flwr.app import Message
 
 from zoo_gym.core.protocol import Registration
 from zoo_gym.transport.client import FederationClient, ReceivedTask, SubmitResult, TransportError
-from zoo_gym.transport.records import split_payload
+from zoo_gym.transport.records import unpack_reply
 
 T = TypeVar("T")
 
@@ -101,7 +101,7 @@ class Link:
             if not exc.transient:
                 raise
             lost = exc
-        size = len(split_payload(reply)[0])
+        size = len(unpack_reply(reply)[1])
         while self.reconnect(lost):
             try:
                 held = self.client.outcome(task.round)

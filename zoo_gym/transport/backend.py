@@ -57,10 +57,12 @@ class FederationBackend(Protocol):
     def receive(
         self, submission: SignedSubmission, payload: Path, content: RecordDict, *, node_id: int
     ) -> tuple[Verdict, RecordDict]:
-        """Validate and record a submission whose payload was spooled to `payload`.
+        """Validate and record a submission whose payload was spooled to `payload`; `content` is
+        the rest of the ClientApp's reply (its training metrics).
 
-        Returns the verdict and the content of the reply Message the ServerApp
-        will see (with the payload replaced by a reference to stored bytes).
+        Returns the verdict and the content of the reply Message the ServerApp will see: an
+        `IntakeResult` record under SUBMISSION (naming the stored payload by its hash) beside
+        the training metrics.
         """
 
     def refuse(self, submission: SignedSubmission, reason: str) -> Verdict:

@@ -7,7 +7,6 @@ and streams a ClientApp's reply up in chunks. gRPC failures become
 
 from __future__ import annotations
 
-import hashlib
 import ipaddress
 import re
 import secrets
@@ -32,7 +31,7 @@ from zoo_gym.core.protocol import (
 )
 from zoo_gym.proto.v1 import federation_pb2 as pb
 from zoo_gym.proto.v1 import federation_pb2_grpc as pb_grpc
-from zoo_gym.transport.records import split_payload
+from zoo_gym.transport.records import header_of, unpack_reply
 from zoo_gym.transport.server import CHUNK_BYTES, MAX_HEADER_BYTES, parse_message, serialize_message
 
 RECONNECT_BACKOFF_MAX_MS = 5_000
@@ -281,20 +280,16 @@ class FederationClient:
             raise _describe(err, self.target) from None
 
     def submit(self, task: ReceivedTask, reply: Message) -> SubmitResult:
-        """Stream the reply of a ClientApp: header first, then the payload in chunks."""
-        payload, content, record = split_payload(reply)
-        header_message = Message(content, reply_to=task.message)
-        sha = hashlib.sha256(payload).hexdigest()
-        header = pb.SubmissionHeader(
-            auth=self._auth("submit", f"{task.message.metadata.message_id}|{sha}"),
-            message_id=task.message.metadata.message_id,
-            round=int(record["round"]),  # type: ignore[arg-type]
-            base_version=str(record["base_version"]),
-            nonce=bytes(record["nonce"]),  # type: ignore[arg-type]
-            payload_sha256=sha,
-            payload_size=len(payload),
-            signature=bytes(record["signature"]),  # type: ignore[arg-type]
-            flower_reply=serialize_message(header_message),
+        """Stream the reply of a ClientApp: header first, then the payload in chunks.
+
+        The header carries the signed submission; the Flower reply inside it is the rest of the
+        reply's content (its training metrics), so no signed field travels twice.
+        """
+        sub, payload, rest = unpack_reply(reply)
+        header = header_of(
+            sub,
+            self._auth("submit", f"{sub.message_id}|{sub.payload_sha256}"),
+            serialize_message(Message(rest, reply_to=task.message)),
         )
 
         def chunks() -> Iterator[pb.UpdateChunk]:

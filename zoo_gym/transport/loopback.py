@@ -23,7 +23,7 @@ from flwr.clientapp import ClientApp
 from zoo_gym.transport.backend import FederationBackend
 from zoo_gym.transport.flower_internals import assign_message_id
 from zoo_gym.transport.grid import RunGrid
-from zoo_gym.transport.records import split_payload, submission_of
+from zoo_gym.transport.records import unpack_reply
 
 
 class LoopbackGrid(RunGrid):
@@ -91,13 +91,13 @@ def submit_to_intake(
     """
     if reply.has_error():
         return reply
-    payload, content, record = split_payload(reply)
+    sub, payload, rest = unpack_reply(reply)
     fd, name = tempfile.mkstemp(dir=spool, suffix=".part")
     path = Path(name)
     try:
         with open(fd, "wb") as fh:
             fh.write(payload)
-        _, server_content = backend.receive(submission_of(record), path, content, node_id=node_id)
+        _, server_content = backend.receive(sub, path, rest, node_id=node_id)
     finally:
         path.unlink(missing_ok=True)
     return Message(server_content, reply_to=request)

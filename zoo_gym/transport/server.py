@@ -37,7 +37,7 @@ from flwr.proto.message_pb2 import Message as FlowerMessageProto  # type: ignore
 from google.protobuf.message import DecodeError
 from google.protobuf.message import Message as Message_
 
-from zoo_gym.core.protocol import RequestError, SignedSubmission
+from zoo_gym.core.protocol import RequestError
 from zoo_gym.proto.v1 import federation_pb2 as pb
 from zoo_gym.transport.backend import FederationBackend
 from zoo_gym.transport.limits import (
@@ -51,6 +51,7 @@ from zoo_gym.transport.limits import (
     peer_key,
 )
 from zoo_gym.transport.mailbox import Mailbox, PendingTask
+from zoo_gym.transport.records import submission_of_header
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -385,7 +386,9 @@ class FederationServicer:
         advice: str,
     ) -> NoReturn:
         """Record the refusal of a signed submission in the ledger, then end the call."""
-        await self._blocking(call, lambda: self.backend.refuse(_submission(header), reason))
+        await self._blocking(
+            call, lambda: self.backend.refuse(submission_of_header(header), reason)
+        )
         await context.abort(code, f"{reason}; {advice}")
         raise AssertionError("unreachable")  # abort raises
 
@@ -405,7 +408,7 @@ class FederationServicer:
             verdict, content = await self._blocking(
                 call,
                 lambda: self.backend.receive(
-                    _submission(header), spooled.path, reply.content, node_id=node
+                    submission_of_header(header), spooled.path, reply.content, node_id=node
                 ),
             )
         except RequestError as exc:
@@ -518,19 +521,6 @@ def _decode(kind: type[M], data: bytes) -> M | None:
 
 def _not_a(kind: type[Message_]) -> str:
     return f"the request is not a valid {kind.DESCRIPTOR.name} message; use a zoo-gym client of protocol v1"
-
-
-def _submission(header: pb.SubmissionHeader) -> SignedSubmission:
-    return SignedSubmission(
-        contributor_id=header.auth.contributor_id,
-        round=header.round,
-        base_version=header.base_version,
-        message_id=header.message_id,
-        nonce=header.nonce,
-        payload_sha256=header.payload_sha256,
-        payload_size=header.payload_size,
-        signature=header.signature,
-    )
 
 
 class _TooLong(RequestError):

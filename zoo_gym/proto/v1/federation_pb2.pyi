@@ -340,7 +340,7 @@ class SubmissionHeader(google.protobuf.message.Message):
     signature: builtins.bytes
     """over the submission statement (zoo_gym.core.protocol)"""
     flower_reply: builtins.bytes
-    """the Flower reply Message without the payload"""
+    """the Flower reply Message without its submission record (its fields"""
     @property
     def auth(self) -> Global___Auth: ...
     def __init__(

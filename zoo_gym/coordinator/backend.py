@@ -32,6 +32,7 @@ from zoo_gym.core.protocol import (
     CALL_NONCE_BYTES,
     SUBMISSION,
     TRAIN_METRICS,
+    IntakeResult,
     Outcome,
     Registration,
     RequestError,
@@ -501,18 +502,9 @@ class CoordinatorBackend:
                 self._observe(verdict)
                 if verdict.accepted and current is not None:
                     current.accepted.add(sub.contributor_id)
-        record = ConfigRecord(
-            {
-                "contributor_id": sub.contributor_id,
-                "accepted": verdict.accepted,
-                "reason": verdict.reason,
-                "submission_id": verdict.submission_id,
-                "payload_sha256": sub.payload_sha256,
-                "payload_size": sub.payload_size,
-            }
-        )
         metrics = content.metric_records.get(TRAIN_METRICS, MetricRecord())
-        return verdict, RecordDict({SUBMISSION: record, TRAIN_METRICS: metrics})
+        result = ConfigRecord(IntakeResult.of(sub, verdict).to_record())
+        return verdict, RecordDict({SUBMISSION: result, TRAIN_METRICS: metrics})
 
     def payload_path(self, sha256: str) -> Path:
         return self.payload_dir / f"{sha256}.zgde"

@@ -31,7 +31,7 @@ from zoo_gym.compression import EnvelopeError, decode_accumulate, decode_into
 from zoo_gym.coordinator.backend import CoordinatorBackend
 from zoo_gym.core.delta import Layout, numel, unflatten
 from zoo_gym.core.identity import node_id
-from zoo_gym.core.protocol import SUBMISSION, TASK_CONFIG, TRAIN_METRICS
+from zoo_gym.core.protocol import SUBMISSION, TASK_CONFIG, TRAIN_METRICS, IntakeResult
 from zoo_gym.ledger import Session
 from zoo_gym.scoring import influence_weights, sample_contributors
 
@@ -145,7 +145,7 @@ class ZooStrategy(FedAvg):
         """Aggregate the accepted replies with the round's rule and record each decision; the
         result has an empty `update` when too few updates were usable."""
         replies = [r for r in replies if not r.has_error()]
-        accepted = [r for r in replies if bool(r.content.config_records[SUBMISSION]["accepted"])]
+        accepted = [r for r in replies if _intake(r).accepted]
         nothing = RoundAggregate({}, (), len(replies), len(accepted))
         if len(accepted) < self.quorum:
             log.warning(
@@ -176,7 +176,7 @@ class ZooStrategy(FedAvg):
             )
             for reply in rows:
                 self._decide(
-                    reply.content.config_records[SUBMISSION],
+                    _intake(reply),
                     selected=False,
                     reason=f"round aborted: {len(rows)} usable updates, {self.rule} needs {needed}",
                 )
@@ -192,15 +192,15 @@ class ZooStrategy(FedAvg):
         updates = torch.empty((len(accepted), numel(layout)), dtype=torch.float32)
         rows: list[Message] = []
         for reply in accepted:
-            record = reply.content.config_records[SUBMISSION]
-            data = self.backend.payload_path(str(record["payload_sha256"])).read_bytes()
+            intake = _intake(reply)
+            data = self.backend.payload_path(intake.payload_sha256).read_bytes()
             try:
                 decode_into(data, updates[len(rows)], layout, max_elements=numel(layout))
             except EnvelopeError as exc:
-                self._decide(record, selected=False, reason=f"could not be decoded: {exc}")
+                self._decide(intake, selected=False, reason=f"could not be decoded: {exc}")
                 continue
             if not torch.isfinite(updates[len(rows)]).all():
-                self._decide(record, selected=False, reason="update contains NaN or Inf values")
+                self._decide(intake, selected=False, reason="update contains NaN or Inf values")
                 continue
             rows.append(reply)
         return updates[: len(rows)], rows
@@ -224,12 +224,12 @@ class ZooStrategy(FedAvg):
         )
         contributors: list[str] = []
         for reply, decision in zip(rows, result.decisions, strict=True):
-            record = reply.content.config_records[SUBMISSION]
+            intake = _intake(reply)
             self._decide(
-                record, selected=decision.selected, reason=decision.reason, decision=decision
+                intake, selected=decision.selected, reason=decision.reason, decision=decision
             )
             if decision.selected or decision.weight > 0:
-                contributors.append(str(record["contributor_id"]))
+                contributors.append(intake.contributor_id)
         return RoundAggregate(
             {k: v.clone() for k, v in unflatten(result.vector.float(), layout).items()},
             tuple(contributors),
@@ -259,8 +259,7 @@ class ZooStrategy(FedAvg):
         weights = [e / total for e in examples]
         summed = torch.zeros(numel(layout), dtype=torch.float32)
         for reply, w in zip(accepted, weights, strict=True):  # one payload in memory at a time
-            sha = str(reply.content.config_records[SUBMISSION]["payload_sha256"])
-            data = self.backend.payload_path(sha).read_bytes()
+            data = self.backend.payload_path(_intake(reply).payload_sha256).read_bytes()
             try:
                 decode_accumulate([data], [w], summed, layout, max_elements=numel(layout))
             except EnvelopeError:
@@ -270,12 +269,12 @@ class ZooStrategy(FedAvg):
         decisions = fedavg_decisions(weights)
         contributors = []
         for reply, decision in zip(accepted, decisions, strict=True):
-            record = reply.content.config_records[SUBMISSION]
+            intake = _intake(reply)
             self._decide(
-                record, selected=decision.selected, reason=decision.reason, decision=decision
+                intake, selected=decision.selected, reason=decision.reason, decision=decision
             )
             if decision.selected:
-                contributors.append(str(record["contributor_id"]))
+                contributors.append(intake.contributor_id)
         return RoundAggregate(
             {k: v.clone() for k, v in unflatten(summed, layout).items()},
             tuple(contributors),
@@ -294,25 +293,24 @@ class ZooStrategy(FedAvg):
         with Session(self.backend.engine) as session:
             known = {c.contributor_id: c.reputation for c in ledger.list_contributors(session)}
         reputations = [
-            min(
-                1.0,
-                max(
-                    0.0, known.get(str(r.content.config_records[SUBMISSION]["contributor_id"]), 0.0)
-                ),
-            )
-            for r in replies
+            min(1.0, max(0.0, known.get(contributor, 0.0))) for contributor in _senders(replies)
         ]
         return influence_weights(
             examples, reputations, trusted_at=self.trusted_reputation, floor=self.fresh_weight
         )
 
     def _decide(
-        self, record: ConfigRecord, *, selected: bool, reason: str, decision: Decision | None = None
+        self,
+        intake: IntakeResult,
+        *,
+        selected: bool,
+        reason: str,
+        decision: Decision | None = None,
     ) -> None:
         with Session(self.backend.engine) as session:
             ledger.record_aggregation(
                 session,
-                submission_id=int(record["submission_id"]),  # type: ignore[arg-type]
+                submission_id=intake.submission_id,
                 selected=selected,
                 weight=decision.weight if decision else 0.0,
                 trimmed_share=decision.trimmed_share if decision else 0.0,
@@ -321,8 +319,13 @@ class ZooStrategy(FedAvg):
             )
 
 
+def _intake(reply: Message) -> IntakeResult:
+    """What intake decided about the submission `reply` answers."""
+    return IntakeResult.from_record(reply.content.config_records[SUBMISSION])
+
+
 def _senders(replies: list[Message]) -> tuple[str, ...]:
-    return tuple(str(r.content.config_records[SUBMISSION]["contributor_id"]) for r in replies)
+    return tuple(_intake(r).contributor_id for r in replies)
 
 
 def _examples(reply: Message) -> float:

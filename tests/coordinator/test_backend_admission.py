@@ -11,7 +11,8 @@ import pytest
 from sqlmodel import Session
 
 from zoo_gym import ledger
-from zoo_gym.coordinator.backend import IMPATIENCE_BURST, AdmissionPolicy, CoordinatorBackend
+from zoo_gym.coordinator.admission import IMPATIENCE_BURST, AdmissionPolicy
+from zoo_gym.coordinator.backend import CoordinatorBackend
 from zoo_gym.coordinator.registry import ModelRegistry
 from zoo_gym.core.identity import Identity
 from zoo_gym.core.protocol import RequestError, register_statement
@@ -97,8 +98,8 @@ def test_a_flood_of_new_keys_is_refused_before_the_signature_and_the_database(
         max_upload_bytes=backend.max_upload_bytes,
         admission=backend.admission,
     )
-    restarted._new_keys_by_address.take("10.0.0.1")
-    restarted._new_keys_by_address.take("10.0.0.1")
+    restarted.keys._new_keys_by_address.take("10.0.0.1")
+    restarted.keys._new_keys_by_address.take("10.0.0.1")
     assert join(restarted, known, peer="10.0.0.1") == "active"  # the ledger's keys are known
     lookups: list[str] = []
     get_contributor = ledger.get_contributor
@@ -136,7 +137,7 @@ def test_the_reserve_is_left_to_addresses_that_wait_when_told(
     for _ in range(IMPATIENCE_BURST + 1):  # then it keeps asking while refused
         with pytest.raises(RequestError, match="the coordinator takes"):
             join(backend, Identity.generate(), peer="10.0.0.9")
-    backend._new_keys = TokenBuckets(1e-6, 4)  # the overall allowance has refilled
+    backend.keys._new_keys = TokenBuckets(1e-6, 4)  # the overall allowance has refilled
 
     flood = [join(backend, Identity.generate(), peer="10.0.0.9") for _ in range(2)]
     with pytest.raises(RequestError, match="the coordinator takes"):

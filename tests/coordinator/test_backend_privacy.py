@@ -7,7 +7,7 @@ import math
 import pytest
 from flwr.app import MetricRecord, RecordDict
 
-from zoo_gym.coordinator.backend import claimed_epsilon, stated_mechanism
+from zoo_gym.coordinator.privacy_claims import claimed_epsilon, stated_mechanism
 from zoo_gym.core.protocol import TRAIN_METRICS
 from zoo_gym.ledger import DpMechanism
 

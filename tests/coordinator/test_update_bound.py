@@ -21,8 +21,8 @@ from zoo_gym.compression import (
     inspect_envelope,
 )
 from zoo_gym.compression.norms import FEEDBACK_HEADROOM
-from zoo_gym.coordinator.backend import OpenRound, envelope_reason
 from zoo_gym.coordinator.config import CoordinatorConfig, TrainingPolicy
+from zoo_gym.coordinator.intake import OpenRound, envelope_reason
 from zoo_gym.coordinator.rounds import update_norm_bound
 from zoo_gym.core.delta import Delta, Layout, TensorSpec
 from zoo_gym.core.lora import LoraSpec

@@ -10,7 +10,7 @@ import pytest
 from wire import build_wire, config_of, take_task
 
 from zoo_gym.client.runtime import signed_reply
-from zoo_gym.coordinator import backend as backend_module
+from zoo_gym.coordinator import intake as intake_module
 from zoo_gym.core.identity import Identity
 from zoo_gym.transport.client import SubmitResult
 
@@ -29,15 +29,15 @@ def test_one_slow_envelope_check_does_not_hold_back_another_submission(
         wire.open_round(1, [alice, bob])
         tasks = {who: take_task(client) for who, client in clients.items()}
         scanning, go_on = threading.Event(), threading.Event()
-        real = backend_module.envelope_reason
+        real = intake_module.envelope_reason
 
-        def held(data: bytes, current: backend_module.OpenRound) -> str:
+        def held(data: bytes, current: intake_module.OpenRound) -> str:
             if not scanning.is_set():
                 scanning.set()
                 go_on.wait(20)
             return real(data, current)
 
-        monkeypatch.setattr(backend_module, "envelope_reason", held)
+        monkeypatch.setattr(intake_module, "envelope_reason", held)
 
         def submit(who: Identity) -> SubmitResult:
             task = tasks[who]

@@ -39,7 +39,6 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -80,7 +79,7 @@ def build_round(home: Path) -> Round:
     registry = ModelRegistry(config.path("models"), Identity.load(config.path(config.signing_key)))
     base = registry.latest()
     state = registry.load_state_dict(base.version)
-    spec = lora_spec(SimpleNamespace(config=config))  # type: ignore[arg-type]
+    spec = lora_spec(config.training)
     layout = update_layout(state, spec)  # type: ignore[arg-type]
     evaluator = Evaluator(
         base.directory,

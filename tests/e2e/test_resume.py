@@ -18,7 +18,7 @@ from sqlmodel import Session
 from zoo_gym import ledger
 from zoo_gym.client.session import already_accepted
 from zoo_gym.compression import CodecSpec, encode
-from zoo_gym.coordinator.backend import OpenRound
+from zoo_gym.coordinator.intake import OpenRound
 from zoo_gym.core.delta import TensorSpec
 from zoo_gym.core.protocol import SignedSubmission
 from zoo_gym.simulation.demo import Federation

@@ -17,8 +17,8 @@ from sqlmodel import Session
 
 from zoo_gym import ledger
 from zoo_gym.compression import CodecSpec, encode
-from zoo_gym.coordinator.backend import OpenRound
 from zoo_gym.coordinator.config import load_config
+from zoo_gym.coordinator.intake import OpenRound
 from zoo_gym.coordinator.rounds import lora_spec, update_layout
 from zoo_gym.coordinator.service import Coordinator
 from zoo_gym.core.delta import Layout
@@ -116,7 +116,7 @@ def build_wire(home: Path, *, limits: RateLimits | None = UNLIMITED, settings: s
         co.backend, mailbox, address="127.0.0.1:0", spool=home / "spool", **limited
     )
     state = co.registry.load_state_dict(co.registry.latest().version)
-    layout = update_layout(state, lora_spec(co))  # type: ignore[arg-type]
+    layout = update_layout(state, lora_spec(co.config.training))
     return Wire(co, server, mailbox, GrpcGrid(mailbox), layout)
 
 

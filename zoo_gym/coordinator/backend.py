@@ -24,8 +24,6 @@ from zoo_gym.core.identity import Identity, contributor_id, node_id
 from zoo_gym.core.protocol import Outcome, Registration, SignedSubmission, Verdict
 from zoo_gym.ledger import Engine
 
-__all__ = ["AdmissionPolicy", "CoordinatorBackend", "OpenRound"]
-
 
 class CoordinatorBackend:
     def __init__(

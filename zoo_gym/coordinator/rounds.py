@@ -30,10 +30,10 @@ from flwr.serverapp import Grid, ServerApp
 
 from zoo_gym import ledger
 from zoo_gym.compression import CodecSpec, honest_norm_bound
-from zoo_gym.coordinator.backend import OpenRound
 from zoo_gym.coordinator.config import CoordinatorConfig, TrainingPolicy
 from zoo_gym.coordinator.control import Request, RoundControl
 from zoo_gym.coordinator.evaluation import Evaluator
+from zoo_gym.coordinator.intake import OpenRound
 from zoo_gym.coordinator.liveness import LoopHealth
 from zoo_gym.coordinator.payout import pay_round
 from zoo_gym.coordinator.service import Coordinator
@@ -78,10 +78,12 @@ def lora_spec(t: TrainingPolicy) -> LoraSpec:
     return LoraSpec(rank=t.lora_rank, alpha=t.lora_alpha, target_modules=tuple(t.target_modules))
 
 
-def update_layout(state: dict[str, object], spec: LoraSpec, adapter: str = "ffa_lora") -> Layout:
+def update_layout(
+    state: dict[str, torch.Tensor], spec: LoraSpec, adapter: str = "ffa_lora"
+) -> Layout:
     """Names and shapes of the tensors a round's update consists of: the B matrices for
     ffa_lora, the target weights for lora / dora / qlora, every floating weight for full."""
-    shapes = update_shapes(state, adapter=adapter, spec=spec)  # type: ignore[arg-type]
+    shapes = update_shapes(state, adapter=adapter, spec=spec)
     return tuple(TensorSpec(name, shape) for name, shape in sorted(shapes.items()))
 
 
@@ -226,7 +228,7 @@ class RoundLoop:
         reward method, and so the utility, may have changed)."""
         self.config = self.co.config
         self.spec = lora_spec(self.config.training)
-        self.layout = update_layout(self.state, self.spec, self.config.training.adapter)  # type: ignore[arg-type]
+        self.layout = update_layout(self.state, self.spec, self.config.training.adapter)
         self.strategy = self.co.make_strategy(functools.partial(_same, self.layout))
         self.reward = validation_reward(self.co.evaluator, self.config.training, self.state)
 

@@ -13,7 +13,8 @@ import threading
 from collections.abc import Callable
 
 from zoo_gym import ledger
-from zoo_gym.coordinator.backend import AdmissionPolicy, CoordinatorBackend
+from zoo_gym.coordinator.admission import AdmissionPolicy
+from zoo_gym.coordinator.backend import CoordinatorBackend
 from zoo_gym.coordinator.checkpointing import CheckpointSigner
 from zoo_gym.coordinator.config import CoordinatorConfig
 from zoo_gym.coordinator.control import RoundControl

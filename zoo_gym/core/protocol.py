@@ -66,6 +66,40 @@ def register_statement(public_key: bytes, name: str, timestamp_ms: int) -> bytes
     return f"{PREFIX}|register|{public_key.hex()}|{name}|{timestamp_ms}".encode()
 
 
+@dataclass(frozen=True)
+class SignedRegistration:
+    """A contributor's signed request to register its key under `name` (`register_statement`),
+    as an in-process or simulated node hands it to the coordinator in a ConfigRecord."""
+
+    public_key: bytes
+    name: str
+    timestamp_ms: int
+    signature: bytes
+
+    @classmethod
+    def now(cls, identity: Identity, name: str, timestamp_ms: int) -> SignedRegistration:
+        statement = register_statement(identity.public_key, name, timestamp_ms)
+        return cls(identity.public_key, name, timestamp_ms, identity.sign(statement))
+
+    def to_record(self) -> dict[str, RecordValue]:
+        return {
+            "public_key": self.public_key,
+            "name": self.name,
+            "timestamp_ms": self.timestamp_ms,
+            "signature": self.signature,
+        }
+
+    @classmethod
+    def from_record(cls, record: Mapping[str, object]) -> SignedRegistration:
+        """Inverse of `to_record`; raises MalformedRecord when a field is missing or mistyped."""
+        return cls(
+            public_key=_field(record, "registration", "public_key", bytes),
+            name=_field(record, "registration", "name", str),
+            timestamp_ms=_field(record, "registration", "timestamp_ms", int),
+            signature=_field(record, "registration", "signature", bytes),
+        )
+
+
 REQUEST_PREFIX = "zoo-gym/request/v2"
 CALL_NONCE_BYTES = 16
 

@@ -38,7 +38,7 @@ from zoo_gym.coordinator.service import Coordinator
 from zoo_gym.core.chat import to_conversation
 from zoo_gym.core.identity import Identity
 from zoo_gym.core.manifest import read_verified
-from zoo_gym.core.protocol import register_statement
+from zoo_gym.core.protocol import SignedRegistration
 from zoo_gym.simulation.adversary import UPDATE_ATTACKS, Adversary
 from zoo_gym.simulation.grid import SimulationGrid
 from zoo_gym.simulation.inprocess import register
@@ -81,15 +81,10 @@ def make_simulated_client_app(
     @app.query()
     def hello(message: Message, context: Context) -> Message:
         i = index(context)
-        identity, name, ts = node_identity(seed, i), f"client-{i}", int(time.time() * 1000)
-        record = ConfigRecord(
-            {
-                "public_key": identity.public_key,
-                "name": name,
-                "timestamp_ms": ts,
-                "signature": identity.sign(register_statement(identity.public_key, name, ts)),
-            }
+        registration = SignedRegistration.now(
+            node_identity(seed, i), f"client-{i}", int(time.time() * 1000)
         )
+        record = ConfigRecord(registration.to_record())
         return Message(RecordDict({REGISTRATION: record}), reply_to=message)
 
     @app.train()
@@ -127,12 +122,12 @@ def register_nodes(
             raise RuntimeError(
                 f"node {reply.metadata.src_node_id} failed to register: {reply.error.reason}"
             )
-        record = reply.content.config_records[REGISTRATION]
+        asked = SignedRegistration.from_record(reply.content.config_records[REGISTRATION])
         reg = co.backend.register(
-            public_key=bytes(record["public_key"]),  # type: ignore[arg-type]
-            name=str(record["name"]),
-            timestamp_ms=int(record["timestamp_ms"]),  # type: ignore[arg-type]
-            signature=bytes(record["signature"]),  # type: ignore[arg-type]
+            public_key=asked.public_key,
+            name=asked.name,
+            timestamp_ms=asked.timestamp_ms,
+            signature=asked.signature,
         )
         routes[reg.node_id] = reply.metadata.src_node_id
     if len(routes) != len(nodes):

@@ -14,7 +14,7 @@ from collections.abc import Iterable
 from flwr.app import Message, RecordDict
 from flwr.serverapp import Grid
 
-from zoo_gym.core.protocol import TASK_CONFIG
+from zoo_gym.core.protocol import TASK_CONFIG, TaskConfig
 from zoo_gym.transport.flower_internals import Run, assign_message_id
 from zoo_gym.transport.mailbox import Mailbox, PendingTask
 
@@ -56,10 +56,11 @@ class GrpcGrid(RunGrid):
         for message in messages:
             assign_message_id(message)
             config = message.content.config_records.get(TASK_CONFIG)
-            round_number = int(config["round"]) if config else 0  # type: ignore[arg-type]
-            base_version = str(config["base_version"]) if config else ""
-            deadline_ms = int(config["deadline_ms"]) if config else 0  # type: ignore[arg-type]
-            task = PendingTask(message, round_number, base_version, deadline_ms)
+            if config is None:
+                task = PendingTask(message, 0, "", 0)
+            else:
+                t = TaskConfig.from_record(config)
+                task = PendingTask(message, t.round, t.base_version, t.deadline_ms)
             self.mailbox.put(message.metadata.dst_node_id, task)
             ids.append(message.metadata.message_id)
         return ids

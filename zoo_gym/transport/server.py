@@ -37,7 +37,7 @@ from flwr.proto.message_pb2 import Message as FlowerMessageProto  # type: ignore
 from google.protobuf.message import DecodeError
 from google.protobuf.message import Message as Message_
 
-from zoo_gym.core.protocol import RequestError
+from zoo_gym.core.protocol import PROTOCOL_VERSION, RequestError
 from zoo_gym.proto.v1 import federation_pb2 as pb
 from zoo_gym.transport.backend import FederationBackend
 from zoo_gym.transport.limits import (
@@ -217,7 +217,7 @@ class FederationServicer:
     async def _register(
         self, call: Admission, request: pb.RegisterRequest, context: Context
     ) -> pb.RegisterReply:
-        if request.protocol_version != 1:
+        if request.protocol_version != PROTOCOL_VERSION:
             await context.abort(
                 grpc.StatusCode.FAILED_PRECONDITION,
                 f"protocol version {request.protocol_version} is not served here (v1); upgrade zoo-gym",

@@ -36,9 +36,9 @@ from zoo_gym.coordinator.api.limits import (
     credential_name,
     refuse_credential,
 )
-from zoo_gym.coordinator.backend import OpenRound
 from zoo_gym.coordinator.config import CoordinatorConfig
 from zoo_gym.coordinator.control import RoundControl
+from zoo_gym.coordinator.intake import OpenRound
 from zoo_gym.coordinator.liveness import LoopHealth
 from zoo_gym.coordinator.metrics import CoordinatorMetrics
 from zoo_gym.coordinator.registry import ModelRegistry

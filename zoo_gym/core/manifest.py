@@ -3,7 +3,8 @@
 A version directory holds the model files (safetensors, config, tokenizer) and
 `manifest.json` + `manifest.sig`. The manifest lists every file with its size
 and SHA-256, so a contributor verifies each download against a signature made
-with the coordinator key it pinned at registration.
+with the coordinator key it pinned at registration. Sharded weights are files like
+any other: the index and every shard are listed and hashed.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Any
 
 from zoo_gym.core.hashing import canonical_json, sha256_file
 from zoo_gym.core.identity import Identity, verify
+from zoo_gym.core.weights import INDEX
 
 MANIFEST_FORMAT = 1
 MANIFEST = "manifest.json"
@@ -82,7 +84,11 @@ def write_signed(directory: Path, manifest: ModelManifest, signer: Identity) -> 
 
 
 def read_verified(directory: Path, coordinator_key: bytes) -> ModelManifest:
-    """Load the manifest of `directory`, check its signature and every file hash."""
+    """Load the manifest of `directory`, check its signature and every file hash.
+
+    A weights file (safetensors or the shard index) that the manifest does not list is refused
+    too: a loader would read it, and nothing vouches for it.
+    """
     data = (directory / MANIFEST).read_bytes()
     if not verify(coordinator_key, (directory / SIGNATURE).read_bytes(), data):
         raise ManifestError(f"{directory / MANIFEST}: signature does not match the coordinator key")
@@ -91,4 +97,8 @@ def read_verified(directory: Path, coordinator_key: bytes) -> ModelManifest:
         path = directory / name
         if not path.exists() or sha256_file(path) != entry.sha256:
             raise ManifestError(f"{path}: missing or its SHA-256 differs from the manifest")
+    for path in sorted(directory.iterdir()):
+        weights = path.name == INDEX or path.name.endswith(".safetensors")
+        if weights and path.name not in manifest.files:
+            raise ManifestError(f"{path}: a weights file the manifest does not list; remove it")
     return manifest

@@ -39,3 +39,44 @@ def tiny_home(tiny_home_template: Path, tmp_path: Path) -> Path:
     home = tmp_path / "coordinator"
     shutil.copytree(tiny_home_template, home)
     return home
+
+
+SHARD_SIZE = 100_000  # bytes; the tiny model (about 450 kB) takes five or more shards
+
+
+@pytest.fixture(scope="session")
+def sharded_base(tiny_home_template: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny base as Hugging Face saves a large model: an index and shards of 100 kB."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    source = tiny_home_template / "base"
+    base = tmp_path_factory.mktemp("sharded") / "base"
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
+    model.save_pretrained(base, max_shard_size=SHARD_SIZE)
+    AutoTokenizer.from_pretrained(source).save_pretrained(base)
+    return base
+
+
+@pytest.fixture(scope="session")
+def sharded_home_template(
+    sharded_base: Path, tiny_home_template: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Path:
+    """A coordinator home started from `sharded_base` that publishes shards of 100 kB."""
+    from zoo_gym.coordinator.setup import init_home
+
+    home = tmp_path_factory.mktemp("sharded-template") / "coordinator"
+    init_home(
+        home,
+        tiny=False,
+        base_model=sharded_base,
+        validation=tiny_home_template / "validation.jsonl",
+        settings=f"shard_size = {SHARD_SIZE}\n",
+    )
+    return home
+
+
+@pytest.fixture
+def sharded_home(sharded_home_template: Path, tmp_path: Path) -> Path:
+    home = tmp_path / "coordinator"
+    shutil.copytree(sharded_home_template, home)
+    return home

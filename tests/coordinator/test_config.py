@@ -115,3 +115,24 @@ def test_a_file_can_hold_the_ledger_database_url(
         load_config(path)
     assert "cannot be read (No such file or directory)" in str(missing.value)
     assert "\n" not in str(missing.value)
+
+
+@pytest.mark.parametrize(
+    ("text", "size"),
+    [("", 5 * 10**9), ("shard_size = 1048576\n", 1 << 20), ('shard_size = "2GB"\n', 2 * 10**9)],
+)
+def test_shard_size_takes_bytes_or_a_unit(tmp_path: Path, text: str, size: int) -> None:
+    assert load_config(_write(tmp_path, text)).shard_size == size
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ('shard_size = "2 parsecs"\n', "shard_size: '2 parsecs' is not a size; write bytes"),
+        ("shard_size = 0\n", "shard_size: Input should be greater than or equal to 1"),
+    ],
+)
+def test_a_bad_shard_size_is_one_line(tmp_path: Path, text: str, message: str) -> None:
+    with pytest.raises(ConfigError) as exc:
+        load_config(_write(tmp_path, text))
+    assert message in str(exc.value) and "\n" not in str(exc.value)

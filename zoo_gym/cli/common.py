@@ -39,6 +39,7 @@ def user_errors() -> tuple[type[BaseException], ...]:
     from zoo_gym.coordinator.config import ConfigError
     from zoo_gym.core.identity import IdentityError
     from zoo_gym.core.manifest import ManifestError
+    from zoo_gym.core.weights import WeightsError
     from zoo_gym.simulation.sweep import SweepError
     from zoo_gym.transport.client import TransportError
 
@@ -51,6 +52,7 @@ def user_errors() -> tuple[type[BaseException], ...]:
         ConfigError,
         IdentityError,
         ManifestError,
+        WeightsError,
         SweepError,
         TransportError,
         FileNotFoundError,

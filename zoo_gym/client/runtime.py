@@ -17,7 +17,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from flwr.app import ConfigRecord, Message, MetricRecord, RecordDict
-from safetensors.torch import load_file
 from transformers import AutoTokenizer
 
 from zoo_gym.client.byzantine import Misbehaviour
@@ -41,6 +40,7 @@ from zoo_gym.core.protocol import (
     SignedSubmission,
     TaskConfig,
 )
+from zoo_gym.core.weights import load_weights
 from zoo_gym.privacy.clip import clip_delta
 from zoo_gym.privacy.noise import add_gaussian_noise, secure_generator
 
@@ -127,7 +127,7 @@ class ClientRuntime:
             )
             self.adapter = adapter
         else:
-            self.trainer.load_base(load_file(directory / "model.safetensors"))
+            self.trainer.load_base(load_weights(directory))
         self.base_version = version
         self.on_event(RoundEvent("base", 0, {"version": version}))
 

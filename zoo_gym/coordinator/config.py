@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from zoo_gym.aggregation import RULES, aggregate, min_clients
 from zoo_gym.aggregation.dispatch import PRE_STEPS
@@ -20,6 +20,7 @@ from zoo_gym.compression import CODECS
 from zoo_gym.compression.spec import Granularity
 from zoo_gym.core.protocol import BUILTIN_REWARDS, DEFAULT_TARGETS, Adapter, Objective
 from zoo_gym.core.settings import HomeConfig, load_toml
+from zoo_gym.core.weights import DEFAULT_SHARD_SIZE, parse_size
 from zoo_gym.scoring import METHODS
 
 AGGREGATORS = tuple(RULES)
@@ -159,6 +160,13 @@ class CoordinatorConfig(HomeConfig):
         0, ge=0, description="Byzantine updates per round the rule must tolerate"
     )
     quality_gate_tolerance: float = Field(0.02, ge=0)
+    shard_size: int = Field(
+        DEFAULT_SHARD_SIZE,
+        ge=1,
+        description="largest weights file of a published version, in bytes or with a unit "
+        '("2GB", "512MiB"); larger weights are written as shards with an index, as Hugging '
+        "Face does",
+    )
     # -- admission and intake (who may take part; what a submission must satisfy) --
     max_upload_bytes: int = Field(64 << 20, ge=1024)
     admission: Admission = Field(
@@ -329,6 +337,11 @@ class CoordinatorConfig(HomeConfig):
     )
     training: TrainingPolicy = Field(default_factory=lambda: TrainingPolicy.model_validate({}))
     rewards: RewardSettings = Field(default_factory=lambda: RewardSettings.model_validate({}))
+
+    @field_validator("shard_size", mode="before")
+    @classmethod
+    def _size(cls, value: Any) -> Any:
+        return parse_size(value) if isinstance(value, str) else value
 
     @model_validator(mode="after")
     def _check(self) -> CoordinatorConfig:

@@ -2,7 +2,8 @@
 
 `models/v0000` is the base the operator started from; each published round
 adds the next version. A version directory is a normal Hugging Face model
-directory (config, tokenizer, `model.safetensors`), so any tool loads it.
+directory (config, tokenizer, and `model.safetensors` or an index and its shards;
+see `zoo_gym.core.weights`), so any tool loads it.
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
 
 from zoo_gym.core.identity import Identity
 from zoo_gym.core.manifest import (
@@ -24,8 +24,7 @@ from zoo_gym.core.manifest import (
     read_verified,
     write_signed,
 )
-
-WEIGHTS = "model.safetensors"
+from zoo_gym.core.weights import DEFAULT_SHARD_SIZE, load_weights, save_weights, weight_files
 
 
 def version_name(index: int) -> str:
@@ -79,7 +78,9 @@ class ModelRegistry:
         return read_verified(self.root / version, self.signer.public_key)
 
     def import_base(self, source: Path) -> Published:
-        """Publish a Hugging Face model directory (safetensors weights) as v0000."""
+        """Publish a Hugging Face model directory (safetensors weights, one file or shards) as
+        v0000; `WeightsError` when its weights are missing or its index is inconsistent."""
+        weight_files(source)  # checks the index before anything is copied
         target = self.root / version_name(0)
         shutil.copytree(source, target, dirs_exist_ok=True)
         manifest = build_manifest(target, version=version_name(0), parent=None, round=0)
@@ -87,7 +88,7 @@ class ModelRegistry:
         return Published(manifest.version, target, manifest)
 
     def load_state_dict(self, version: str) -> dict[str, torch.Tensor]:
-        return load_file(self.root / version / WEIGHTS)
+        return load_weights(self.root / version)
 
     def publish(
         self,
@@ -99,22 +100,22 @@ class ModelRegistry:
         contributors: tuple[str, ...],
         metrics: dict[str, float],
         epsilon: float | None = None,
+        shard_size: int = DEFAULT_SHARD_SIZE,
     ) -> Published:
-        """Write the next version: parent's non-weight files + new weights + signed manifest."""
+        """Write the next version: parent's non-weight files + new weights (one file, or shards
+        of at most `shard_size` bytes and their index) + signed manifest."""
         index = int(parent.removeprefix("v")) + 1
         version = version_name(index)
         staging = self.root / f".{version}.tmp"
         if staging.exists():
             shutil.rmtree(staging)
         staging.mkdir()
-        for item in (self.root / parent).iterdir():
-            if item.is_file() and item.name not in (WEIGHTS, MANIFEST, SIGNATURE):
+        source = self.root / parent
+        skip = {*weight_files(source), MANIFEST, SIGNATURE}
+        for item in source.iterdir():
+            if item.is_file() and item.name not in skip:
                 shutil.copy2(item, staging / item.name)
-        save_file(
-            {k: v.contiguous() for k, v in state_dict.items()},
-            staging / WEIGHTS,
-            metadata={"format": "pt"},
-        )
+        save_weights(state_dict, staging, shard_size=shard_size)
         manifest = build_manifest(
             staging,
             version=version,

@@ -384,6 +384,7 @@ class RoundLoop:
             contributors=contributors,
             metrics=metrics,
             epsilon=round_epsilon(co.engine, number, contributors),
+            shard_size=self.config.shard_size,
         )
         with Session(co.engine) as session:
             ledger.record_model_version(

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from zoo_gym.coordinator.registry import ModelRegistry, Published
 from zoo_gym.core.identity import Identity
+from zoo_gym.core.weights import weight_files
 
 CONFIG = "coordinator.toml"
 
@@ -26,6 +27,9 @@ def init_home(
 ) -> tuple[Path, Identity, Published]:
     """Write `home/coordinator.toml`, `home/coordinator.key` and models/v0000; returns them.
 
+    `base_model` is a Hugging Face model directory whose weights are one `model.safetensors` or
+    an index and its shards (`zoo_gym.core.weights`); v0000 keeps them as they are.
+
     With `tls_hosts`, also a CA and a server certificate for those names under `home/tls/`
     (see `zoo_gym.coordinator.tls`), and `tls_cert` / `tls_key` in the config.
     """
@@ -38,6 +42,8 @@ def init_home(
         raise FileExistsError(f"{home / CONFIG} exists; pick another --home or delete it")
     if not tiny and (base_model is None or validation is None):
         raise ValueError("pass --tiny, or both --base-model and --validation")
+    if not tiny and base_model is not None:
+        weight_files(base_model)  # one file or a consistent index of shards, checked up front
     if (home / "tls").exists() and tls_hosts:
         raise FileExistsError(f"{home / 'tls'} exists; move the old TLS files away first")
     signer = Identity.generate()

@@ -331,15 +331,14 @@ class Federation:
     def task_scores(self, versions: list[str]) -> dict[str, tuple[float, float]]:
         """Mean closeness and exact-answer accuracy of each model version's greedy completions on
         the coordinator's validation set (the coordinator's own scoring code)."""
-        from safetensors.torch import load_file
-
         from zoo_gym.coordinator.evaluation import Evaluator
+        from zoo_gym.core.weights import load_weights
 
         models = self.coordinator_home / "models"
         evaluator = Evaluator(models / "v0000", self.coordinator_home / "validation.jsonl")
         scores: dict[str, tuple[float, float]] = {}
         for version in dict.fromkeys(versions):
-            state = load_file(models / version / "model.safetensors")
+            state = load_weights(models / version)
             means = evaluator.mean_rewards(
                 state, reward_functions=["closeness", "exact_answer"], max_new_tokens=8
             )

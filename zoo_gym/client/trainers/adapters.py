@@ -41,6 +41,7 @@ from zoo_gym.client.trainers.sft import ADAPTER, FfaLoraTrainer, PeftTrainer, Tr
 from zoo_gym.core.delta import Delta
 from zoo_gym.core.lora import LoraSpec, target_weights
 from zoo_gym.core.protocol import ADAPTERS
+from zoo_gym.core.weights import shard_files
 
 DEFAULT_MAX_FULL_PARAMS = 1_000_000_000
 
@@ -276,9 +277,10 @@ def attention_implementation(device: str) -> str:
 
 
 def _num_params(directory: Path) -> int:
-    """Parameter count from the safetensors headers, without loading the weights."""
+    """Parameter count from the safetensors headers (one file or every shard), without loading
+    the weights."""
     total = 0
-    for file in sorted(directory.glob("*.safetensors")):
+    for file in shard_files(directory):
         with safe_open(str(file), framework="pt") as handle:
             for key in handle.keys():  # noqa: SIM118 (safe_open is not a mapping)
                 shape = handle.get_slice(key).get_shape()

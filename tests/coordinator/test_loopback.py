@@ -212,3 +212,56 @@ def test_fused_fedavg_publishes_what_the_row_by_row_path_publishes(
         assert torch.allclose(tensor, published["individual"][name], atol=1e-6), name
     assert weights["none"] == pytest.approx([0.5, 0.5])
     assert weights["individual"] == pytest.approx([0.5, 0.5])
+
+
+def test_a_sharded_base_trains_and_publishes_sharded_versions(sharded_home: Path) -> None:
+    # Prepare: v0000 is a Hugging Face index and shards; shard_size = 100 kB in coordinator.toml
+    from typing import Any
+
+    from transformers import AutoModelForCausalLM
+
+    from zoo_gym.coordinator.registry import Published
+    from zoo_gym.core.manifest import read_verified
+    from zoo_gym.core.weights import INDEX, WEIGHTS, load_weights, shard_files
+
+    shards = shard(make_examples(2 * 24, seed=6), 2)
+    overrides = {
+        "rounds": 2,
+        "min_clients": 2,
+        "aggregator": "fedavg",
+        "quality_gate_tolerance": 100.0,
+        "training": {"steps": 2},
+    }
+    fed = InProcessFederation.build(sharded_home, shards, overrides=overrides)
+    co = fed.coordinator
+    merged: dict[str, dict[str, torch.Tensor]] = {}
+    publish = co.registry.publish
+
+    def recorded(state_dict: dict[str, torch.Tensor], **kwargs: Any) -> Published:
+        published = publish(state_dict, **kwargs)
+        merged[published.version] = {k: v.clone() for k, v in state_dict.items()}
+        return published
+
+    co.registry.publish = recorded  # type: ignore[method-assign]
+
+    # Execute
+    summaries = fed.run()
+
+    # Assert: both rounds published; round 2 trained on v0001, read from its shards
+    assert [s.status for s in summaries] == ["published", "published"]
+    assert [s.accepted for s in summaries] == [2, 2]
+    assert all(r.base_version == "v0001" for r in fed.runtimes.values())
+    for version in ("v0001", "v0002"):
+        directory = co.registry.root / version
+        assert len(shard_files(directory)) > 3 and (directory / INDEX).exists()
+        assert not (directory / WEIGHTS).exists()
+        manifest = read_verified(directory, co.signer.public_key)
+        assert {INDEX, *(p.name for p in shard_files(directory))} <= set(manifest.files)
+        loaded = load_weights(directory)
+        assert loaded.keys() == merged[version].keys()
+        assert all(torch.equal(loaded[k], v) for k, v in merged[version].items())
+    for runtime in fed.runtimes.values():
+        read_verified(runtime.home / "models" / "v0001", co.signer.public_key)
+    model = AutoModelForCausalLM.from_pretrained(co.registry.root / "v0002", dtype=torch.float32)
+    state = model.state_dict()
+    assert all(torch.equal(state[k], v) for k, v in merged["v0002"].items())

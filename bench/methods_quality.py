@@ -32,7 +32,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
 from zoo_gym.client.trainers.adapters import LoraTrainer, make_trainer
@@ -44,6 +43,7 @@ from zoo_gym.core.evaluate import validation_loss
 from zoo_gym.core.lora import LoraSpec, merge_dense, merge_ffa
 from zoo_gym.core.protocol import ADAPTERS
 from zoo_gym.core.tiny import create_tiny_base
+from zoo_gym.core.weights import load_weights
 
 SPEC = LoraSpec(rank=8, alpha=16.0)
 State = dict[str, torch.Tensor]
@@ -75,7 +75,7 @@ def run_quality(
     """Validation loss before round 1 and after each of `args.rounds` rounds."""
     adapter = "ffa_lora" if method == "ffa_lora" else "lora"
     trainer = make_trainer(base_dir, tokenizer, adapter=adapter, spec=SPEC)
-    state = load_file(base_dir / "model.safetensors")
+    state = load_weights(base_dir)
     evaluator = AutoModelForCausalLM.from_pretrained(base_dir)
     losses = [validation_loss(evaluator, tokenizer, valid)]
     for r in range(1, args.rounds + 1):

@@ -62,15 +62,14 @@ def main(grid: Grid, context: Context) -> None:
     cfg = context.run_config
     out = str(cfg["out-file"])
     _mark(out, "serverapp_start")
-    from safetensors.torch import load_file
-
     from zoo_gym.coordinator.evaluation import Evaluator
     from zoo_gym.coordinator.rounds import round_seed, update_layout
     from zoo_gym.core.lora import merge_ffa
+    from zoo_gym.core.weights import load_weights
 
     model_dir = Path(str(cfg["model-dir"]))
     spec = _spec(cfg)
-    state = load_file(model_dir / "model.safetensors")
+    state = load_weights(model_dir)
     layout = update_layout(state, spec)  # type: ignore[arg-type]
     zeros = {s.name: torch.zeros(s.shape) for s in layout}
     evaluator = Evaluator(

@@ -6,7 +6,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
 from zoo_gym.client.trainers.adapters import (
@@ -24,6 +23,7 @@ from zoo_gym.core import synthetic
 from zoo_gym.core.chat import collate, encode_conversation, pad_id_of, to_conversation, token_nll
 from zoo_gym.core.evaluate import validation_loss
 from zoo_gym.core.lora import LoraSpec, frozen_a, merge_update, update_shapes
+from zoo_gym.core.weights import load_weights
 from zoo_gym.simulation.inprocess import InProcessFederation
 
 SPEC = LoraSpec(rank=4, alpha=8.0)
@@ -57,7 +57,7 @@ def test_round_update_goes_through_the_envelope_and_lowers_validation_loss(
 ) -> None:
     # Prepare
     trainer = make_trainer(base_dir, tokenizer, adapter=adapter, spec=SPEC)
-    state = load_file(base_dir / "model.safetensors")
+    state = load_weights(base_dir)
     reference = AutoModelForCausalLM.from_pretrained(base_dir)
     before = validation_loss(reference, tokenizer, VALID)
 
@@ -72,7 +72,7 @@ def test_round_update_goes_through_the_envelope_and_lowers_validation_loss(
     after = validation_loss(reference, tokenizer, VALID)
 
     # Assert: dense deltas keyed by base weight names, in the coordinator's layout
-    expected = update_shapes(load_file(base_dir / "model.safetensors"), adapter=adapter, spec=SPEC)
+    expected = update_shapes(load_weights(base_dir), adapter=adapter, spec=SPEC)
     assert {k: tuple(v.shape) for k, v in received.items()} == expected
     assert all(v.dtype == torch.float32 for v in received.values())
     for key, tensor in result.update.items():
@@ -88,7 +88,7 @@ def test_dense_delta_equals_merged_minus_base(
     # Prepare
     trainer = make_trainer(base_dir, tokenizer, adapter=adapter, spec=SPEC)
     assert isinstance(trainer, LoraTrainer | DoraTrainer)
-    base = load_file(base_dir / "model.safetensors")
+    base = load_weights(base_dir)
     result = trainer.train_round(TRAIN[:64], seed=3, steps=5, lr=1e-2, batch_size=8, max_length=64)
     adapted = logits(trainer.model)
 
@@ -161,7 +161,7 @@ def test_qlora_runs_a_4bit_base_and_requantises_a_new_base(
     assert isinstance(trainer, QLoraTrainer)
     layer = trainer.layers["model.layers.0.self_attn.q_proj"].get_base_layer()
     assert isinstance(layer, Linear4bit)
-    state = {k: v + 0.05 for k, v in load_file(base_dir / "model.safetensors").items()}
+    state = {k: v + 0.05 for k, v in load_weights(base_dir).items()}
 
     # Execute
     trainer.load_base(state)
@@ -199,7 +199,7 @@ def test_full_fine_tuning_reference_and_size_limit(
     torch.testing.assert_close(inside, base)
     assert torch.equal(logits(trainer.model), trained)
     assert float((trained - base).abs().max()) > 1e-3
-    assert set(result.update) == set(load_file(base_dir / "model.safetensors"))
+    assert set(result.update) == set(load_weights(base_dir))
     with pytest.raises(ValueError, match=r"full fine-tuning is limited to 1,000 parameters"):
         make_trainer(base_dir, tokenizer, adapter="full", spec=SPEC, max_full_params=1000)
     with pytest.raises(ValueError, match=r"full fine-tuning is limited"):

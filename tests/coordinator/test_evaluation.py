@@ -6,9 +6,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from safetensors.torch import load_file
 
 from zoo_gym.coordinator.evaluation import Evaluator
+from zoo_gym.core.weights import load_weights
 
 
 @pytest.fixture(scope="module")
@@ -22,7 +22,7 @@ def test_batches_score_as_prompts_one_by_one(
     evaluator: Evaluator, tiny_home_template: Path
 ) -> None:
     # left padding must not change a greedy completion: batch 64 equals batch 1
-    state = load_file(tiny_home_template / "models" / "v0000" / "model.safetensors")
+    state = load_weights(tiny_home_template / "models" / "v0000")
     names = ["closeness", "exact_answer", "format"]
 
     texts = evaluator.completions(state, max_new_tokens=8)

@@ -182,7 +182,7 @@ def test_fused_fedavg_publishes_what_the_row_by_row_path_publishes(
     # sums the envelopes in one fused pass (decode_accumulate)
     import shutil
 
-    from safetensors.torch import load_file
+    from zoo_gym.core.weights import load_weights
 
     shards = shard(make_examples(2 * 40, seed=5), 2)
     common = {
@@ -205,7 +205,7 @@ def test_fused_fedavg_publishes_what_the_row_by_row_path_publishes(
 
         # Assert
         assert summary.status == "published"
-        published[method] = load_file(home / "models" / "v0001" / "model.safetensors")
+        published[method] = load_weights(home / "models" / "v0001")
         with Session(fed.coordinator.engine) as session:
             weights[method] = sorted((s.weight or 0.0) for s in ledger.list_submissions(session))
     for name, tensor in published["none"].items():

@@ -410,12 +410,12 @@ def _contributor(argv: list[str]) -> int:
 
 def _zero_update(task: object, home: Path) -> bytes:
     import torch
-    from safetensors.torch import load_file
 
     from zoo_gym.compression import CodecSpec, encode
     from zoo_gym.core.lora import LoraSpec, update_shapes
+    from zoo_gym.core.weights import load_weights
 
-    state = load_file(home / "models" / "v0000" / "model.safetensors")
+    state = load_weights(home / "models" / "v0000")
     spec = LoraSpec(rank=task.lora_rank, alpha=task.lora_alpha, target_modules=task.target_modules)  # type: ignore[attr-defined]
     shapes = update_shapes(state, adapter="ffa_lora", spec=spec)
     delta = {key: torch.zeros(shape) for key, shape in shapes.items()}

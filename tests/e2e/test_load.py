@@ -188,11 +188,10 @@ def contribute(
 
 def round_shapes(home: Path, rank: int) -> dict[str, tuple[int, int]]:
     """The B matrices a round trains on the tiny base: update key -> (out, rank)."""
-    from safetensors.torch import load_file
-
     from zoo_gym.core.lora import LoraSpec, update_shapes
+    from zoo_gym.core.weights import load_weights
 
-    state = load_file(home / "models" / "v0000" / "model.safetensors")
+    state = load_weights(home / "models" / "v0000")
     spec = LoraSpec(
         rank=rank,
         alpha=16.0,

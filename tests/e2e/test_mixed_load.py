@@ -44,7 +44,6 @@ import torch
 from hostile import Flood
 from hostile_registration import SourceProxy, flood
 from hostile_rest import bad_token_flood, oversized_body
-from safetensors.torch import load_file
 from serve_process import ServeProcess, serve
 
 from zoo_gym.client.link import Link
@@ -53,6 +52,7 @@ from zoo_gym.compression import CodecSpec, encode
 from zoo_gym.core.identity import Identity
 from zoo_gym.core.lora import LoraSpec, update_shapes
 from zoo_gym.core.protocol import TASK_CONFIG, TaskConfig
+from zoo_gym.core.weights import load_weights
 from zoo_gym.transport.client import FederationClient, ReceivedTask, SubmitResult, TransportError
 
 pytestmark = pytest.mark.e2e
@@ -77,7 +77,7 @@ def patient(call: Callable[[], object], *, for_s: float = 120.0) -> object:
 
 
 def round_shapes(home: Path, task: TaskConfig) -> dict[str, tuple[int, int]]:
-    state = load_file(home / "models" / "v0000" / "model.safetensors")
+    state = load_weights(home / "models" / "v0000")
     spec = LoraSpec(rank=task.lora_rank, alpha=task.lora_alpha, target_modules=task.target_modules)
     shapes = update_shapes(state, adapter=task.adapter, spec=spec)
     return {k: (s[0], s[1]) for k, s in shapes.items()}

@@ -84,9 +84,9 @@ def terminate(
 
 
 def zero_update(home: Path, config: TaskConfig) -> bytes:
-    from safetensors.torch import load_file
+    from zoo_gym.core.weights import load_weights
 
-    state = load_file(home / "models" / "v0000" / "model.safetensors")
+    state = load_weights(home / "models" / "v0000")
     spec = LoraSpec(config.lora_rank, config.lora_alpha, tuple(config.target_modules))
     shapes = update_shapes(state, adapter="ffa_lora", spec=spec)
     return encode({k: torch.zeros(s) for k, s in shapes.items()}, CodecSpec(config.codec, 128))

@@ -177,3 +177,23 @@ def test_hugging_face_loads_the_shards_and_we_load_its_shards(
     assert all(torch.equal(loaded[k], v) for k, v in state.items())
     assert (theirs / INDEX).exists() and len(shard_files(theirs)) > 3
     assert _same(load_weights(theirs), state)
+
+
+def test_each_write_holds_one_shard_only(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Prepare: record the tensors each safetensors write is handed
+    from zoo_gym.core import weights
+
+    written: list[int] = []
+    real = weights.save_file
+
+    def recorded(tensors: dict[str, torch.Tensor], path: Path, **kwargs: object) -> None:
+        written.append(sum(v.numel() * v.element_size() for v in tensors.values()))
+        real(tensors, path, metadata={"format": "pt"})
+
+    monkeypatch.setattr(weights, "save_file", recorded)
+
+    # Execute
+    save_weights(_state(), tmp_path, shard_size=32)
+
+    # Assert: three writes, none over the shard size but the 40-byte tensor on its own
+    assert written == [32, 40, 8]

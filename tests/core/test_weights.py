@@ -90,11 +90,12 @@ def _sharded(directory: Path) -> dict[str, object]:
         ("../outside.safetensors", "must be plain file names"),
         ("/etc/passwd", "must be plain file names"),
         ("..", "must be plain file names"),
+        (["a list"], "must be plain file names"),
         ("model-00009-of-00009.safetensors", "which is not in"),
     ],
 )
 def test_an_index_naming_a_file_it_may_not_is_one_line(
-    tmp_path: Path, shard: str, message: str
+    tmp_path: Path, shard: object, message: str
 ) -> None:
     # Prepare
     directory = tmp_path / "model"

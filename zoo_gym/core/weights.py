@@ -97,9 +97,13 @@ def read_index(directory: Path) -> dict[str, str]:
     if not isinstance(weight_map, dict) or not weight_map:
         raise WeightsError(f"{path}: weight_map must map tensor names to shard files")
     root = directory.resolve()
-    for file in set(weight_map.values()):
+    checked: set[str] = set()
+    for file in weight_map.values():
         if not isinstance(file, str) or Path(file).name != file or file in ("", ".", ".."):
             raise WeightsError(f"{path} names {file!r}; shards must be plain file names")
+        if file in checked:
+            continue
+        checked.add(file)
         shard = directory / file
         if not shard.resolve().is_relative_to(root):
             raise WeightsError(f"{path} names {file!r}, which leads outside {directory}")

@@ -39,7 +39,7 @@ from zoo_gym.coordinator.payout import pay_round
 from zoo_gym.coordinator.service import Coordinator
 from zoo_gym.coordinator.strategy import RoundAggregate
 from zoo_gym.core.delta import Layout, TensorSpec, unflatten
-from zoo_gym.core.lora import LoraSpec, merge_update, update_shapes
+from zoo_gym.core.lora import LoraSpec, for_base, linear_layers_of, merge_update, update_shapes
 from zoo_gym.core.protocol import POLICY_OBJECTIVES, TASK_CONFIG, TaskConfig
 from zoo_gym.ledger import Engine, Session
 from zoo_gym.transport.flower_internals import set_task_identity
@@ -221,14 +221,16 @@ class RoundLoop:
         self.base = co.registry.latest()
         self.state = co.registry.load_state_dict(self.base.version)
         self.loss = co.evaluator.loss(self.state)
+        self.linear = linear_layers_of(self.base.directory)  # and which are stored (in, out)
         self._configure()
 
     def _configure(self) -> None:
         """Layout, strategy and the base's validation reward under the current policy (the
         reward method, and so the utility, may have changed)."""
         self.config = self.co.config
-        self.spec = lora_spec(self.config.training)
-        self.layout = update_layout(self.state, self.spec, self.config.training.adapter)
+        t = self.config.training
+        self.spec = for_base(lora_spec(t), self.linear, adapter=t.adapter)
+        self.layout = update_layout(self.state, self.spec, t.adapter)
         self.strategy = self.co.make_strategy(functools.partial(_same, self.layout))
         self.reward = validation_reward(self.co.evaluator, self.config.training, self.state)
 

@@ -11,6 +11,16 @@ aggregation is exact and linear: ``mean_i(B_i) @ A == mean_i(B_i @ A)``.
 Module names are the base model's (``"model.layers.0.self_attn.q_proj"``), never
 peft's prefixed ones.
 
+Orientation: ``nn.Linear`` stores its weight `(out, in)`; transformers' ``Conv1D``
+(GPT-2 and its family) stores it `(in, out)`. A state dict alone cannot tell the
+two apart, so the modules stored `(in, out)` are named in
+`LoraSpec.fan_in_fan_out` (peft's name for the same thing). A model knows its
+own (`linear_layers`); the coordinator reads them from the base's config.json
+(`linear_layers_of`, a skeleton on the meta device) and fills them in with
+`for_base`. Shapes given as `(out, in)` (`target_weights`, ``B`` `(out, r)`,
+``A`` `(r, in)`) are the logical ones; dense deltas keyed by a weight's name
+(`dense_delta`, the dense adapters' updates) have the weight's stored shape.
+
 The other adapters (plain LoRA, DoRA, QLoRA, full fine-tuning) send dense weight
 deltas keyed by base weight names; `update_shapes` says what an update of each
 adapter consists of and `merge_update` merges either kind (`merge_ffa`,
@@ -22,7 +32,8 @@ from __future__ import annotations
 import hashlib
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from pathlib import Path
 
 import torch
 from torch import Tensor, nn
@@ -35,11 +46,18 @@ _B_SUFFIX = ".lora_B"
 
 @dataclass(frozen=True)
 class LoraSpec:
-    """Which linear layers get an adapter, its rank and its scale ``alpha / rank``."""
+    """Which linear layers get an adapter, its rank and its scale ``alpha / rank``.
+
+    A module is targeted when the last part of its name is in `target_modules`.
+    `fan_in_fan_out` names the base's modules whose weight is stored `(in, out)`
+    (``Conv1D``); it matters only where the spec is applied to a state dict
+    (see `for_base`).
+    """
 
     rank: int = 8
     alpha: float = 16.0
     target_modules: tuple[str, ...] = DEFAULT_TARGETS
+    fan_in_fan_out: frozenset[str] = frozenset()
 
     @property
     def scaling(self) -> float:
@@ -60,23 +78,78 @@ def frozen_a(seed: int, module_name: str, in_features: int, rank: int) -> Tensor
     return uniform.mul_(2 * bound).sub_(bound)
 
 
+def linear_layers(model: nn.Module) -> dict[str, bool]:
+    """Every linear layer of `model`: module name -> whether its weight is stored `(in, out)`
+    (transformers' ``Conv1D``) rather than `(out, in)` (``nn.Linear``)."""
+    from transformers.pytorch_utils import Conv1D
+
+    return {
+        name: isinstance(module, Conv1D)
+        for name, module in model.named_modules()
+        if isinstance(module, nn.Linear | Conv1D)
+    }
+
+
+def linear_layers_of(model_dir: Path) -> dict[str, bool]:
+    """`linear_layers` of the causal LM that `model_dir`'s config.json describes.
+
+    The model is built on the meta device: no weights are read and nothing is allocated.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(model_dir)  # type: ignore[no-untyped-call]
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(config)  # type: ignore[no-untyped-call]
+    assert isinstance(skeleton, nn.Module)
+    return linear_layers(skeleton)
+
+
+def for_base(spec: LoraSpec, linear: Mapping[str, bool], *, adapter: str) -> LoraSpec:
+    """`spec` for a base with these `linear_layers`: their orientation in `fan_in_fan_out`.
+
+    Refuses (ValueError, one line) target modules that name none of the base's linear
+    layers, unless the adapter is ``full`` (which trains every weight).
+    """
+    targeted = [name for name in linear if name.rpartition(".")[2] in spec.target_modules]
+    if adapter != "full" and not targeted:
+        names = ", ".join(sorted({name.rpartition(".")[2] for name in linear}))
+        raise ValueError(
+            f"none of the target modules ({', '.join(spec.target_modules)}) is a linear layer "
+            f"of the base model; its linear layers are {names}: name some of these in "
+            "target_modules"
+        )
+    transposed = frozenset(name for name, fan_in_fan_out in linear.items() if fan_in_fan_out)
+    return replace(spec, fan_in_fan_out=transposed)
+
+
 def target_weights(
     model_or_state_dict: nn.Module | Mapping[str, Tensor], spec: LoraSpec
 ) -> dict[str, tuple[int, int]]:
-    """Target modules of a base model (or its state dict) and their weight shape `(out, in)`."""
-    state = (
-        model_or_state_dict.state_dict()
-        if isinstance(model_or_state_dict, nn.Module)
-        else model_or_state_dict
-    )
+    """Target modules of a base model (or its state dict) and their weight shape `(out, in)`.
+
+    The orientation comes from the module types of a model, from `spec.fan_in_fan_out` for a
+    state dict: a ``Conv1D`` weight stored `(in, out)` is reported `(out, in)` all the same.
+    """
+    state: Mapping[str, Tensor]
+    if isinstance(model_or_state_dict, nn.Module):
+        state = model_or_state_dict.state_dict()
+        transposed = {n for n, t in linear_layers(model_or_state_dict).items() if t}
+    else:
+        state, transposed = model_or_state_dict, set(spec.fan_in_fan_out)
     targets: dict[str, tuple[int, int]] = {}
     for key, tensor in state.items():
         module, _, leaf = key.rpartition(".")
         if leaf == "weight" and module.rpartition(".")[2] in spec.target_modules:
             if tensor.dim() != 2:
                 raise ValueError(f"{key}: target weight must be 2-D, got {tuple(tensor.shape)}")
-            targets[module] = (int(tensor.shape[0]), int(tensor.shape[1]))
+            rows, columns = int(tensor.shape[0]), int(tensor.shape[1])
+            targets[module] = (columns, rows) if module in transposed else (rows, columns)
     return targets
+
+
+def stored(delta: Tensor, module: str, spec: LoraSpec) -> Tensor:
+    """A delta `(out, in)` of `module`'s weight in the orientation the weight is stored in."""
+    return delta.T.contiguous() if module in spec.fan_in_fan_out else delta
 
 
 def update_key(module_name: str) -> str:
@@ -97,7 +170,9 @@ def dense_delta(
     """Map each ``"<module>.lora_B"`` `(out, r)` to ``"<module>.weight"`` = scaling * B @ A.
 
     `shapes` gives each module's weight shape `(out, in)` (see `target_weights`);
-    A's width is ``in``. The result is float32 on the CPU.
+    A's width is ``in``. Each delta has its weight's stored shape (transposed to
+    `(in, out)` for the modules in `spec.fan_in_fan_out`, as peft merges a
+    ``Conv1D``). The result is float32 on the CPU.
     """
     dense: Delta = {}
     for key, b in update.items():
@@ -110,7 +185,8 @@ def dense_delta(
                 f"{key}: shape {tuple(b.shape)}, expected ({out_features}, {spec.rank})"
             )
         a = frozen_a(seed, module, in_features, spec.rank)  # (r, in)
-        dense[module + ".weight"] = spec.scaling * (b.detach().float().cpu() @ a)  # (out, in)
+        delta = spec.scaling * (b.detach().float().cpu() @ a)  # (out, in)
+        dense[module + ".weight"] = stored(delta, module, spec)
     return dense
 
 
@@ -121,9 +197,11 @@ def merge_ffa(state_dict: dict[str, Tensor], update: Delta, *, spec: LoraSpec, s
     """
     shapes: dict[str, tuple[int, int]] = {}
     for key in update:
-        weight = state_dict.get(module_of(key) + ".weight")
+        module = module_of(key)
+        weight = state_dict.get(module + ".weight")
         if weight is not None and weight.dim() == 2:
-            shapes[module_of(key)] = (int(weight.shape[0]), int(weight.shape[1]))
+            rows, columns = int(weight.shape[0]), int(weight.shape[1])
+            shapes[module] = (columns, rows) if module in spec.fan_in_fan_out else (rows, columns)
     dense = dense_delta(update, spec=spec, seed=seed, shapes=shapes)
     with torch.no_grad():
         for name, delta in dense.items():
@@ -172,8 +250,9 @@ def update_shapes(
     """Name -> shape of every tensor an update of `adapter` consists of, for this base.
 
     ``ffa_lora``: ``"<module>.lora_B"`` `(out, rank)`; ``lora`` / ``dora`` / ``qlora``:
-    ``"<module>.weight"`` `(out, in)` of each target module; ``full``: every floating
-    tensor of the base under its own name.
+    ``"<module>.weight"`` of each target module, in its stored shape (`(in, out)` for the
+    modules in `spec.fan_in_fan_out`); ``full``: every floating tensor of the base under its
+    own name (a tied weight is stored once, so it is updated once).
     """
     if adapter == "full":
         return {
@@ -184,4 +263,7 @@ def update_shapes(
     shapes = target_weights(state_dict, spec)
     if adapter == "ffa_lora":
         return {update_key(module): (out, spec.rank) for module, (out, _in) in shapes.items()}
-    return {module + ".weight": (out, in_) for module, (out, in_) in shapes.items()}
+    return {
+        module + ".weight": (in_, out) if module in spec.fan_in_fan_out else (out, in_)
+        for module, (out, in_) in shapes.items()
+    }

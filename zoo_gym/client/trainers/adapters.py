@@ -39,7 +39,7 @@ from transformers import (
 from zoo_gym.client.device import compute_dtype
 from zoo_gym.client.trainers.sft import ADAPTER, FfaLoraTrainer, PeftTrainer, Trainer, _lora
 from zoo_gym.core.delta import Delta
-from zoo_gym.core.lora import LoraSpec, target_weights
+from zoo_gym.core.lora import LoraSpec, stored, target_weights
 from zoo_gym.core.protocol import ADAPTERS
 from zoo_gym.core.weights import shard_files
 
@@ -61,7 +61,7 @@ class LoraTrainer(PeftTrainer):
             for name, layer in sorted(self.layers.items()):
                 a = _lora(layer, "lora_A").float()  # (r, in)
                 b = _lora(layer, "lora_B").float()  # (out, r)
-                delta[name + ".weight"] = (s * (b @ a)).cpu()  # (out, in)
+                delta[name + ".weight"] = stored(s * (b @ a), name, self.oriented).cpu()
         return delta
 
     def check_dp(self) -> None:
@@ -80,9 +80,10 @@ class DoraTrainer(PeftTrainer):
         return weight
 
     def _base_weight(self, name: str) -> Tensor:
-        weight = self.layers[name].get_base_layer().weight  # (out, in)
+        """The base weight `(out, in)` (a ``Conv1D``'s `(in, out)` transposed, as a view)."""
+        weight = self.layers[name].get_base_layer().weight
         assert isinstance(weight, Tensor)
-        return weight
+        return weight.T if name in self.oriented.fan_in_fan_out else weight
 
     def begin_round(self, seed: int) -> list[torch.nn.Parameter]:
         """A from the seed, B zero, m = the row norms of W: the round starts at the base."""
@@ -117,7 +118,7 @@ class DoraTrainer(PeftTrainer):
                 m = self._magnitude(name).float()  # (out,)
                 norm = torch.linalg.norm(adapted, dim=1)  # (out,)
                 merged = (m / norm).unsqueeze(1) * adapted
-                delta[name + ".weight"] = (merged - w).cpu()
+                delta[name + ".weight"] = stored(merged - w, name, self.oriented).cpu()
         return delta
 
     def check_dp(self) -> None:

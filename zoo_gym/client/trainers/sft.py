@@ -32,7 +32,14 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from zoo_gym.core.chat import Conversation, collate, encode_conversation, pad_id_of, token_nll
 from zoo_gym.core.delta import Delta
-from zoo_gym.core.lora import LoraSpec, frozen_a, target_weights, update_key
+from zoo_gym.core.lora import (
+    LoraSpec,
+    for_base,
+    frozen_a,
+    linear_layers,
+    target_weights,
+    update_key,
+)
 from zoo_gym.privacy.noise import secure_generator
 
 logger = logging.getLogger(__name__)
@@ -152,8 +159,8 @@ class Trainer:
     """One model kept across rounds, and the SFT loop every adapter shares.
 
     A subclass sets `model` (the module to run forward on), `shapes` (target module ->
-    weight shape `(out, in)`) and implements `load_base`, `begin_round`, `update` and
-    `reference`.
+    weight shape `(out, in)`, whatever the orientation it is stored in) and implements
+    `load_base`, `begin_round`, `update` and `reference`.
     """
 
     adapter = ""
@@ -313,7 +320,13 @@ class Trainer:
 
 
 class PeftTrainer(Trainer):
-    """A base model wrapped once with a peft LoRA adapter on the spec's target modules."""
+    """A base model wrapped once with a peft LoRA adapter on the spec's target modules.
+
+    ``Conv1D`` layers (GPT-2) store their weight `(in, out)`: peft adapts them with
+    ``fan_in_fan_out``, its A is `(r, in)` and its B `(out, r)` as for ``nn.Linear``, and
+    `oriented` (the spec with the base's orientation) turns a delta `(out, in)` into the
+    weight's stored shape.
+    """
 
     model: PeftModel
     use_dora = False  # DoRA's magnitude vectors beside the LoRA factors
@@ -330,9 +343,8 @@ class PeftTrainer(Trainer):
         super().__init__(
             tokenizer, spec=spec, device=device, gradient_checkpointing=gradient_checkpointing
         )
+        self.oriented = for_base(spec, linear_layers(model), adapter=self.adapter)
         self.shapes = target_weights(model, spec)
-        if not self.shapes:
-            raise ValueError(f"the model has none of the target modules {spec.target_modules}")
         config = LoraConfig(
             r=spec.rank,
             lora_alpha=spec.alpha,  # type: ignore[arg-type]
@@ -340,6 +352,7 @@ class PeftTrainer(Trainer):
             lora_dropout=0.0,
             bias="none",
             use_dora=self.use_dora,
+            fan_in_fan_out=any(name in self.oriented.fan_in_fan_out for name in self.shapes),
         )
         if not getattr(model, "is_loaded_in_4bit", False):
             model.to(self.device)  # type: ignore[arg-type]

@@ -296,8 +296,15 @@ ADAPTERS: tuple[Adapter, ...] = get_args(Adapter)
 ``lora``, ``dora`` and ``qlora`` train free factors and send the dense delta of the target
 modules' weights; ``full`` trains every weight and sends the dense delta of all of them."""
 
-DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-"""Linear layers LoRA adapts by default (attention and MLP projections of Llama/Qwen models)."""
+DEFAULT_TARGETS = (
+    *("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
+    *("qkv_proj", "gate_up_proj"),
+    *("c_attn", "c_proj", "c_fc"),
+)
+"""Linear layers LoRA adapts by default: the attention and MLP projections of Llama, Mistral and
+Qwen2 models, of Phi-3 (fused ``qkv_proj`` and ``gate_up_proj``) and of GPT-2 (``Conv1D``
+``c_attn``, ``c_proj``, ``c_fc``). A name matches the last part of a module's name; names a base
+does not have match nothing, and a base none of them matches is refused (`zoo_gym.core.lora.for_base`)."""
 
 BUILTIN_REWARDS = ("exact_answer", "format", "length", "closeness")
 """Reward functions a task may name; a contributor's own ones come from its local config."""

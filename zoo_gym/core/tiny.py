@@ -158,6 +158,14 @@ def pretrain(
     return sum(losses[-10:]) / len(losses[-10:])
 
 
+def task_tokenizer(*, seed: int = 0) -> PreTrainedTokenizerFast:
+    """The tiny models' tokenizer: `train_tiny_tokenizer` on the synthetic task's text (records
+    and pretraining corpus drawn under `seed`)."""
+    records = synthetic.make_examples(2000, seed=seed + 10_000)
+    corpus = synthetic.pretraining_text(4000, seed=seed + 20_000)
+    return train_tiny_tokenizer([r["instruction"] + "\n" + r["output"] for r in records] + corpus)
+
+
 def create_tiny_base(
     directory: Path, *, seed: int = 0, arch: str = "qwen2", pretrain_steps: int = 150
 ) -> None:
@@ -169,10 +177,8 @@ def create_tiny_base(
     """
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    records = synthetic.make_examples(2000, seed=seed + 10_000)
     corpus = synthetic.pretraining_text(4000, seed=seed + 20_000)
-    texts = [r["instruction"] + "\n" + r["output"] for r in records] + corpus
-    tokenizer = train_tiny_tokenizer(texts)
+    tokenizer = task_tokenizer(seed=seed)
     model = build_tiny_model(vocab_size=len(tokenizer), arch=arch, seed=seed)
     if pretrain_steps:
         loss = pretrain(model, tokenizer, corpus, steps=pretrain_steps, seed=seed)

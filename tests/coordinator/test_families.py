@@ -4,8 +4,8 @@ Each test makes a coordinator home from a tiny model of one family (`families.sa
 runs one round with one contributor on the in-process federation (codec ``none``, FedAvg, so
 the aggregate is that contributor's update bit for bit) and checks that the published weights
 are what the client's trained adapter means: peft's own `merge_and_unload()` of the adapter
-on the base (``lora``; ``ffa_lora`` with the seed-derived A the client trained with), or the
-client's trained weights (``full``).
+on the base (``lora``, ``dora``; ``ffa_lora`` with the seed-derived A the client trained
+with), or the client's trained weights (``full``). Each round takes well under a second.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ ROUND = {
     "quality_gate_tolerance": 100.0,  # random bases: this checks the merge, not the learning
     "rewards": {"method": "none"},
 }
-LR = {"ffa_lora": 1e-2, "lora": 1e-2, "full": 1e-3}
+LR = {"ffa_lora": 1e-2, "lora": 1e-2, "dora": 1e-2, "full": 1e-3}
 
 
 @pytest.fixture(scope="module")
@@ -94,7 +94,7 @@ def assert_published_is(published: Path, expected: dict[str, torch.Tensor], base
     assert any(not torch.equal(weights[n], before[n]) for n in weights)
 
 
-@pytest.mark.parametrize("adapter", ["ffa_lora", "lora"])
+@pytest.mark.parametrize("adapter", ["ffa_lora", "lora", "dora"])
 @pytest.mark.parametrize("family", ["gpt2", "llama", "qwen2", "mistral", "phi3", "qwen2_tied"])
 def test_round_publishes_what_peft_merges(
     base_of: Callable[[str], Path], tmp_path: Path, family: str, adapter: str

@@ -6,6 +6,7 @@ import torch
 from zoo_gym.core.lora import (
     LoraSpec,
     dense_delta,
+    for_base,
     frozen_a,
     merge_dense,
     merge_ffa,
@@ -172,3 +173,41 @@ def test_update_shapes_per_adapter() -> None:
         "m.k_proj.weight": (2, 6),
         "m.embed.weight": (10, 6),
     }
+
+
+def test_conv1d_weights_are_stored_in_out_and_merged_transposed() -> None:
+    # Prepare: a Conv1D-style weight stored (in, out) = (4, 3), named in fan_in_fan_out
+    spec = LoraSpec(
+        rank=2, alpha=4.0, target_modules=("c_attn",), fan_in_fan_out=frozenset({"m.c_attn"})
+    )
+    state = {"m.c_attn.weight": torch.zeros(4, 3), "m.c_attn.bias": torch.zeros(3)}
+    b = torch.arange(6, dtype=torch.float32).reshape(3, 2)  # (out, r)
+
+    # Execute
+    shapes = target_weights(state, spec)
+    merge_ffa(state, {"m.c_attn.lora_B": b}, spec=spec, seed=5)
+
+    # Assert: logical (out, in) shapes, B (out, r), dense deltas in the stored shape, and
+    # W += (s * B @ A)^T as peft merges a fan_in_fan_out layer
+    assert shapes == {"m.c_attn": (3, 4)}
+    assert update_shapes(state, adapter="ffa_lora", spec=spec) == {"m.c_attn.lora_B": (3, 2)}
+    assert update_shapes(state, adapter="lora", spec=spec) == {"m.c_attn.weight": (4, 3)}
+    expected = (2.0 * b @ frozen_a(5, "m.c_attn", 4, 2)).T
+    torch.testing.assert_close(state["m.c_attn.weight"], expected)
+    dense = dense_delta({"m.c_attn.lora_B": b}, spec=spec, seed=5, shapes=shapes)
+    torch.testing.assert_close(dense["m.c_attn.weight"], expected)
+
+
+def test_for_base_fills_in_the_orientation_and_refuses_targets_that_match_nothing() -> None:
+    linear = {"t.h.0.attn.c_attn": True, "t.h.0.mlp.c_fc": True, "lm_head": False}
+
+    spec = for_base(LoraSpec(target_modules=("c_attn",)), linear, adapter="ffa_lora")
+
+    assert spec.fan_in_fan_out == {"t.h.0.attn.c_attn", "t.h.0.mlp.c_fc"}
+    assert for_base(LoraSpec(target_modules=("q_proj",)), linear, adapter="full").target_modules
+    with pytest.raises(ValueError) as refused:
+        for_base(LoraSpec(target_modules=("q_proj",)), linear, adapter="lora")
+    assert str(refused.value) == (
+        "none of the target modules (q_proj) is a linear layer of the base model; its linear "
+        "layers are c_attn, c_fc, lm_head: name some of these in target_modules"
+    )

@@ -36,7 +36,7 @@ ROUND = {
     "quality_gate_tolerance": 100.0,  # random bases: this checks the merge, not the learning
     "rewards": {"method": "none"},
 }
-LR = {"ffa_lora": 1e-2, "lora": 1e-2, "dora": 1e-2, "full": 1e-3}
+LR = {"ffa_lora": 1e-2, "lora": 1e-2, "dora": 1e-2, "qlora": 1e-2, "full": 1e-3}
 
 
 @pytest.fixture(scope="module")
@@ -192,3 +192,29 @@ def test_full_round_updates_a_tied_embedding_once(
     reloaded = AutoModelForCausalLM.from_pretrained(published)
     head, embed = reloaded.get_output_embeddings().weight, reloaded.get_input_embeddings().weight
     assert head.data_ptr() == embed.data_ptr()
+
+
+def test_qlora_round_on_gpt2_publishes_peft_deltas_in_the_stored_orientation(
+    base_of: Callable[[str], Path], tmp_path: Path
+) -> None:
+    # Prepare: quantised, GPT-2's Conv1D layers become (out, in) Linear4bit modules
+    base = base_of("gpt2")
+
+    # Execute
+    fed, published = one_round(base, tmp_path, "qlora")
+
+    # Assert: published - base is peft's delta of each adapted layer, stored (in, out)
+    (runtime,) = fed.runtimes.values()
+    assert isinstance(runtime.trainer, PeftTrainer) and len(runtime.trainer.layers) == 8
+    before, after = (
+        load_file(base / "model.safetensors"),
+        load_file(published / "model.safetensors"),
+    )
+    for name, layer in runtime.trainer.layers.items():
+        delta = layer.get_delta_weight("default").float()  # (out, in)
+        torch.testing.assert_close(
+            after[name + ".weight"] - before[name + ".weight"], delta.T, rtol=1e-4, atol=1e-6
+        )
+    assert runtime.trainer.oriented.fan_in_fan_out == {
+        n for n, t in linear_layers_of(base).items() if t
+    }

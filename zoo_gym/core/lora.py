@@ -34,9 +34,13 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor, nn
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 from zoo_gym.core.delta import Delta
 from zoo_gym.core.protocol import DEFAULT_TARGETS
@@ -90,14 +94,17 @@ def linear_layers(model: nn.Module) -> dict[str, bool]:
     }
 
 
-def linear_layers_of(model_dir: Path) -> dict[str, bool]:
-    """`linear_layers` of the causal LM that `model_dir`'s config.json describes.
+def linear_layers_of(model_dir_or_config: Path | PretrainedConfig) -> dict[str, bool]:
+    """`linear_layers` of the causal LM that a config (or a directory's config.json) describes,
+    as its checkpoint stores them (a quantised model's own modules may differ).
 
     The model is built on the meta device: no weights are read and nothing is allocated.
     """
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
-    config = AutoConfig.from_pretrained(model_dir)  # type: ignore[no-untyped-call]
+    config = model_dir_or_config
+    if not isinstance(config, PretrainedConfig):
+        config = AutoConfig.from_pretrained(config)  # type: ignore[no-untyped-call]
     with torch.device("meta"):
         skeleton = AutoModelForCausalLM.from_config(config)  # type: ignore[no-untyped-call]
     assert isinstance(skeleton, nn.Module)

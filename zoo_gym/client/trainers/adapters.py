@@ -39,7 +39,7 @@ from transformers import (
 from zoo_gym.client.device import compute_dtype
 from zoo_gym.client.trainers.sft import ADAPTER, FfaLoraTrainer, PeftTrainer, Trainer, _lora
 from zoo_gym.core.delta import Delta
-from zoo_gym.core.lora import LoraSpec, stored, target_weights
+from zoo_gym.core.lora import LoraSpec, linear_layers_of, stored, target_weights
 from zoo_gym.core.protocol import ADAPTERS
 from zoo_gym.core.weights import shard_files
 
@@ -133,8 +133,13 @@ class QLoraTrainer(LoraTrainer):
 
     adapter = "qlora"
 
+    def stored_layers(self, model: PreTrainedModel) -> dict[str, bool]:
+        """From the config: quantisation turns a ``Conv1D`` into an `(out, in)` ``Linear4bit``,
+        and the checkpoint still stores it `(in, out)`."""
+        return linear_layers_of(model.config)
+
     def load_base(self, state_dict: dict[str, Tensor]) -> None:
-        """Copy a new base in: 4-bit weights are quantised again, the rest copied."""
+        """Copy a new base in: 4-bit weights are quantised again (`(out, in)`), the rest copied."""
         from bitsandbytes.nn.modules import Linear4bit, Params4bit
 
         targets: dict[str, Tensor] = {}
@@ -146,8 +151,11 @@ class QLoraTrainer(LoraTrainer):
                 if key not in state_dict:
                     raise ValueError(f"base state dict does not match the model: missing {key}")
                 old: Any = module.weight
+                weight = state_dict[key].to(torch.float32)
+                if key.removesuffix(".weight") in self.oriented.fan_in_fan_out:
+                    weight = weight.T
                 fresh: Any = Params4bit(  # quantised by `.to(device)`
-                    state_dict[key].to(torch.float32).contiguous(),
+                    weight.contiguous(),
                     requires_grad=False,
                     blocksize=old.blocksize,
                     compress_statistics=old.compress_statistics,

@@ -343,7 +343,8 @@ class PeftTrainer(Trainer):
         super().__init__(
             tokenizer, spec=spec, device=device, gradient_checkpointing=gradient_checkpointing
         )
-        self.oriented = for_base(spec, linear_layers(model), adapter=self.adapter)
+        linear = linear_layers(model)
+        self.oriented = for_base(spec, self.stored_layers(model), adapter=self.adapter)
         self.shapes = target_weights(model, spec)
         config = LoraConfig(
             r=spec.rank,
@@ -352,7 +353,7 @@ class PeftTrainer(Trainer):
             lora_dropout=0.0,
             bias="none",
             use_dora=self.use_dora,
-            fan_in_fan_out=any(name in self.oriented.fan_in_fan_out for name in self.shapes),
+            fan_in_fan_out=any(linear.get(name, False) for name in self.shapes),
         )
         if not getattr(model, "is_loaded_in_4bit", False):
             model.to(self.device)  # type: ignore[arg-type]
@@ -366,6 +367,10 @@ class PeftTrainer(Trainer):
         }
         if set(self.layers) != set(self.shapes):
             raise RuntimeError("peft adapted a different set of modules than target_weights found")
+
+    def stored_layers(self, model: PreTrainedModel) -> dict[str, bool]:
+        """The linear layers of `model` and whether the checkpoint stores them `(in, out)`."""
+        return linear_layers(model)
 
     def load_base(self, state_dict: dict[str, Tensor]) -> None:
         mapped = {}

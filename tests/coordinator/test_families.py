@@ -2,10 +2,11 @@
 
 Each test makes a coordinator home from a tiny model of one family (`families.save_family`),
 runs one round with one contributor on the in-process federation (codec ``none``, FedAvg, so
-the aggregate is that contributor's update bit for bit) and checks that the published weights
-are what the client's trained adapter means: peft's own `merge_and_unload()` of the adapter
-on the base (``lora``, ``dora``; ``ffa_lora`` with the seed-derived A the client trained
-with), or the client's trained weights (``full``). Each round takes well under a second.
+the aggregate is that contributor's update) and checks that the published weights are what the
+client's trained adapter means: peft's own `merge_and_unload()` of the adapter on the base
+(``lora``, ``dora``; ``ffa_lora`` with the seed-derived A the client trained with), peft's
+delta of each 4-bit layer (``qlora``), or the client's trained weights (``full``). Each round
+takes well under a second.
 """
 
 from __future__ import annotations

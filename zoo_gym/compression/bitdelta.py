@@ -151,117 +151,123 @@ def _aligned(ns: Sequence[int], group: int) -> bool:
     return sum(ns) <= _chunk_len(group) and all(n % unit == 0 for n in ns)
 
 
-def _pack_aligned(xs: Sequence[Tensor], ns: list[int], group: int) -> tuple[list[Tensor], Tensor]:
-    """`pack_many` of a short update whose tensors all hold whole groups and whole bytes:
-    concatenated, such tensors pack exactly as they do one by one, in a few calls."""
-    flat = torch.cat([x.detach().reshape(-1) for x in xs]).float()  # (sum n_i,)
-    signs = np.empty(flat.numel(), dtype=np.bool_)
-    np.greater_equal(flat.numpy(), 0, out=signs)
-    bits = torch.from_numpy(np.packbits(signs))
-    scales = torch.sum(flat.abs_().view(-1, group), 1).div_(group)
-    return list(torch.split(bits, [n // 8 for n in ns])), scales
-
-
 def _buffer_len(ns: Sequence[int], group: int) -> int:
     """Values in the chunk buffers: one chunk, or fewer when the whole update is smaller."""
     unit = math.lcm(group, 8)
     return min(_chunk_len(group), sum(-(-n // unit) * unit for n in ns))
 
 
-def _read_run(
-    segment: _Segment, flats: Sequence[Tensor], signs: NDArray[np.bool_], absbuf: Tensor
-) -> int:
-    """Write ``x >= 0`` and ``|x|`` of one long segment, read in place, into the chunk buffers
-    `signs` and `absbuf`, zero-padded; return its padded length."""
-    i, start, length, padded = segment
-    part = flats[i].numpy()[start : start + length]
-    absnp = absbuf.numpy()
-    np.greater_equal(part, 0, out=signs[:length])
-    np.abs(part, out=absnp[:length])
-    absnp[length:padded] = 0.0
-    signs[length:padded] = False
-    return padded
+_Piece = tuple[int, int, int, int]  # (tensor, start, stop, zeros after), see `_pack_plan`
 
 
-def _gather_short(
-    chunk: list[_Segment],
-    flats: Sequence[Tensor],
-    zeros: Tensor,
+def _pack_plan(ns: Sequence[int], unit: int, limit: int) -> Iterator[tuple[int, int, list[_Piece]]]:
+    """Cut the padded concatenation of tensors of `ns` values into chunks of at most `limit`.
+
+    Tensor i is zero-padded to a multiple of `unit` = lcm(group, 8) values and the padded tensors
+    are laid end to end; `limit` is a multiple of `unit`, so no group and no byte straddles two
+    chunks. Yields (offset in the padded concatenation, size, pieces), each piece being values
+    ``start:stop`` of tensor i followed by that many zeros.
+    """
+    pieces: list[_Piece] = []
+    offset = used = 0
+    for i, n in enumerate(ns):
+        padded = -(-n // unit) * unit
+        start = 0
+        while start < padded:
+            take = min(limit - used, padded - start)
+            stop = min(start + take, n)
+            pieces.append((i, start, stop, take - (stop - start)))
+            used += take
+            start += take
+            if used == limit:
+                yield offset, used, pieces
+                offset, used, pieces = offset + used, 0, []
+    if pieces:
+        yield offset, used, pieces
+
+
+def _flat_array(x: Tensor) -> NDArray[np.float32]:
+    """The values of a CPU tensor `x` as a flat float32 array (a view when `x` is contiguous)."""
+    t = x.detach()
+    return (t if t.dtype == torch.float32 else t.float()).numpy().reshape(-1)
+
+
+def _chunk_values(
+    pieces: list[_Piece],
+    flats: Sequence[NDArray[np.float32]],
     signs: NDArray[np.bool_],
-    absbuf: Tensor,
-) -> int:
-    """Write ``x >= 0`` and ``|x|`` of many short segments, gathered zero-padded with one
-    ``torch.cat``, into the chunk buffers `signs` and `absbuf`; return their padded length."""
-    pieces = []
-    for i, start, length, padded in chunk:
-        pieces.append(flats[i][start : start + length])
-        if padded > length:
-            pieces.append(zeros[: padded - length])
-    size = sum(padded for _, _, _, padded in chunk)
-    torch.cat(pieces, out=absbuf[:size])
-    values = absbuf.numpy()[:size]
-    np.greater_equal(values, 0, out=signs[:size])
-    np.abs(values, out=values)
-    end = 0
-    for _, _, length, padded in chunk:
-        signs[end + length : end + padded] = False  # a padded zero is not ">= 0"
-        end += padded
-    return size
-
-
-def _group_means(abs_values: Tensor, chunk: list[_Segment], group: int) -> Tensor:
-    """Mean of each group of the chunk's `abs_values` (size,) -> (size / group,); the last group
-    of a segment divides by its real length, the padded zeros adding nothing to its sum."""
-    sums = torch.sum(abs_values.view(-1, group), 1)
-    counts = torch.full_like(sums, float(group))
-    off = 0
-    for _, _, length, padded in chunk:
-        if length % group:
-            counts[(off + length) // group] = float(length % group)
-        off += padded
-    return sums.div_(counts)
-
-
-def _scatter_chunk(
-    chunk: list[_Segment],
-    bits: NDArray[np.uint8],
-    means: NDArray[np.float32],
-    goff: Sequence[int],
-    group: int,
-    packed: list[NDArray[np.uint8]],
-    scales: NDArray[np.float32],
+    absbuf: NDArray[np.float32],
 ) -> None:
-    """Copy the packed `bits` and group `means` of a chunk to each segment's place in its
-    tensor's `packed` bytes and in the concatenated `scales` (`goff` from `_group_offsets`)."""
-    off = 0
-    for i, start, length, padded in chunk:
-        nb, k = (length + 7) // 8, -(-length // group)
-        packed[i][start // 8 : start // 8 + nb] = bits[off // 8 : off // 8 + nb]
-        g = goff[i] + start // group
-        scales[g : g + k] = means[off // group : off // group + k]
-        off += padded
+    """Write ``x >= 0`` and ``|x|`` of a chunk's `pieces`, read in place, into `signs` and
+    `absbuf` (the chunk's size); a padded zero gets ``|x| = 0`` and a cleared sign bit.
+
+    ``|x|`` comes first: that pass streams the values from memory and the sign pass then
+    finds them in cache.
+    """
+    at = 0
+    for i, start, stop, pad in pieces:
+        part = flats[i][start:stop]
+        end = at + stop - start
+        np.abs(part, out=absbuf[at:end])
+        np.greater_equal(part, 0, out=signs[at:end])
+        if pad:
+            absbuf[end : end + pad] = 0.0
+            signs[end : end + pad] = False
+        at = end + pad
 
 
 def _pack_chunked(xs: Sequence[Tensor], ns: list[int], group: int) -> tuple[list[Tensor], Tensor]:
-    """`pack_many` on CPU, streaming the values through cache-sized chunks of `_segments`."""
-    flats = [x.detach().reshape(-1).contiguous() for x in xs]
-    goff = _group_offsets(ns, group)
-    packed = [np.empty((n + 7) // 8, dtype=np.uint8) for n in ns]
-    scales = torch.empty(goff[-1], dtype=torch.float32)
-    scales_np = scales.numpy()
-    limit = _buffer_len(ns, group)
-    signs = np.empty(limit, dtype=np.bool_)
-    absbuf = torch.empty(limit, dtype=torch.float32)
-    zeros = torch.zeros(math.lcm(group, 8), dtype=torch.float32)
-    for chunk in _segments(ns, group):
-        if len(chunk) == 1:
-            size = _read_run(chunk[0], flats, signs, absbuf)
-        else:
-            size = _gather_short(chunk, flats, zeros, signs, absbuf)
-        bits = np.packbits(signs[:size])
-        means = _group_means(absbuf[:size], chunk, group).numpy()
-        _scatter_chunk(chunk, bits, means, goff, group, packed, scales_np)
-    return [torch.from_numpy(p) for p in packed], scales
+    """`pack_many` on CPU: the padded concatenation of `_pack_plan`, chunk by chunk.
+
+    Each chunk's sign bytes and group sums go straight to their place in one byte buffer and
+    one sums buffer laid out like the padded concatenation; tensor i's bytes are a view of
+    the first ceil(n_i / 8) of its padded bytes. Afterwards each sum is divided by its group's
+    real length and the sums of whole-padding groups are left out of the scales.
+    """
+    unit = math.lcm(group, 8)
+    limit = _chunk_len(group)
+    flats = [_flat_array(x) for x in xs]
+    padded = [-(-n // unit) * unit for n in ns]
+    starts = list(itertools.accumulate(padded, initial=0))
+    total = starts[-1]
+    bits = np.empty(total // 8, dtype=np.uint8)
+    sums = torch.empty(total // group, dtype=torch.float32)
+    size = min(limit, total)
+    signs = np.empty(size, dtype=np.bool_)
+    absbuf = torch.empty(size, dtype=torch.float32)
+    for offset, size, pieces in _pack_plan(ns, unit, limit):
+        _chunk_values(pieces, flats, signs, absbuf.numpy())
+        bits[offset // 8 : (offset + size) // 8] = np.packbits(signs[:size])
+        torch.sum(
+            absbuf[:size].view(-1, group), 1, out=sums[offset // group : (offset + size) // group]
+        )
+    return (
+        [
+            torch.from_numpy(bits[s // 8 : s // 8 + (n + 7) // 8])
+            for s, n in zip(starts, ns, strict=False)
+        ],
+        _group_means(sums, ns, padded, starts, group),
+    )
+
+
+def _group_means(
+    sums: Tensor, ns: Sequence[int], padded: Sequence[int], starts: Sequence[int], group: int
+) -> Tensor:
+    """Scales (sum_i ceil(n_i / group),) from the `sums` of the padded concatenation: each sum
+    divided by its group's real length, whole-padding groups left out."""
+    partial = [(s + n) // group for s, n in zip(starts, ns, strict=False) if n % group]
+    if partial:
+        counts = torch.full_like(sums, float(group))
+        counts[partial] = torch.tensor([float(n % group) for n in ns if n % group])
+        sums.div_(counts)
+    else:
+        sums.div_(float(group))
+    real = [-(-n // group) for n in ns]
+    if all(p // group == k for p, k in zip(padded, real, strict=True)):
+        return sums
+    return torch.cat(
+        [sums[s // group : s // group + k] for s, k in zip(starts, real, strict=False)]
+    )
 
 
 def _pack_torch(xs: Sequence[Tensor], group: int) -> tuple[list[Tensor], Tensor]:
@@ -284,10 +290,7 @@ def pack_many(xs: Sequence[Tensor], group: int) -> tuple[list[Tensor], Tensor]:
         return [], torch.empty(0, dtype=torch.float32)
     if not all(_use_numpy(x, group) for x in xs):
         return _pack_torch(xs, group)
-    ns = [x.numel() for x in xs]
-    if _aligned(ns, group):
-        return _pack_aligned(xs, ns, group)
-    return _pack_chunked(xs, ns, group)
+    return _pack_chunked(xs, [x.numel() for x in xs], group)
 
 
 def _store(target: Tensor, values: Tensor, *, add: bool) -> None:

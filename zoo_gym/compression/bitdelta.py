@@ -30,6 +30,7 @@ from torch import Tensor
 _MAGIC = 0x8040201008040201 - (1 << 64)  # the constant as a signed int64
 _LOW_BITS = 0x0101010101010101
 _CHUNK = 1 << 18  # values per chunk on CPU
+_SHORT = 8192  # pieces shorter than this on average are gathered before packing
 _SIGN_TABLE = torch.from_numpy(
     np.unpackbits(np.arange(256, dtype=np.uint8)[:, None], axis=1).astype(np.float32) * 2 - 1
 )  # (256, 8): row p holds +-1 for the eight bits of byte p, most significant first
@@ -151,6 +152,17 @@ def _aligned(ns: Sequence[int], group: int) -> bool:
     return sum(ns) <= _chunk_len(group) and all(n % unit == 0 for n in ns)
 
 
+def _pack_aligned(xs: Sequence[Tensor], ns: list[int], group: int) -> tuple[list[Tensor], Tensor]:
+    """`pack_many` of a short update whose tensors all hold whole groups and whole bytes:
+    concatenated, such tensors pack exactly as they do one by one, in a few calls."""
+    flat = torch.cat([x.detach().reshape(-1) for x in xs]).float()  # (sum n_i,)
+    signs = np.empty(flat.numel(), dtype=np.bool_)
+    np.greater_equal(flat.numpy(), 0, out=signs)
+    bits = torch.from_numpy(np.packbits(signs))
+    scales = torch.sum(flat.abs_().view(-1, group), 1).div_(group)
+    return list(torch.split(bits, [n // 8 for n in ns])), scales
+
+
 def _buffer_len(ns: Sequence[int], group: int) -> int:
     """Values in the chunk buffers: one chunk, or fewer when the whole update is smaller."""
     unit = math.lcm(group, 8)
@@ -198,12 +210,16 @@ def _chunk_values(
     signs: NDArray[np.bool_],
     absbuf: NDArray[np.float32],
 ) -> None:
-    """Write ``x >= 0`` and ``|x|`` of a chunk's `pieces`, read in place, into `signs` and
-    `absbuf` (the chunk's size); a padded zero gets ``|x| = 0`` and a cleared sign bit.
+    """Write ``x >= 0`` and ``|x|`` of a chunk's `pieces` into `signs` and `absbuf` (the
+    chunk's size); a padded zero gets ``|x| = 0`` and a cleared sign bit.
 
-    ``|x|`` comes first: that pass streams the values from memory and the sign pass then
-    finds them in cache.
+    Long pieces are read in place, ``|x|`` first: that pass streams the values from memory
+    and the sign pass then finds them in cache. Many short pieces are first gathered into
+    `absbuf` by one ``numpy.concatenate``, which costs less than a few calls per piece.
     """
+    if len(pieces) > 2 and absbuf.size < _SHORT * len(pieces):
+        _gather_values(pieces, flats, signs, absbuf)
+        return
     at = 0
     for i, start, stop, pad in pieces:
         part = flats[i][start:stop]
@@ -214,6 +230,30 @@ def _chunk_values(
             absbuf[end : end + pad] = 0.0
             signs[end : end + pad] = False
         at = end + pad
+
+
+def _gather_values(
+    pieces: list[_Piece],
+    flats: Sequence[NDArray[np.float32]],
+    signs: NDArray[np.bool_],
+    absbuf: NDArray[np.float32],
+) -> None:
+    """`_chunk_values` of many short pieces: gathered with their zeros, then made absolute."""
+    parts: list[NDArray[np.float32]] = []
+    zeros = np.zeros(max(pad for *_, pad in pieces), dtype=np.float32)
+    for i, start, stop, pad in pieces:
+        parts.append(flats[i][start:stop])
+        if pad:
+            parts.append(zeros[:pad])
+    np.concatenate(parts, out=absbuf)
+    np.greater_equal(absbuf, 0, out=signs)
+    np.abs(absbuf, out=absbuf)
+    at = 0
+    for _, start, stop, pad in pieces:
+        at += stop - start
+        if pad:
+            signs[at : at + pad] = False
+            at += pad
 
 
 def _pack_chunked(xs: Sequence[Tensor], ns: list[int], group: int) -> tuple[list[Tensor], Tensor]:
@@ -236,18 +276,19 @@ def _pack_chunked(xs: Sequence[Tensor], ns: list[int], group: int) -> tuple[list
     signs = np.empty(size, dtype=np.bool_)
     absbuf = torch.empty(size, dtype=torch.float32)
     for offset, size, pieces in _pack_plan(ns, unit, limit):
-        _chunk_values(pieces, flats, signs, absbuf.numpy())
+        _chunk_values(pieces, flats, signs[:size], absbuf.numpy()[:size])
         bits[offset // 8 : (offset + size) // 8] = np.packbits(signs[:size])
         torch.sum(
             absbuf[:size].view(-1, group), 1, out=sums[offset // group : (offset + size) // group]
         )
-    return (
-        [
-            torch.from_numpy(bits[s // 8 : s // 8 + (n + 7) // 8])
-            for s, n in zip(starts, ns, strict=False)
-        ],
-        _group_means(sums, ns, padded, starts, group),
-    )
+    flat_bits = torch.from_numpy(bits)
+    if total == sum(ns):  # no padding: the tensors' bytes lie end to end
+        packed = list(torch.split(flat_bits, [n // 8 for n in ns]))
+    else:
+        packed = [
+            flat_bits[s // 8 : s // 8 + (n + 7) // 8] for s, n in zip(starts, ns, strict=False)
+        ]
+    return packed, _group_means(sums, ns, padded, starts, group)
 
 
 def _group_means(
@@ -288,9 +329,12 @@ def pack_many(xs: Sequence[Tensor], group: int) -> tuple[list[Tensor], Tensor]:
     """
     if not xs:
         return [], torch.empty(0, dtype=torch.float32)
-    if not all(_use_numpy(x, group) for x in xs):
+    if math.lcm(group, 8) > _CHUNK or any(x.device.type != "cpu" for x in xs):
         return _pack_torch(xs, group)
-    return _pack_chunked(xs, [x.numel() for x in xs], group)
+    ns = [x.numel() for x in xs]
+    if _aligned(ns, group):
+        return _pack_aligned(xs, ns, group)
+    return _pack_chunked(xs, ns, group)
 
 
 def _store(target: Tensor, values: Tensor, *, add: bool) -> None:

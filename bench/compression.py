@@ -11,12 +11,20 @@ same machine load; the table gives medians and the ratio copy time / operation t
 
 Both the operation and its anchor run with ``--threads`` torch threads (default 1: on a shared
 machine, OpenMP threads that wait for a busy core distort small operations).
+
+A second table gives, for ``pack`` and ``encode`` of the two large workloads, the peak resident
+memory of one call in a fresh process above what that process held before it (Linux: the peak
+is reset through ``/proc/self/clear_refs``), against the input's size: the chunked encoder
+needs its ~1 MiB chunk buffers plus its output, not a copy of the input.
 """
 
 from __future__ import annotations
 
 import argparse
+import re
 import statistics
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 
@@ -46,6 +54,25 @@ def ratio_to_copy(fn: Callable[[], object], copy: Callable[[], object]) -> tuple
     return statistics.median(t_copy), statistics.median(t_fn)
 
 
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        match = re.search(rf"^{field}:\s+(\d+) kB", f.read(), re.MULTILINE)
+    return int(match.group(1)) if match else 0
+
+
+def peak_rss_above(fn: Callable[[], object]) -> float | None:
+    """MiB by which the peak resident set during `fn` exceeds the resident set before it
+    (None where the peak cannot be reset, i.e. outside Linux)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # reset VmHWM to the current RSS
+    except OSError:
+        return None
+    before = _status_kib("VmRSS")
+    fn()
+    return (_status_kib("VmHWM") - before) / 1024
+
+
 def tiny_ffa_update(rank: int = 8) -> dict[str, torch.Tensor]:
     """The B matrices (out, r) an FFA-LoRA client of the tiny model sends."""
     model = build_tiny_model(vocab_size=512)
@@ -73,6 +100,19 @@ def lora_like() -> dict[str, torch.Tensor]:
             delta[f"l{layer}.{proj}.lora_A"] = torch.randn(16, 2048, generator=gen)
             delta[f"l{layer}.{proj}.lora_B"] = torch.randn(2048, 16, generator=gen)
     return delta
+
+
+def square() -> dict[str, torch.Tensor]:
+    """One 4096 x 4096 float32 tensor."""
+    return {"w": torch.randn(4096, 4096, generator=torch.Generator().manual_seed(0))}
+
+
+WORKLOADS: dict[str, Callable[[], dict[str, torch.Tensor]]] = {
+    "4096x4096 fp32": square,
+    "tiny FFA-LoRA B update (r 8)": tiny_ffa_update,
+    "tiny dense delta": tiny_dense_delta,
+    "LoRA r16, 24 x hidden 2048": lora_like,
+}
 
 
 def throughput_rows(name: str, delta: dict[str, torch.Tensor]) -> list[str]:
@@ -105,6 +145,28 @@ def throughput_rows(name: str, delta: dict[str, torch.Tensor]) -> list[str]:
     return rows
 
 
+def memory_probe(name: str, op: str) -> None:
+    """Print the MiB by which one `op` call on workload `name` raises the peak RSS."""
+    delta = WORKLOADS[name]()
+    tensors = [t.reshape(-1) for t in delta.values()]
+    if op == "pack":
+        extra = peak_rss_above(lambda: bitdelta.pack_many(tensors, GROUP))
+    else:
+        extra = peak_rss_above(lambda: encode(delta, CodecSpec("bitdelta", group_size=GROUP)))
+    print("n/a" if extra is None else f"{extra:.2f}")
+
+
+def memory_rows(name: str, delta: dict[str, torch.Tensor], threads: int) -> list[str]:
+    mib = 4 * sum(t.numel() for t in delta.values()) / 2**20
+    rows = []
+    for op in ("pack", "encode"):
+        argv = [sys.executable, __file__, "--threads", str(threads), "--probe", name, op]
+        out = subprocess.run(argv, capture_output=True, text=True, check=True).stdout.strip()
+        shown = out if out == "n/a" else f"{float(out):.1f} ({float(out) / mib:.3f}x)"
+        rows.append(f"| {name} | {op} | {mib:.1f} | {shown} |")
+    return rows
+
+
 def size_rows(delta: dict[str, torch.Tensor]) -> list[str]:
     values = sum(t.numel() for t in delta.values())
     rows = []
@@ -119,21 +181,26 @@ def main() -> None:
     parser.add_argument(
         "--threads", type=int, default=1, help="torch intra-op threads (anchor too)"
     )
+    parser.add_argument("--probe", nargs=2, help=argparse.SUPPRESS)  # workload, op: see memory_rows
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    if args.probe:
+        memory_probe(*args.probe)
+        return
     torch.manual_seed(0)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, median of {REPEATS}")
     print()
     print("| tensors | count | op | ms | copy_ ms | fp32 GB/s | vs copy |")
     print("|---|---|---|---|---|---|---|")
-    workloads = {
-        "4096x4096 fp32": {"w": torch.randn(4096, 4096)},
-        "tiny FFA-LoRA B update (r 8)": tiny_ffa_update(),
-        "tiny dense delta": tiny_dense_delta(),
-        "LoRA r16, 24 x hidden 2048": lora_like(),
-    }
+    workloads = {name: build() for name, build in WORKLOADS.items()}
     for name, delta in workloads.items():
         for row in throughput_rows(name, delta):
+            print(row)
+    print()
+    print("| tensors | op | input MiB | peak RSS above start, MiB (x input) |")
+    print("|---|---|---|---|")
+    for name in ("4096x4096 fp32", "LoRA r16, 24 x hidden 2048"):
+        for row in memory_rows(name, workloads[name], args.threads):
             print(row)
     print()
     for name in ("tiny dense delta", "LoRA r16, 24 x hidden 2048"):

@@ -323,9 +323,11 @@ def pack_many(xs: Sequence[Tensor], group: int) -> tuple[list[Tensor], Tensor]:
     Returns (packed signs per tensor (ceil(n_i / 8),) uint8, the scales of all tensors
     concatenated (sum_i ceil(n_i / group),) float32), each equal to `pack` of that tensor.
     ``scale_k = mean |x|`` over group k (Liu et al., 2024). On CPU the values stream through
-    cache-sized chunks: short tensors share a chunk, each zero-padded to a multiple of
+    cache-sized chunks of the tensors laid end to end, each zero-padded to a multiple of
     lcm(group, 8) values (a padded zero adds nothing to a group's sum of |x| and its sign bit
-    is cleared), so one ``numpy.packbits`` and one grouped sum serve many tensors.
+    is cleared), so one ``numpy.packbits`` and one grouped sum serve many tensors and write
+    straight into the result; extra memory is two chunk buffers (~1.3 MiB). The packed
+    tensors are views of one buffer.
     """
     if not xs:
         return [], torch.empty(0, dtype=torch.float32)

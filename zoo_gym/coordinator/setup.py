@@ -6,10 +6,32 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from zoo_gym.coordinator.registry import ModelRegistry, Published
+from zoo_gym.coordinator.tls import subject_alt_name, write_tls_material
 from zoo_gym.core.identity import Identity
 from zoo_gym.core.weights import weight_files
 
 CONFIG = "coordinator.toml"
+
+
+def _check_inputs(
+    home: Path,
+    *,
+    tiny: bool,
+    base_model: Path | None,
+    validation: Path | None,
+    tls_hosts: Sequence[str],
+) -> None:
+    """Refuse what `init_home` could not finish, before anything is written."""
+    for host in tls_hosts:
+        subject_alt_name(host)
+    if (home / CONFIG).exists():
+        raise FileExistsError(f"{home / CONFIG} exists; pick another --home or delete it")
+    if not tiny and (base_model is None or validation is None):
+        raise ValueError("pass --tiny, or both --base-model and --validation")
+    if not tiny and base_model is not None:
+        weight_files(base_model)  # one file or a consistent index of shards
+    if (home / "tls").exists() and tls_hosts:
+        raise FileExistsError(f"{home / 'tls'} exists; move the old TLS files away first")
 
 
 def init_home(
@@ -33,19 +55,10 @@ def init_home(
     With `tls_hosts`, also a CA and a server certificate for those names under `home/tls/`
     (see `zoo_gym.coordinator.tls`), and `tls_cert` / `tls_key` in the config.
     """
-    from zoo_gym.coordinator.tls import subject_alt_name, write_tls_material
-
-    for host in tls_hosts:
-        subject_alt_name(host)  # a bad name fails before anything is written
+    _check_inputs(
+        home, tiny=tiny, base_model=base_model, validation=validation, tls_hosts=tls_hosts
+    )
     home.mkdir(parents=True, exist_ok=True)
-    if (home / CONFIG).exists():
-        raise FileExistsError(f"{home / CONFIG} exists; pick another --home or delete it")
-    if not tiny and (base_model is None or validation is None):
-        raise ValueError("pass --tiny, or both --base-model and --validation")
-    if not tiny and base_model is not None:
-        weight_files(base_model)  # one file or a consistent index of shards, checked up front
-    if (home / "tls").exists() and tls_hosts:
-        raise FileExistsError(f"{home / 'tls'} exists; move the old TLS files away first")
     signer = Identity.generate()
     signer.save(home / "coordinator.key")
     if tiny:

@@ -95,8 +95,9 @@ class EnvelopeHeader:
         return self.spec.codec
 
 
-def _tensor_bytes(t: Tensor) -> bytes:
-    return t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes()
+def _tensor_bytes(t: Tensor) -> memoryview:
+    """The bytes of `t` as a view (copied only when not already contiguous on the CPU)."""
+    return t.detach().cpu().contiguous().view(torch.uint8).numpy().data
 
 
 def encode(delta: Delta, spec: CodecSpec) -> bytes:
@@ -109,7 +110,7 @@ def encode(delta: Delta, spec: CodecSpec) -> bytes:
     if sys.byteorder != "little":
         raise RuntimeError("the envelope is written on little-endian hosts only")
     layout = layout_of(delta)
-    chunks = [
+    chunks: list[bytes | memoryview] = [
         _HEAD.pack(
             MAGIC,
             VERSION,
@@ -142,8 +143,11 @@ def encode(delta: Delta, spec: CodecSpec) -> bytes:
                 spec.codec, x, group_length(spec, ts.shape), spec.scale_dtype
             )
             chunks += [_tensor_bytes(scales) if spec.scaled else b"", _tensor_bytes(data)]
-    body = b"".join(chunks)
-    return body + hashlib.sha256(body).digest()
+    digest = hashlib.sha256()
+    for chunk in chunks:  # hashed where they lie, joined once with the digest
+        digest.update(chunk)
+    chunks.append(digest.digest())
+    return b"".join(chunks)
 
 
 def _check_finite(name: str, x: Tensor) -> None:
@@ -160,7 +164,9 @@ def _packs_together(spec: CodecSpec, flats: list[Tensor]) -> bool:
     )
 
 
-def _bitdelta_sections(layout: Layout, flats: list[Tensor], spec: CodecSpec) -> list[bytes]:
+def _bitdelta_sections(
+    layout: Layout, flats: list[Tensor], spec: CodecSpec
+) -> list[bytes | memoryview]:
     """Scales and sign bytes of every tensor, in table order, from one `pack_many` pass.
 
     A NaN or Inf value makes its group's mean |x| non-finite, so the float32 scales reveal
@@ -171,15 +177,15 @@ def _bitdelta_sections(layout: Layout, flats: list[Tensor], spec: CodecSpec) -> 
         for ts, x in zip(layout, flats, strict=True):
             _check_finite(ts.name, x)
     stored = scales.to(codecs.SCALE_TORCH_DTYPES[spec.scale_dtype])
-    if not bool(torch.isfinite(stored).all()):
+    if stored.dtype != scales.dtype and not bool(torch.isfinite(stored).all()):
         raise ValueError(f"a scale overflows {spec.scale_dtype}; use scale_dtype='float32'")
     raw = stored.view(torch.uint8).numpy()
     width = _SCALE_BYTES[spec.scale_dtype]
-    sections: list[bytes] = []
+    sections: list[bytes | memoryview] = []
     start = 0
     for x, bits in zip(flats, packed, strict=True):
         stop = start + width * n_groups(x.numel(), spec.group_size)
-        sections += [raw[start:stop].tobytes(), bits.numpy().tobytes()]
+        sections += [raw[start:stop].data, bits.numpy().data]
         start = stop
     return sections
 

@@ -185,7 +185,7 @@ def test_join_trains_within_budget_then_stops_before_exceeding_it(tmp_path: Path
     log = (tmp_path / "fed" / "client-0.log").read_text()
     assert code == 0 and coordinator_alive, log[-3000:]
     assert "joined 127.0.0.1:" in log and "base model v0000 loaded" in log
-    assert "training on cpu (float32, " in log  # device = "auto" on a machine without CUDA
+    assert "device: cpu (float32, " in log  # device = "auto" on a machine without CUDA
     assert "round 1 privacy: DP-SGD sigma" in log and "this round" in log
     assert "as bf16 -> " in log and "accepted: accepted at intake" in log
     assert "stopped: privacy budget: round 3 would bring your epsilon to" in log, log

@@ -75,7 +75,7 @@ def join(
             f"joined {config.coordinator} as {reg.contributor_id[:16]} ({reg.status}); "
             f"{len(conversations)} local examples; current base {reg.current_version}"
         )
-        say(f"training on {describe_device(device)}")
+        say(f"device: {describe_device(device)}")
         if reg.status == "banned":
             raise JoinError("this key is banned by the operator")
         context = Context(

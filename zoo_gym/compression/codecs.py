@@ -109,13 +109,13 @@ def encode_tensor(codec: str, x: Tensor, group: int, scale_dtype: str) -> tuple[
             raise ValueError(f"a value overflows {codec}; choose codec 'none'")
         return torch.empty(0), raw.cpu().view(torch.uint8)
     ord_ = 1.0 if codec == "bitdelta" else float("inf")
-    if codec == "bitdelta" and x.is_cuda and kernels.available() and kernels.can_pack(group):
-        packed, scales = kernels.pack(x, group)
-        packed = packed.cpu()
-    elif codec == "bitdelta":
-        packed, scales = bitdelta.pack(x, group)
-    else:
-        scales = bitdelta.group_reduce(x, group, ord=ord_) / LEVELS[codec]
+    if codec == "bitdelta" and kernels.active_for(x) and kernels.can_pack(group):
+        packed, scales = kernels.pack(x, group)  # the CPU path's bytes, see `kernels.pack`
+        packed, scales = packed.cpu(), scales.cpu()
+    elif codec == "bitdelta":  # on the CPU: a GPU's torch sum could round scales differently
+        packed, scales = bitdelta.pack(x.cpu(), group)
+    else:  # max |x| is exact in any order
+        scales = (bitdelta.group_reduce(x, group, ord=ord_) / LEVELS[codec]).cpu()
     stored = scales.to(SCALE_TORCH_DTYPES[scale_dtype])
     if not bool(torch.isfinite(stored).all()):
         raise ValueError(f"a scale overflows {scale_dtype}; use scale_dtype='float32'")

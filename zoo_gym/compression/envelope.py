@@ -156,12 +156,22 @@ def _check_finite(name: str, x: Tensor) -> None:
 
 
 def _packs_together(spec: CodecSpec, flats: list[Tensor]) -> bool:
-    """Whether all tensors go through one `bitdelta.pack_many` pass (BitDelta, fixed groups, CPU)."""
-    return (
-        spec.codec == "bitdelta"
-        and spec.granularity == "group"
-        and all(x.device.type == "cpu" for x in flats)
-    )
+    """Whether all tensors go through one `pack_many` pass (BitDelta, one group size)."""
+    return spec.codec == "bitdelta" and spec.granularity == "group"
+
+
+def pack_many(flats: list[Tensor], group: int) -> tuple[list[Tensor], Tensor]:
+    """Signs and scales of flat float32 tensors, on the CPU, the same bytes on every path.
+
+    The pack kernel runs where `kernels.active_for` says so (CUDA tensors with Triton); it
+    reproduces the CPU path bit for bit. Anywhere else the tensors are packed on the CPU:
+    the torch path on a GPU sums |x| in another order, so its scales could differ from the
+    CPU's in the last bit, and a payload's bytes must not depend on the machine that made it.
+    """
+    devices = {x.device for x in flats}
+    if len(devices) == 1 and kernels.can_pack(group) and kernels.active_for(devices.pop()):
+        return kernels.pack_many(flats, group)
+    return bitdelta.pack_many([x.cpu() for x in flats], group)
 
 
 def _bitdelta_sections(
@@ -172,7 +182,7 @@ def _bitdelta_sections(
     A NaN or Inf value makes its group's mean |x| non-finite, so the float32 scales reveal
     bad input without a separate pass over the values.
     """
-    packed, scales = bitdelta.pack_many(flats, spec.group_size)
+    packed, scales = pack_many(flats, spec.group_size)
     if not bool(torch.isfinite(scales).all()):
         for ts, x in zip(layout, flats, strict=True):
             _check_finite(ts.name, x)
@@ -323,20 +333,27 @@ def section_tensors(
     return scales, data
 
 
-def unpacks_together(header: EnvelopeHeader, triton: bool) -> bool:
+def unpacks_together(header: EnvelopeHeader) -> bool:
     """Whether the whole payload unpacks in one `unpack_bitdelta` call (BitDelta, one group
-    size for every tensor, on the CPU path)."""
-    return header.codec == "bitdelta" and header.spec.granularity == "group" and not triton
+    size for every tensor)."""
+    return header.codec == "bitdelta" and header.spec.granularity == "group"
 
 
 def unpack_bitdelta(
-    payload: bytes, header: EnvelopeHeader, out: Tensor, *, weight: float | None = None
+    payload: bytes,
+    header: EnvelopeHeader,
+    out: Tensor,
+    *,
+    weight: float | None = None,
+    triton: bool = False,
 ) -> None:
     """Write (or, with `weight`, add `weight` times) every tensor of a BitDelta payload into the
-    flat `out`, through `bitdelta.unpack_many`; see `unpacks_together`."""
+    flat `out`, through `bitdelta.unpack_many` or, with `triton`, the unpack kernel (signs
+    and scales copied to `out`'s device once); see `unpacks_together`."""
     packed, scales = bitdelta_parts(payload, header)
     ns = [section.spec.numel for section in header.sections]
-    bitdelta.unpack_many(packed, scales, ns, header.spec.group_size, out, weight=weight)
+    unpack_many = kernels.unpack_many if triton else bitdelta.unpack_many
+    unpack_many(packed, scales, ns, header.spec.group_size, out, weight=weight)
 
 
 def bitdelta_parts(payload: bytes, header: EnvelopeHeader) -> tuple[list[Tensor], Tensor]:
@@ -377,12 +394,13 @@ def check_layout(header: EnvelopeHeader, layout: Layout) -> None:
 
 
 def use_triton(out: Tensor, backend: str) -> bool:
-    """Backend choice: ``"auto"`` runs the Triton kernels for CUDA tensors when Triton is
-    installed and the torch path otherwise; ``"torch"`` and ``"triton"`` force one."""
+    """Backend choice: ``"auto"`` runs the Triton kernels where `kernels.active_for(out)` says
+    so (CUDA tensors when Triton is installed) and the torch path otherwise; ``"torch"`` and
+    ``"triton"`` force one."""
     if backend not in ("auto", "torch", "triton"):
         raise ValueError(f"unknown backend {backend!r}; choose 'auto', 'torch' or 'triton'")
     if backend == "auto":
-        return out.is_cuda and kernels.available()
+        return kernels.active_for(out)
     return backend == "triton"
 
 
@@ -403,8 +421,8 @@ def decode_into(
     header = inspect_envelope(payload, max_elements=max_elements)
     check_layout(header, layout)
     triton = use_triton(out, backend)
-    if unpacks_together(header, triton):
-        unpack_bitdelta(payload, header, out)
+    if unpacks_together(header):
+        unpack_bitdelta(payload, header, out, triton=triton)
         return
     offset = 0
     for section in header.sections:
@@ -415,18 +433,33 @@ def decode_into(
         offset += n
 
 
-def decode(payload: bytes, *, max_elements: int) -> Delta:
-    """Decode an envelope into float32 tensors (one allocation per tensor).
+def decode(payload: bytes, *, max_elements: int, device: torch.device | str | None = None) -> Delta:
+    """Decode an envelope into float32 tensors on `device` (the CPU when None), one
+    allocation per tensor.
 
-    Raises `EnvelopeError` (one line) for any invalid payload, before allocating anything
-    when declared sizes disagree with the byte length or exceed `max_elements`.
+    Where `kernels.active_for(device)` (CUDA with Triton) BitDelta signs and scales go to the
+    device in one copy each and the unpack kernel writes the values there; elsewhere the torch
+    path decodes. Both give the same values. Raises `EnvelopeError` (one line) for any
+    invalid payload, before allocating anything when declared sizes disagree with the byte
+    length or exceed `max_elements`.
     """
+    target = torch.device("cpu" if device is None else device)
+    triton = kernels.active_for(target)
     payload = bytes(payload) if isinstance(payload, bytearray | memoryview) else payload
     header = inspect_envelope(payload, max_elements=max_elements)
     delta: Delta = {}
+    if triton and unpacks_together(header):
+        packed, scales = bitdelta_parts(payload, header)
+        for section in header.sections:
+            delta[section.spec.name] = torch.empty(
+                section.spec.shape, dtype=torch.float32, device=target
+            )
+        outs = [t.view(-1) for t in delta.values()]
+        kernels.unpack_each(packed, scales, header.spec.group_size, outs)
+        return delta
     for section in header.sections:
         scales, data = section_tensors(payload, header, section)
-        out = torch.empty(section.spec.shape, dtype=torch.float32)
-        codecs.decode_tensor(header.codec, scales, data, section.group, out.view(-1))
+        out = torch.empty(section.spec.shape, dtype=torch.float32, device=target)
+        codecs.decode_tensor(header.codec, scales, data, section.group, out.view(-1), triton=triton)
         delta[section.spec.name] = out
     return delta

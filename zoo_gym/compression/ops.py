@@ -1,7 +1,8 @@
 """Consumers of envelopes that never build a full decoded copy: accumulate and apply.
 
-For BitDelta both are fused (Triton kernels on CUDA tensors, chunked torch on CPU); other
-codecs decode one tensor at a time into a temporary of that tensor's size.
+For BitDelta both are fused: Triton kernels where `kernels.active_for` the target tensor
+(CUDA with Triton installed), chunked torch elsewhere; other codecs decode one tensor at a time
+into a temporary of that tensor's size.
 """
 
 from __future__ import annotations
@@ -47,8 +48,8 @@ def decode_accumulate(
     for payload, weight in zip(payloads, weights, strict=True):
         header = inspect_envelope(payload, max_elements=max_elements)
         check_layout(header, layout)
-        if unpacks_together(header, triton):
-            unpack_bitdelta(payload, header, out, weight=float(weight))
+        if unpacks_together(header):
+            unpack_bitdelta(payload, header, out, weight=float(weight), triton=triton)
             continue
         parts = [section_tensors(payload, header, s) for s in header.sections]
         offset = 0

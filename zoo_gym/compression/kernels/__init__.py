@@ -3,15 +3,27 @@
 The functions here take the same tensors as `zoo_gym.compression.bitdelta` (the torch
 reference they are tested against, bit for bit) and run on CUDA tensors, or on CPU tensors
 when ``TRITON_INTERPRET=1`` was set before Triton was imported.
+
+`active_for` is the one switch between the two paths: the envelope's encode, decode,
+accumulate and apply use the kernels for a tensor exactly when it says so. That is every CUDA
+tensor when Triton is installed; CPU tensors go through the kernels only when
+``ZOO_TRITON_ON_CPU=1`` is set as well as ``TRITON_INTERPRET=1``, which lets tests run the
+product's GPU path on a machine without a GPU (slowly: the interpreter runs the kernels in
+numpy).
 """
 
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import os
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor
+
+ON_CPU = "ZOO_TRITON_ON_CPU"
+"""Environment variable: 1 runs the kernels on CPU tensors too (needs TRITON_INTERPRET=1)."""
 
 MAX_PACK_GROUP = 8192
 """Largest group the fused pack kernel handles in one program (one group per program)."""
@@ -25,6 +37,18 @@ def available() -> bool:
 def interpreted() -> bool:
     """Whether kernels run in the Triton interpreter (on CPU tensors)."""
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def active_for(where: Tensor | torch.device | str) -> bool:
+    """Whether the envelope functions run the kernels for tensors on `where` (see the module
+    docstring): CUDA with Triton installed, or the CPU under the interpreter when asked for."""
+    device = where.device if isinstance(where, Tensor) else torch.device(where)
+    if not available():
+        return False
+    if device.type == "cuda":
+        return True
+    on_cpu = os.environ.get(ON_CPU, "0") not in ("", "0")
+    return device.type == "cpu" and on_cpu and interpreted()
 
 
 def can_pack(group: int) -> bool:
@@ -46,6 +70,84 @@ def pack(x: Tensor, group: int) -> tuple[Tensor, Tensor]:
     scales = torch.empty(-(-n // group), dtype=torch.float32, device=x.device)
     bitdelta_triton.pack(x.contiguous(), bits, scales, group)
     return bits, scales
+
+
+def pack_many(xs: Sequence[Tensor], group: int) -> tuple[list[Tensor], Tensor]:
+    """`zoo_gym.compression.bitdelta.pack_many` through the pack kernel, on the tensors' device.
+
+    `xs` are flat contiguous float32 tensors (n_i,) on one device. Signs and scales of all
+    tensors are written into one device buffer each and copied to the CPU once: returns
+    (packed signs per tensor (ceil(n_i / 8),) uint8, scales (sum_i ceil(n_i / group),)
+    float32), both on the CPU, byte for byte those of the CPU path. Requires
+    ``can_pack(group)``.
+    """
+    from zoo_gym.compression.kernels import bitdelta_triton
+
+    if not can_pack(group):
+        raise ValueError(f"pack kernel needs a group that is a multiple of 8 <= {MAX_PACK_GROUP}")
+    if not xs:
+        return [], torch.empty(0, dtype=torch.float32)
+    device = xs[0].device
+    nbytes = [(x.numel() + 7) // 8 for x in xs]
+    ngroups = [-(-x.numel() // group) for x in xs]
+    bits = torch.empty(sum(nbytes), dtype=torch.uint8, device=device)
+    scales = torch.empty(sum(ngroups), dtype=torch.float32, device=device)
+    boff = list(itertools.accumulate(nbytes, initial=0))
+    goff = list(itertools.accumulate(ngroups, initial=0))
+    for i, x in enumerate(xs):
+        bitdelta_triton.pack(
+            x.contiguous(), bits[boff[i] : boff[i + 1]], scales[goff[i] : goff[i + 1]], group
+        )
+    return list(torch.split(bits.cpu(), nbytes)), scales.cpu()
+
+
+def unpack_many(
+    packed: Sequence[Tensor],
+    scales: Tensor,
+    ns: Sequence[int],
+    group: int,
+    out: Tensor,
+    *,
+    weight: float | None = None,
+) -> None:
+    """`zoo_gym.compression.bitdelta.unpack_many` through the unpack kernel on `out`'s device.
+
+    Writes (``weight=None``) or adds ``+-(weight * scale)`` for tensors laid end to end in the
+    contiguous `out` (sum_i n_i,) float32; the signs and scales go to the device in one copy
+    each.
+    """
+    voff = list(itertools.accumulate(ns, initial=0))
+    outs = [out[voff[i] : voff[i + 1]] for i in range(len(ns))]
+    unpack_each(packed, scales, group, outs, weight=weight)
+
+
+def unpack_each(
+    packed: Sequence[Tensor],
+    scales: Tensor,
+    group: int,
+    outs: Sequence[Tensor],
+    *,
+    weight: float | None = None,
+) -> None:
+    """`unpack_many` into separate contiguous float32 tensors `outs[i]` (n_i,) on one device."""
+    from zoo_gym.compression.kernels import bitdelta_triton
+
+    if not packed:
+        return
+    device = outs[0].device
+    bits = torch.cat(list(packed)).to(device)
+    steps = scales.float().to(device).contiguous()
+    boff = list(itertools.accumulate((p.numel() for p in packed), initial=0))
+    goff = list(itertools.accumulate((-(-o.numel() // group) for o in outs), initial=0))
+    for i, out in enumerate(outs):
+        bitdelta_triton.unpack(
+            bits[boff[i] : boff[i + 1]],
+            steps[goff[i] : goff[i + 1]],
+            out,
+            group,
+            1.0 if weight is None else weight,
+            weight is not None,
+        )
 
 
 def unpack(packed: Tensor, scales: Tensor, group: int, out: Tensor) -> None:

@@ -320,6 +320,12 @@ class CoordinatorConfig(HomeConfig):
         "off: /openapi.json needs a viewer key",
     )
     # -- the rest --
+    device: str = Field(
+        "auto",
+        description="where accepted updates are decoded and aggregated: auto (the first CUDA "
+        "device when present, else the CPU), cpu, cuda or cuda:N; on CUDA BitDelta envelopes "
+        "are decoded by the Triton kernels",
+    )
     seed: int = 0
     tls_cert: Path | None = None
     tls_key: Path | None = None
@@ -342,6 +348,16 @@ class CoordinatorConfig(HomeConfig):
     @classmethod
     def _size(cls, value: Any) -> Any:
         return parse_size(value) if isinstance(value, str) else value
+
+    @field_validator("device")
+    @classmethod
+    def _device(cls, value: str) -> str:
+        try:
+            if value != "auto":
+                torch.device(value)
+        except RuntimeError:
+            raise ValueError(f"device must be auto, cpu, cuda or cuda:N, not {value!r}") from None
+        return value
 
     @model_validator(mode="after")
     def _check(self) -> CoordinatorConfig:

@@ -99,4 +99,5 @@ class Coordinator:
             keep_rows=c.rewards.method != "none",
             trusted_reputation=c.trusted_reputation,
             fresh_weight=c.fresh_weight,
+            device=c.device,
         )

@@ -6,6 +6,11 @@ task carries a round config and a model *version* (contributors fetch
 weights once per version, not per message), and aggregation decodes accepted
 envelopes straight into one preallocated `(n, d)` buffer and runs the
 configured robust rule, whose per-update decisions go to the ledger.
+
+Decoding and aggregation run on the coordinator's `device` ("auto": the first CUDA device when
+PyTorch sees one, else the CPU). On CUDA the envelopes are decoded (and, for fused FedAvg,
+accumulated) by the Triton kernels (`zoo_gym.compression.kernels.active_for`); the round's
+update and rows come back to the CPU. On the CPU nothing changes.
 """
 
 from __future__ import annotations
@@ -70,6 +75,7 @@ class ZooStrategy(FedAvg):
         keep_rows: bool = True,
         trusted_reputation: float = 0.0,
         fresh_weight: float = 1.0,
+        device: str = "auto",
     ) -> None:
         super().__init__(
             fraction_train=1.0,
@@ -94,6 +100,7 @@ class ZooStrategy(FedAvg):
         )
         self.trusted_reputation = trusted_reputation
         self.fresh_weight = fresh_weight
+        self.device = resolve_device(device)
 
     def wait_for_nodes(self, grid: Grid) -> list[int]:
         deadline = time.monotonic() + self.wait_for_clients_s
@@ -189,7 +196,9 @@ class ZooStrategy(FedAvg):
         """The accepted updates decoded into one `(n, d)` float32 buffer, row by row straight
         from the envelopes, and the replies of the rows; one that does not decode to finite
         values is recorded as not selected and left out."""
-        updates = torch.empty((len(accepted), numel(layout)), dtype=torch.float32)
+        updates = torch.empty(
+            (len(accepted), numel(layout)), dtype=torch.float32, device=self.device
+        )
         rows: list[Message] = []
         for reply in accepted:
             intake = _intake(reply)
@@ -218,7 +227,9 @@ class ZooStrategy(FedAvg):
         trained on, ramped by trust), its decision about each row recorded."""
         weights = None
         if self.rule in WEIGHTED_RULES:
-            weights = torch.tensor(self._influence(rows), dtype=torch.float64)
+            weights = torch.tensor(
+                self._influence(rows), dtype=torch.float64, device=updates.device
+            )
         result: Aggregate = aggregate(
             self.rule, updates, f=self.f, weights=weights, pre=self.pre, **self.params
         )
@@ -231,11 +242,11 @@ class ZooStrategy(FedAvg):
             if decision.selected or decision.weight > 0:
                 contributors.append(intake.contributor_id)
         return RoundAggregate(
-            {k: v.clone() for k, v in unflatten(result.vector.float(), layout).items()},
+            {k: v.clone() for k, v in unflatten(result.vector.float().cpu(), layout).items()},
             tuple(contributors),
             received=received,
             accepted=accepted,
-            rows=updates,
+            rows=updates.cpu(),
             row_contributors=_senders(rows),
             decisions=result.decisions,
         )
@@ -257,7 +268,7 @@ class ZooStrategy(FedAvg):
         if len(accepted) < needed or total <= 0:
             return None
         weights = [e / total for e in examples]
-        summed = torch.zeros(numel(layout), dtype=torch.float32)
+        summed = torch.zeros(numel(layout), dtype=torch.float32, device=self.device)
         for reply, w in zip(accepted, weights, strict=True):  # one payload in memory at a time
             data = self.backend.payload_path(_intake(reply).payload_sha256).read_bytes()
             try:
@@ -276,7 +287,7 @@ class ZooStrategy(FedAvg):
             if decision.selected:
                 contributors.append(intake.contributor_id)
         return RoundAggregate(
-            {k: v.clone() for k, v in unflatten(summed, layout).items()},
+            {k: v.clone() for k, v in unflatten(summed.cpu(), layout).items()},
             tuple(contributors),
             received=received,
             accepted=len(accepted),
@@ -317,6 +328,17 @@ class ZooStrategy(FedAvg):
                 score=decision.score if decision else None,
                 reason=reason,
             )
+
+
+def resolve_device(name: str) -> torch.device:
+    """The device `name` names on this machine: "auto" is the first CUDA device when PyTorch
+    sees one, else the CPU."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f'device = "{name}", but PyTorch sees no CUDA device here; use "auto"')
+    return device
 
 
 def _intake(reply: Message) -> IntakeResult:

@@ -12,6 +12,14 @@ same machine load; the table gives medians and the ratio copy time / operation t
 Both the operation and its anchor run with ``--threads`` torch threads (default 1: on a shared
 machine, OpenMP threads that wait for a busy core distort small operations).
 
+With a CUDA device (and Triton) a GPU table follows, each row again interleaved with its anchor,
+a device-to-device ``copy_`` of the same float32 tensors on the GPU (synchronised around every
+call): ``pack`` / ``unpack`` are the Triton kernels alone on device buffers (one launch per
+tensor); ``encode`` is the envelope of CUDA tensors (kernel, one copy of signs and scales to the
+host, SHA-256); ``decode_into`` decodes the payload into one CUDA row (one copy of signs and
+scales to the device, kernel). Without CUDA the section says so and is skipped;
+``--gpu-only`` skips the CPU tables.
+
 A second table gives, for ``pack`` and ``encode`` of the two large workloads, the peak resident
 memory of one call in a fresh process above what that process held before it (Linux: the peak
 is reset through ``/proc/self/clear_refs``), against the input's size: the chunked encoder
@@ -30,7 +38,7 @@ from collections.abc import Callable
 
 import torch
 
-from zoo_gym.compression import CODECS, CodecSpec, bitdelta, decode_into, encode
+from zoo_gym.compression import CODECS, CodecSpec, bitdelta, decode_into, encode, kernels
 from zoo_gym.core.delta import layout_of, numel
 from zoo_gym.core.lora import LoraSpec, target_weights, update_key
 from zoo_gym.core.tiny import build_tiny_model
@@ -107,11 +115,21 @@ def square() -> dict[str, torch.Tensor]:
     return {"w": torch.randn(4096, 4096, generator=torch.Generator().manual_seed(0))}
 
 
+def lora_b_small() -> dict[str, torch.Tensor]:
+    """192 FFA-LoRA B matrices (896, 16): a rank-16 update of a 24-layer, hidden-896 model
+    (q, k, v, o, gate, up, down, and one more per layer), as a 0.5B model's client sends."""
+    gen = torch.Generator().manual_seed(4)
+    return {f"l{i:03d}.lora_B": torch.randn(896, 16, generator=gen) for i in range(192)}
+
+
 WORKLOADS: dict[str, Callable[[], dict[str, torch.Tensor]]] = {
     "4096x4096 fp32": square,
     "tiny FFA-LoRA B update (r 8)": tiny_ffa_update,
     "tiny dense delta": tiny_dense_delta,
     "LoRA r16, 24 x hidden 2048": lora_like,
+}
+GPU_ONLY_WORKLOADS: dict[str, Callable[[], dict[str, torch.Tensor]]] = {
+    "LoRA B (896, 16) x 192": lora_b_small,
 }
 
 
@@ -143,6 +161,74 @@ def throughput_rows(name: str, delta: dict[str, torch.Tensor]) -> list[str]:
             f"| {nbytes / t / 1e9:.2f} | {t_copy / t:.2f} |"
         )
     return rows
+
+
+def _synchronised(fn: Callable[[], object], device: str) -> Callable[[], None]:
+    def run() -> None:
+        fn()
+        if device == "cuda":
+            torch.cuda.synchronize()
+
+    return run
+
+
+def gpu_rows(name: str, delta: dict[str, torch.Tensor], device: str = "cuda") -> list[str]:
+    """The GPU table's rows for one workload (see the module docstring); `device` "cpu" runs
+    the same code in the Triton interpreter, as a check of this function only."""
+    from zoo_gym.compression.kernels import bitdelta_triton
+
+    on_gpu = {k: v.to(device) for k, v in delta.items()}
+    tensors = [t.reshape(-1) for t in on_gpu.values()]
+    copies = [torch.empty_like(t) for t in tensors]
+    bits = [torch.empty((t.numel() + 7) // 8, dtype=torch.uint8, device=device) for t in tensors]
+    scales = [torch.empty(-(-t.numel() // GROUP), device=device) for t in tensors]
+    outs = [torch.empty_like(t) for t in tensors]
+    spec = CodecSpec("bitdelta", group_size=GROUP)
+    payload = encode(on_gpu, spec)
+    layout = layout_of(delta)
+    row = torch.empty(numel(layout), device=device)
+    nbytes = 4 * sum(t.numel() for t in tensors)
+
+    def copy() -> None:
+        for dst, src in zip(copies, tensors, strict=True):
+            dst.copy_(src)
+
+    def pack() -> None:
+        for x, b, s in zip(tensors, bits, scales, strict=True):
+            bitdelta_triton.pack(x, b, s, GROUP)
+
+    def unpack() -> None:
+        for b, s, out in zip(bits, scales, outs, strict=True):
+            bitdelta_triton.unpack(b, s, out, GROUP, 1.0, False)
+
+    ops: dict[str, Callable[[], object]] = {
+        "pack": pack,
+        "unpack": unpack,
+        "encode": lambda: encode(on_gpu, spec),
+        "decode_into": lambda: decode_into(payload, row, layout, max_elements=numel(layout)),
+    }
+    rows = []
+    for label, fn in ops.items():
+        t_copy, t = ratio_to_copy(_synchronised(fn, device), _synchronised(copy, device))
+        rows.append(
+            f"| {name} | {len(tensors)} | {label} | {t * 1e3:.3f} | {t_copy * 1e3:.3f} "
+            f"| {nbytes / t / 1e9:.1f} | {nbytes / t_copy / 1e9:.1f} | {t_copy / t:.2f} |"
+        )
+    return rows
+
+
+def print_gpu_section(workloads: dict[str, dict[str, torch.Tensor]]) -> None:
+    if not (torch.cuda.is_available() and kernels.available()):
+        print("GPU section skipped: no CUDA device or no Triton here.")
+        return
+    print(f"GPU: {torch.cuda.get_device_name()}, Triton kernels, median of {REPEATS}")
+    print()
+    print("| tensors | count | op | ms | copy_ ms | fp32 GB/s | copy_ GB/s | vs copy |")
+    print("|---|---|---|---|---|---|---|---|")
+    for name in ("4096x4096 fp32", "LoRA r16, 24 x hidden 2048", "LoRA B (896, 16) x 192"):
+        for row in gpu_rows(name, workloads[name]):
+            print(row)
+    print()
 
 
 def memory_probe(name: str, op: str) -> None:
@@ -181,6 +267,7 @@ def main() -> None:
     parser.add_argument(
         "--threads", type=int, default=1, help="torch intra-op threads (anchor too)"
     )
+    parser.add_argument("--gpu-only", action="store_true", help="only the GPU table")
     parser.add_argument("--probe", nargs=2, help=argparse.SUPPRESS)  # workload, op: see memory_rows
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -188,11 +275,15 @@ def main() -> None:
         memory_probe(*args.probe)
         return
     torch.manual_seed(0)
+    workloads = {name: build() for name, build in WORKLOADS.items()}
+    if args.gpu_only:
+        workloads |= {name: build() for name, build in GPU_ONLY_WORKLOADS.items()}
+        print_gpu_section(workloads)
+        return
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, median of {REPEATS}")
     print()
     print("| tensors | count | op | ms | copy_ ms | fp32 GB/s | vs copy |")
     print("|---|---|---|---|---|---|---|")
-    workloads = {name: build() for name, build in WORKLOADS.items()}
     for name, delta in workloads.items():
         for row in throughput_rows(name, delta):
             print(row)
@@ -213,6 +304,8 @@ def main() -> None:
         for row in size_rows(delta):
             print(row)
         print()
+    workloads |= {name: build() for name, build in GPU_ONLY_WORKLOADS.items()}
+    print_gpu_section(workloads)
 
 
 if __name__ == "__main__":

@@ -114,5 +114,4 @@ def test_gpu_encode_and_decode_into_match_cpu() -> None:
     decode_into(cpu, out, layout, max_elements=512 * 512)
 
     assert torch.equal(out.cpu(), decode(cpu, max_elements=512 * 512)["w"].view(-1))
-    gpu = encode({"w": delta["w"].cuda()}, CodecSpec())
-    assert decode(gpu, max_elements=512 * 512)["w"].shape == (512, 512)
+    assert encode({"w": delta["w"].cuda()}, CodecSpec()) == cpu  # the same bytes

@@ -10,6 +10,23 @@ tensor when Triton is installed; CPU tensors go through the kernels only when
 ``ZOO_TRITON_ON_CPU=1`` is set as well as ``TRITON_INTERPRET=1``, which lets tests run the
 product's GPU path on a machine without a GPU (slowly: the interpreter runs the kernels in
 numpy).
+
+Byte identity. A payload's bytes must not depend on the machine that encoded it (they are
+hashed, signed and pinned by tests). Sign bits are exact anywhere; a scale (mean |x| of a group)
+is a float32 sum whose last bit depends on the order of the additions. The CPU path sums each
+group with one ``torch.sum`` over a contiguous float32 row, which PyTorch's CPU kernel
+(`cascade_sum`) adds in a fixed order of 8-lane vectors: 4 interleaved accumulators, blocks of
+16 rows of 4 vectors folded into a second level, the lanes added last from left to right. x86
+builds use that 8-lane order whatever the CPU offers (measured with ATEN_CPU_CAPABILITY=default,
+avx2 and avx512, 1 to 8 threads, groups 8 to 8192). The pack kernel performs the same additions
+in the same order with no fused multiply-add and divides with IEEE rounding, so its scales equal
+the CPU's bit for bit for every group it takes: a multiple of 8 up to MAX_PACK_GROUP. Any other
+group (row or matrix granularity with such a length, or a larger group) is packed on the CPU,
+as are CUDA tensors when Triton is missing: the torch path on a GPU adds in another order.
+Left open: a PyTorch build whose float vectors are not 8 lanes wide (aarch64 builds with 4-lane
+NEON vectors, not measured here) would itself give other CPU bytes, as would a PyTorch release
+that changes `cascade_sum`; `tests/compression/test_kernels.py` compares the two paths bit for
+bit and fails if that happens.
 """
 
 from __future__ import annotations

@@ -37,6 +37,22 @@ def test_pack_matches_reference(n: int, group: int) -> None:
 
     ref_bits, ref_scales = bitdelta.pack(x, group)
     assert torch.equal(bits.cpu(), ref_bits)
+    assert torch.equal(scales.cpu(), ref_scales)  # the same additions in the same order
+
+
+@pytest.mark.parametrize(
+    "group",
+    [1032, pytest.param(8192, marks=pytest.mark.slow)],  # 2 and 16 blocks of 64 vectors
+)
+def test_pack_of_long_groups_matches_reference(group: int) -> None:
+    gen = torch.Generator().manual_seed(group)
+    n = 3 * group + 5
+    x = torch.randn(n, generator=gen) * torch.randn(n, generator=gen).exp()
+
+    bits, scales = kernels.pack(x.to(DEVICE), group)
+
+    ref_bits, ref_scales = bitdelta.pack(x, group)
+    assert torch.equal(bits.cpu(), ref_bits)
     assert torch.equal(scales.cpu(), ref_scales)
 
 

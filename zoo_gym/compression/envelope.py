@@ -110,7 +110,27 @@ def encode(delta: Delta, spec: CodecSpec) -> bytes:
     if sys.byteorder != "little":
         raise RuntimeError("the envelope is written on little-endian hosts only")
     layout = layout_of(delta)
-    chunks: list[bytes | memoryview] = [
+    chunks: list[bytes | memoryview] = [_table(layout, spec)]
+    flats = [delta[ts.name].detach().reshape(-1).to(torch.float32).contiguous() for ts in layout]
+    if _packs_together(spec, flats):
+        chunks += _bitdelta_sections(layout, flats, spec)
+    else:
+        for ts, x in zip(layout, flats, strict=True):
+            _check_finite(ts.name, x)
+            scales, data = codecs.encode_tensor(
+                spec.codec, x, group_length(spec, ts.shape), spec.scale_dtype
+            )
+            chunks += [_tensor_bytes(scales) if spec.scaled else b"", _tensor_bytes(data)]
+    digest = hashlib.sha256()
+    for chunk in chunks:  # hashed where they lie, joined once with the digest
+        digest.update(chunk)
+    chunks.append(digest.digest())
+    return b"".join(chunks)
+
+
+def _table(layout: Layout, spec: CodecSpec) -> bytes:
+    """The header and the tensor table (format in the module docstring), as one piece."""
+    parts = [
         _HEAD.pack(
             MAGIC,
             VERSION,
@@ -127,27 +147,13 @@ def encode(delta: Delta, spec: CodecSpec) -> bytes:
         if len(ts.shape) > MAX_NDIM:
             raise ValueError(f"{ts.name}: {len(ts.shape)} dimensions, at most {MAX_NDIM}")
         name = ts.name.encode("utf-8")
-        chunks += [
+        parts += [
             _NAME.pack(len(name)),
             name,
             _DTYPE_NDIM.pack(DTYPE_IDS[ts.dtype], len(ts.shape)),
+            struct.pack(f"<{len(ts.shape)}Q", *ts.shape),
         ]
-        chunks.append(struct.pack(f"<{len(ts.shape)}Q", *ts.shape))
-    flats = [delta[ts.name].detach().reshape(-1).to(torch.float32).contiguous() for ts in layout]
-    if _packs_together(spec, flats):
-        chunks += _bitdelta_sections(layout, flats, spec)
-    else:
-        for ts, x in zip(layout, flats, strict=True):
-            _check_finite(ts.name, x)
-            scales, data = codecs.encode_tensor(
-                spec.codec, x, group_length(spec, ts.shape), spec.scale_dtype
-            )
-            chunks += [_tensor_bytes(scales) if spec.scaled else b"", _tensor_bytes(data)]
-    digest = hashlib.sha256()
-    for chunk in chunks:  # hashed where they lie, joined once with the digest
-        digest.update(chunk)
-    chunks.append(digest.digest())
-    return b"".join(chunks)
+    return b"".join(parts)
 
 
 def _check_finite(name: str, x: Tensor) -> None:

@@ -1,15 +1,17 @@
+import logging
 from pathlib import Path
 
 import pytest
 import torch
 
-from zoo_gym.client.feedback import FfaErrorFeedback
+from zoo_gym.client.feedback import FfaErrorFeedback, least_squares_carry, summary
 from zoo_gym.compression import CodecSpec, encode
 from zoo_gym.core.lora import LoraSpec, frozen_a
 
 SPEC = CodecSpec("bitdelta", group_size=8)
 LORA = LoraSpec(rank=4, alpha=8.0)
 MODULE = "model.layers.0.self_attn.q_proj"
+KEY = f"{MODULE}.lora_B"
 DENSE = "model.layers.0.mlp.up_proj.weight"
 IN_FEATURES = {MODULE: 16}
 
@@ -19,64 +21,189 @@ def _updates(seed: int, rounds: int) -> list[dict[str, torch.Tensor]]:
     drift = torch.linspace(-0.05, 0.2, 48).view(12, 4)
     return [
         {
-            f"{MODULE}.lora_B": drift + 0.1 * torch.randn(12, 4, generator=gen),
+            KEY: drift + 0.1 * torch.randn(12, 4, generator=gen),
             DENSE: drift.T.repeat(2, 2) + 0.1 * torch.randn(8, 24, generator=gen),
         }
         for _ in range(rounds)
     ]
 
 
-def _weight_space(b: torch.Tensor, seed: int) -> torch.Tensor:
-    return LORA.scaling * b.double() @ frozen_a(seed, MODULE, 16, LORA.rank).double()
+def _weight_space(b: torch.Tensor, seed: int, rank: int = LORA.rank) -> torch.Tensor:
+    return LORA.scaling * b.double() @ frozen_a(seed, MODULE, 16, rank).double()
 
 
-def test_residuals_equal_what_was_not_sent_for_both_kinds_of_key() -> None:
+def _compress(feedback: FfaErrorFeedback, update: dict[str, torch.Tensor], seed: int, **kw: float):  # type: ignore[no-untyped-def]
+    return feedback.compress(update, SPEC, lora=LORA, seed=seed, in_features=IN_FEATURES, **kw)  # type: ignore[arg-type]
+
+
+def test_carry_of_hand_computed_matrices_is_the_least_squares_projection() -> None:
+    # s·e·A_old = [2, 0, 0]; its projection onto the row [1, 1, 0] is [1, 1, 0] = 1·A_new,
+    # and [1, -1, 0] (norm sqrt 2) lies outside A_new's row space
+    e, a_old, a_new = torch.tensor([[2.0]]), torch.tensor([[1.0, 0, 0]]), torch.tensor([[1.0, 1, 0]])
+
+    carry, total, kept = least_squares_carry(e, a_old, a_new, scaling=1.0)
+
+    assert carry.tolist() == [[1.0]]
+    assert (total, kept) == (4.0, 2.0)  # dropped² = 4 - 2 = ||[1, -1, 0]||²
+
+
+def test_carry_onto_the_same_row_space_loses_nothing() -> None:
+    e = torch.tensor([[1.0, -2.0], [0.5, 3.0]])  # (out 2, r 2)
+    a_old = torch.tensor([[1.0, 0, 1], [0, 1, 0]])  # (2, 3)
+    a_new = torch.tensor([[1.0, 1, 1], [1.0, -1, 1]])  # the same row space, another basis
+
+    carry, total, kept = least_squares_carry(e, a_old, a_new, scaling=2.0)
+
+    torch.testing.assert_close(carry @ a_new.double(), e.double() @ a_old.double())
+    assert kept == pytest.approx(total)
+
+
+def test_within_an_epoch_what_was_sent_is_the_updates_minus_the_residual() -> None:
     feedback = FfaErrorFeedback()
-    true_w = torch.zeros(12, 16, dtype=torch.float64)
-    sent_w = torch.zeros(12, 16, dtype=torch.float64)
-    true_d = torch.zeros(8, 24, dtype=torch.float64)
-    sent_d = torch.zeros(8, 24, dtype=torch.float64)
+    true_b, sent_b = torch.zeros(12, 4, dtype=torch.float64), torch.zeros(12, 4, dtype=torch.float64)
+    true_d, sent_d = torch.zeros(8, 24, dtype=torch.float64), torch.zeros(8, 24, dtype=torch.float64)
 
-    for seed, update in enumerate(_updates(0, 30)):
-        _, sent = feedback.compress(update, SPEC, lora=LORA, seed=seed, in_features=IN_FEATURES)
-        true_w += _weight_space(update[f"{MODULE}.lora_B"], seed)
-        sent_w += _weight_space(sent[f"{MODULE}.lora_B"], seed)
+    for update in _updates(0, 30):
+        _, sent = _compress(feedback, update, seed=7)
+        true_b += update[KEY].double()
+        sent_b += sent[KEY].double()
         true_d += update[DENSE].double()
         sent_d += sent[DENSE].double()
 
-    torch.testing.assert_close(
-        true_w - sent_w, feedback.residual[f"{MODULE}.lora_B"].double(), atol=1e-5, rtol=0
-    )
-    torch.testing.assert_close(
-        true_d - sent_d, feedback.residual[DENSE].double(), atol=1e-5, rtol=0
-    )
-    assert float((true_d - sent_d).norm()) < 0.05 * float(true_d.norm())
+    assert feedback.last_change is None and feedback.a_seed == 7
+    assert feedback.residual[KEY].shape == (12, 4)  # B-space: the size of the update
+    torch.testing.assert_close(true_b - sent_b, feedback.residual[KEY].double(), atol=1e-5, rtol=0)
+    torch.testing.assert_close(true_d - sent_d, feedback.residual[DENSE].double(), atol=1e-5, rtol=0)
+    assert float((true_b - sent_b).norm()) < 0.05 * float(true_b.norm())
+
+
+def test_within_an_epoch_dyadic_updates_are_carried_exactly() -> None:
+    # group of 8: scale = mean |x| is exact, so sent = ±scale and e = x - sent are exact in float32
+    b1 = torch.tensor([[1.0, -0.5, 0.25, 2.0], [-1.0, 0.5, -0.25, 0.5]])  # (out 2, r 4)
+    b2 = torch.tensor([[0.5, 0.5, -1.0, 0.0], [0.25, -2.0, 1.0, 0.5]])
+    feedback = FfaErrorFeedback()
+    lora, in_features = LoraSpec(rank=4, alpha=4.0), {MODULE: 16}
+
+    sent = [
+        feedback.compress({KEY: b}, SPEC, lora=lora, seed=3, in_features=in_features)[1][KEY]
+        for b in (b1, b2)
+    ]
+
+    assert float(b1.abs().mean()) == 0.75  # the first round sends ±0.75
+    assert sent[0].tolist() == [[0.75, -0.75, 0.75, 0.75], [-0.75, 0.75, -0.75, 0.75]]
+    assert torch.equal(sent[0] + sent[1] + feedback.residual[KEY], b1 + b2)
 
 
 def test_a_capped_update_keeps_what_the_cap_removed_in_the_residual() -> None:
     feedback = FfaErrorFeedback()
-    true_w = torch.zeros(12, 16, dtype=torch.float64)
-    sent_w = torch.zeros(12, 16, dtype=torch.float64)
-    true_d = torch.zeros(8, 24, dtype=torch.float64)
-    sent_d = torch.zeros(8, 24, dtype=torch.float64)
+    true_b, sent_b = torch.zeros(12, 4, dtype=torch.float64), torch.zeros(12, 4, dtype=torch.float64)
+    true_d, sent_d = torch.zeros(8, 24, dtype=torch.float64), torch.zeros(8, 24, dtype=torch.float64)
 
-    for seed, update in enumerate(_updates(2, 10)):
-        _, sent = feedback.compress(
-            update, SPEC, lora=LORA, seed=seed, in_features=IN_FEATURES, max_norm=0.5
-        )
+    for update in _updates(2, 10):
+        _, sent = _compress(feedback, update, seed=1, max_norm=0.5)
         norm = sum(float(t.double().square().sum()) for t in sent.values()) ** 0.5
         assert norm <= 0.5 * (1 + 1e-3)  # BitDelta never grows the capped norm
-        true_w += _weight_space(update[f"{MODULE}.lora_B"], seed)
-        sent_w += _weight_space(sent[f"{MODULE}.lora_B"], seed)
+        true_b += update[KEY].double()
+        sent_b += sent[KEY].double()
         true_d += update[DENSE].double()
         sent_d += sent[DENSE].double()
 
-    torch.testing.assert_close(
-        true_w - sent_w, feedback.residual[f"{MODULE}.lora_B"].double(), atol=1e-5, rtol=0
-    )
-    torch.testing.assert_close(
-        true_d - sent_d, feedback.residual[DENSE].double(), atol=1e-5, rtol=0
-    )
+    torch.testing.assert_close(true_b - sent_b, feedback.residual[KEY].double(), atol=1e-5, rtol=0)
+    torch.testing.assert_close(true_d - sent_d, feedback.residual[DENSE].double(), atol=1e-5, rtol=0)
+
+
+def test_a_change_of_a_carries_the_least_squares_projection_and_reports_the_rest() -> None:
+    feedback = FfaErrorFeedback()
+    first, second = _updates(3, 2)
+    _compress(feedback, first, seed=0)
+    e = feedback.residual[KEY].double()  # (out, r) for the A of seed 0
+
+    _, sent = _compress(feedback, second, seed=1)
+
+    # what was compensated (sent + the new residual) is the update plus the carried residual
+    carried = sent[KEY].double() + feedback.residual[KEY].double() - second[KEY].double()
+    target = _weight_space(e, 0)  # (out, in)
+    a_new = frozen_a(1, MODULE, 16, LORA.rank).double()
+    best = torch.linalg.lstsq(LORA.scaling * a_new.T, target.T).solution.T  # (out, r)
+    torch.testing.assert_close(carried, best, atol=1e-5, rtol=0)
+    change = feedback.last_change
+    assert change is not None and (change.old_seed, change.new_seed) == (0, 1)
+    assert change.dropped == pytest.approx(float((target - _weight_space(best, 1)).norm()), rel=1e-6)
+    assert change.residual**2 == pytest.approx(change.carried**2 + change.dropped**2)
+    assert change.update == pytest.approx(float(_weight_space(second[KEY], 1).norm()), rel=1e-6)
+    assert feedback.a_seed == 1
+
+
+def test_a_higher_rank_of_the_same_seed_carries_everything() -> None:
+    feedback, narrow = FfaErrorFeedback(), LoraSpec(rank=2, alpha=4.0)  # the same scaling
+    first = {KEY: _updates(4, 1)[0][KEY][:, :2]}
+    feedback.compress(first, SPEC, lora=narrow, seed=5, in_features=IN_FEATURES)
+    target = _weight_space(feedback.residual[KEY], 5, rank=2)  # (out, in)
+
+    _, sent = _compress(feedback, {KEY: torch.zeros(12, 4)}, seed=5)
+
+    carried = sent[KEY].double() + feedback.residual[KEY].double()
+    torch.testing.assert_close(_weight_space(carried, 5), target, atol=1e-5, rtol=0)
+    assert feedback.last_change is not None  # A(rank 2) is the first rows of A(rank 4)
+    assert feedback.last_change.dropped == pytest.approx(0.0, abs=1e-5)
+
+
+def test_the_residual_is_no_larger_than_the_update_and_survives_a_restart(tmp_path: Path) -> None:
+    path = tmp_path / "feedback.safetensors"
+    steady = FfaErrorFeedback()
+    restarted = FfaErrorFeedback.load(path)
+    for round_number, update in enumerate(_updates(2, 6), start=1):
+        seed = (round_number - 1) // 3  # A changes after round 3
+        expected, _ = _compress(steady, update, seed=seed, round=round_number)
+        got, _ = _compress(restarted, update, seed=seed, round=round_number)
+        restarted.save(path)
+        restarted = FfaErrorFeedback.load(path)  # a new process reads the client's state
+
+        assert got == expected
+        update_bytes = sum(t.numel() * 4 for t in update.values())
+        saved = summary(path)
+        assert saved is not None
+        assert saved.residual_bytes <= update_bytes == saved.update_bytes
+        assert restarted.nbytes() <= update_bytes
+    assert sorted(restarted.residual) == [DENSE, KEY]
+    assert (restarted.a_seed, restarted.a_since, restarted.round) == (1, 4, 6)
+    assert path.stat().st_size < 2 * sum(t.numel() * 4 for t in _updates(2, 1)[0].values())
+
+
+def test_a_change_of_a_after_a_restart_is_detected(tmp_path: Path) -> None:
+    path = tmp_path / "feedback.safetensors"
+    before = FfaErrorFeedback()
+    _compress(before, _updates(5, 1)[0], seed=0)
+    before.save(path)
+    after = FfaErrorFeedback.load(path)
+
+    _compress(after, _updates(6, 1)[0], seed=9)
+
+    assert after.last_change is not None and after.last_change.old_seed == 0
+    assert after.residual[KEY].shape == (12, 4)
+
+
+def test_a_version_1_weight_space_residual_is_carried_onto_the_new_a(tmp_path: Path) -> None:
+    weight = torch.randn(12, 16, generator=torch.Generator().manual_seed(0))  # (out, in)
+    feedback = FfaErrorFeedback({KEY: weight})  # as version 1 saved it: no A seed
+
+    _, sent = _compress(feedback, {KEY: torch.zeros(12, 4)}, seed=2)
+
+    carried = sent[KEY].double() + feedback.residual[KEY].double()
+    a_new = frozen_a(2, MODULE, 16, LORA.rank).double()
+    best = torch.linalg.lstsq(LORA.scaling * a_new.T, weight.double().T).solution.T
+    torch.testing.assert_close(carried, best, atol=1e-5, rtol=0)
+    assert feedback.residual[KEY].shape == (12, 4)
+
+
+def test_a_b_residual_of_an_unknown_a_is_dropped(caplog: pytest.LogCaptureFixture) -> None:
+    feedback = FfaErrorFeedback({KEY: torch.ones(12, 4)})  # no A seed
+
+    with caplog.at_level(logging.WARNING):
+        payload, sent = _compress(feedback, {KEY: torch.randn(12, 4)}, seed=2)
+
+    assert "unknown A" in caplog.text
+    assert payload == encode({KEY: sent[KEY]}, SPEC)
 
 
 def test_without_feedback_the_dense_sum_drifts_and_nothing_is_kept() -> None:
@@ -95,21 +222,6 @@ def test_without_feedback_the_dense_sum_drifts_and_nothing_is_kept() -> None:
     assert float((true_d - sent_off).norm()) > 5 * float((true_d - sent_on).norm())
 
 
-def test_residuals_survive_a_restart(tmp_path: Path) -> None:
-    path = tmp_path / "feedback.safetensors"
-    updates = _updates(2, 4)
-    steady = FfaErrorFeedback()
-    restarted = FfaErrorFeedback.load(path)
-    for seed, update in enumerate(updates):
-        expected, _ = steady.compress(update, SPEC, lora=LORA, seed=seed, in_features=IN_FEATURES)
-        got, _ = restarted.compress(update, SPEC, lora=LORA, seed=seed, in_features=IN_FEATURES)
-        restarted.save(path)
-        restarted = FfaErrorFeedback.load(path)  # a new process reads the client's state
-
-        assert got == expected
-    assert sorted(restarted.residual) == [DENSE, f"{MODULE}.lora_B"]
-
-
 def test_switching_error_feedback_off_removes_the_stale_file(tmp_path: Path) -> None:
     path = tmp_path / "feedback.safetensors"
     feedback = FfaErrorFeedback()
@@ -120,11 +232,12 @@ def test_switching_error_feedback_off_removes_the_stale_file(tmp_path: Path) -> 
 
     assert not path.exists()
     assert FfaErrorFeedback.load(path).residual == {}
+    assert summary(path) is None
 
 
 def test_ffa_keys_need_the_lora_spec() -> None:
     with pytest.raises(ValueError, match="lora"):
-        FfaErrorFeedback().compress({f"{MODULE}.lora_B": torch.randn(12, 4)}, SPEC)
+        FfaErrorFeedback().compress({KEY: torch.randn(12, 4)}, SPEC)
 
 
 def test_residual_of_another_shape_is_dropped() -> None:

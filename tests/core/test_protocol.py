@@ -97,3 +97,12 @@ def test_intake_result_round_trips_through_a_config_record() -> None:
     assert back == result == IntakeResult("c1", True, "accepted at intake", 7, "ab" * 32, 100)
     with pytest.raises(MalformedRecord, match="'accepted' is int, not bool"):
         IntakeResult.from_record({**result.to_record(), "accepted": 1})
+
+
+def test_a_task_without_an_a_seed_freezes_a_from_the_round_seed() -> None:
+    record = {"round": 3, "base_version": "v1", "seed": 42}  # an older coordinator's task
+
+    task = TaskConfig.from_record(record)
+
+    assert (task.a_seed, task.lora_a_rounds) == (42, 1)
+    assert TaskConfig.from_record({**record, "a_seed": 7}).a_seed == 7

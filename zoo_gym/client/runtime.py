@@ -162,11 +162,7 @@ class ClientRuntime:
         if self.persist_feedback:
             self.commit_feedback()
         raw_bytes = sum(t.numel() * 2 for t in update.values())  # as bf16
-        self.on_event(
-            RoundEvent(
-                "compressed", task.round, {"raw_bytes": raw_bytes, "payload_bytes": len(payload)}
-            )
-        )
+        self.on_event(RoundEvent("compressed", task.round, self._compressed(raw_bytes, payload)))
         metrics = train_metrics(
             result, update_norm=norm, raw_bytes=raw_bytes, payload_bytes=len(payload)
         )
@@ -204,11 +200,29 @@ class ClientRuntime:
             update,
             codec,
             lora=spec,
-            seed=task.seed,
+            seed=task.a_seed,
             in_features=in_features,
             max_norm=cap if self.misbehaviour is None else 0.0,
+            round=task.round,
         )
         return payload
+
+    def _compressed(self, raw_bytes: int, payload: bytes) -> dict[str, float | str]:
+        """The "compressed" event's detail: sizes, and what a change of A dropped."""
+        detail: dict[str, float | str] = {
+            "raw_bytes": raw_bytes,
+            "payload_bytes": len(payload),
+            "residual_bytes": self.feedback.nbytes(),
+            "update_bytes": self.feedback.update_bytes,
+        }
+        change = self.feedback.last_change
+        if change is not None:
+            detail.update(
+                carried_norm=change.carried,
+                dropped_norm=change.dropped,
+                dropped_share=change.dropped_share,
+            )
+        return detail
 
     def commit_feedback(self) -> None:
         """Save the error-feedback residual of the last compressed round."""
@@ -251,6 +265,7 @@ class ClientRuntime:
                 max_length=task.max_length,
                 on_step=on_step,
                 dp=dp,
+                a_seed=task.a_seed,
             )
         if task.method not in POLICY_OBJECTIVES:
             raise ValueError(f"unknown training method {task.method!r}; update zoo-gym")
@@ -275,6 +290,7 @@ class ClientRuntime:
             rewards=rewards,
             max_length=task.max_length,
             on_step=on_step,
+            a_seed=task.a_seed,
         )
 
 

@@ -42,6 +42,13 @@ class TrainingPolicy(BaseModel):
     )
     lora_rank: int = Field(8, ge=1, le=4096)
     lora_alpha: float = Field(16.0, gt=0)
+    lora_a_rounds: int = Field(
+        1,
+        ge=1,
+        le=1 << 20,
+        description="ffa_lora: rounds one frozen A stays for (an epoch of A); the error-feedback "
+        "residual carries losslessly within an epoch and by least squares across a change of A",
+    )
     target_modules: list[str] = Field(default_factory=lambda: list(DEFAULT_TARGETS))
     steps: int = Field(30, ge=1)
     learning_rate: float = Field(5e-3, gt=0, le=1.0)

@@ -69,9 +69,17 @@ class RoundSummary:
 
 
 def round_seed(run_seed: int, round_number: int) -> int:
-    """The seed every client generates round `round_number`'s frozen LoRA A from."""
+    """The seed of round `round_number`: its data order and sampling on every client."""
     digest = hashlib.sha256(f"zoo-gym/round-seed|{run_seed}|{round_number}".encode()).digest()
     return int.from_bytes(digest[:8], "big") >> 1
+
+
+def a_seed(run_seed: int, round_number: int, a_rounds: int) -> int:
+    """The seed every client generates round `round_number`'s frozen LoRA A from: the
+    `round_seed` of the first round of its epoch, rounds 1..K, K+1..2K, ... for
+    ``a_rounds`` = K (with K = 1, the round's own seed)."""
+    first = round_number - (round_number - 1) % a_rounds
+    return round_seed(run_seed, first)
 
 
 def lora_spec(t: TrainingPolicy) -> LoraSpec:
@@ -196,6 +204,7 @@ class Opened:
 
     number: int
     seed: int
+    a_seed: int  # of the frozen LoRA A the round's B updates are merged with
     base_version: str
     messages: list[Message]
     started: float
@@ -283,6 +292,7 @@ class RoundLoop:
             round=number,
             base_version=self.base.version,
             seed=seed,
+            a_seed=a_seed(config.seed, number, t.lora_a_rounds),
             deadline_ms=int((time.time() + config.round_timeout_s) * 1000),
             **t.task_fields(),
         )
@@ -317,7 +327,7 @@ class RoundLoop:
             codec=t.codec,
             max_update_norm=update_norm_bound(config, self.layout),
         )
-        return Opened(number, seed, self.base.version, messages, started)
+        return Opened(number, seed, task.a_seed, self.base.version, messages, started)
 
     def _conclude(
         self, opened: Opened, replies: list[Message]
@@ -346,13 +356,17 @@ class RoundLoop:
             round_number=opened.number,
             agg=agg,
             utility=validation_utility(
-                co.evaluator, config.training, self.state, self.layout, self.spec, opened.seed
+                co.evaluator, config.training, self.state, self.layout, self.spec, opened.a_seed
             ),
             baseline=-loss if reward is None else reward,
         )
         candidate = {k: v.clone() for k, v in self.state.items()}
         merge_update(
-            candidate, agg.update, adapter=config.training.adapter, spec=self.spec, seed=opened.seed
+            candidate,
+            agg.update,
+            adapter=config.training.adapter,
+            spec=self.spec,
+            seed=opened.a_seed,
         )
         new_loss = co.evaluator.loss(candidate)
         new_reward = validation_reward(co.evaluator, config.training, candidate)

@@ -292,7 +292,7 @@ POLICY_OBJECTIVES: tuple[PolicyObjective, ...] = get_args(PolicyObjective)
 
 Adapter = Literal["ffa_lora", "lora", "dora", "qlora", "full"]
 ADAPTERS: tuple[Adapter, ...] = get_args(Adapter)
-"""What a round trains. ``ffa_lora`` sends the B matrices (A frozen from the round's seed);
+"""What a round trains. ``ffa_lora`` sends the B matrices (A frozen from the task's ``a_seed``);
 ``lora``, ``dora`` and ``qlora`` train free factors and send the dense delta of the target
 modules' weights; ``full`` trains every weight and sends the dense delta of all of them."""
 
@@ -314,12 +314,17 @@ BUILTIN_REWARDS = ("exact_answer", "format", "length", "closeness")
 class TaskConfig:
     """The round task a ClientApp receives (the ConfigRecord under TASK_CONFIG).
 
-    Field names match `zoo_gym.coordinator.config.TrainingPolicy`, which fills them.
+    Field names match `zoo_gym.coordinator.config.TrainingPolicy`, which fills them. `seed`
+    is the round's (data order, sampling); `a_seed` names the frozen LoRA A, which stays for
+    ``lora_a_rounds`` rounds. A task without `a_seed` (an older coordinator's, or -1) uses
+    `seed` for A as well.
     """
 
     round: int
     base_version: str
     seed: int
+    a_seed: int = -1
+    lora_a_rounds: int = 1
     method: str = "sft"  # one of OBJECTIVES
     adapter: str = "ffa_lora"  # one of ADAPTERS
     lora_rank: int = 8
@@ -348,6 +353,10 @@ class TaskConfig:
     dp_delta: float = 1e-5
     dp_accountant: str = "rdp"  # "rdp" or "prv"
     update_noise_multiplier: float = 0.0  # Gaussian noise std on the clipped update / clip_norm
+
+    def __post_init__(self) -> None:
+        if self.a_seed < 0:
+            object.__setattr__(self, "a_seed", self.seed)
 
     def to_record(self) -> dict[str, Any]:
         """Flat scalars and lists for a Flower ConfigRecord."""

@@ -186,8 +186,10 @@ def train_grpo(
     max_length: int,
     on_step: Callable[[StepInfo], None] | None = None,
     iterations: int = 1,
+    a_seed: int | None = None,
 ) -> RoundResult:
-    """Train what `trainer.begin_round(seed)` returns for `steps` GRPO or GSPO steps.
+    """Train what `trainer.begin_round(a_seed)` returns for `steps` GRPO or GSPO steps
+    (`a_seed`, the frozen LoRA A's seed, defaults to `seed`, which draws prompts and samples).
 
     `prompts` are (conversation, answer) pairs (`prompts_from_conversations`); each
     step uses `batch_size` of them with `num_generations` completions each, so
@@ -199,7 +201,9 @@ def train_grpo(
     room = max(1, max_length - max_new_tokens)
     prompt_ids = [encode_prompt(trainer.tokenizer, c)[-room:] for c, _ in prompts]
     policy = _Policy(trainer, temperature=temperature, max_new_tokens=max_new_tokens)
-    optimizer = torch.optim.AdamW(trainer.begin_round(seed), lr=lr, weight_decay=0.0)
+    optimizer = torch.optim.AdamW(
+        trainer.begin_round(seed if a_seed is None else a_seed), lr=lr, weight_decay=0.0
+    )
     mode: PolicyObjective = "gspo" if objective == "gspo" else "grpo"
     optimise = _PolicyStep(policy, optimizer, mode, clip_epsilon, kl_beta, iterations)
     batches = prompt_batches(len(prompts), batch_size, torch.Generator().manual_seed(seed))

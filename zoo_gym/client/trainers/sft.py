@@ -221,10 +221,12 @@ class Trainer:
         max_length: int,
         on_step: Callable[[StepInfo], None] | None = None,
         dp: DpConfig | None = None,
+        a_seed: int | None = None,
     ) -> RoundResult:
         """Train what `begin_round` returns for `steps` AdamW steps on `conversations`.
 
-        Deterministic under `seed` without `dp`; with `dp` the noise is secret.
+        `seed` draws the batches, `a_seed` (default: `seed`) the frozen LoRA A.
+        Deterministic under both without `dp`; with `dp` the noise is secret.
         """
         if not conversations:
             raise ValueError("train_round needs at least one conversation")
@@ -234,7 +236,7 @@ class Trainer:
         examples = [
             encode_conversation(self.tokenizer, c, max_length=max_length) for c in conversations
         ]
-        params = self.begin_round(seed)
+        params = self.begin_round(seed if a_seed is None else a_seed)
         loop = self._round_loop(examples, params, seed=seed, lr=lr, batch_size=batch_size, dp=dp)
         pad_id = pad_id_of(self.tokenizer)
         self.model.train()

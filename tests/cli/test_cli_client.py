@@ -199,3 +199,38 @@ def test_join_trains_within_budget_then_stops_before_exceeding_it(tmp_path: Path
     assert second["epsilon_total"] == pytest.approx(rdp([(sigma, 8 / 40, 12)]), rel=1e-9)
     assert second["epsilon_total"] < 1.5 < first["epsilon"] + second["epsilon"]
     assert "Warning" not in log
+
+
+def test_status_shows_the_error_feedback_residual_against_the_update(tmp_path: Path) -> None:
+    import torch
+
+    from zoo_gym.client.feedback import FfaErrorFeedback
+    from zoo_gym.compression import CodecSpec
+    from zoo_gym.core.lora import LoraSpec
+
+    home = contributor(tmp_path, budget=None)
+    feedback = FfaErrorFeedback()
+    update = {"m.q_proj.lora_B": torch.randn(16, 4)}
+    feedback.compress(
+        update,
+        CodecSpec("bitdelta"),
+        lora=LoraSpec(rank=4),
+        seed=11,
+        in_features={"m.q_proj": 32},
+        round=3,
+    )
+    feedback.save(home / "state" / "feedback.safetensors")
+
+    table = runner.invoke(app, ["status", "--home", str(home)], env={"COLUMNS": "200"})
+    body = json.loads(
+        runner.invoke(app, ["status", "--home", str(home), "--format", "json"]).stdout
+    )
+
+    assert "residual 256 B kept for a 256 B float32 update; A seed 11 since round 3" in table.output
+    assert body["feedback"] == {
+        "residual_bytes": 256,
+        "update_bytes": 256,
+        "a_seed": 11,
+        "a_since": 3,
+        "round": 3,
+    }

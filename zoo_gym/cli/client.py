@@ -187,18 +187,24 @@ def status(
     budget = (
         load_client_config(home / CONFIG).privacy_budget() if (home / CONFIG).exists() else None
     )
-    body = status_body(state, budget)
+    body = status_body(state, budget, feedback_path=home / "state" / "feedback.safetensors")
     if format is StatusFormat.json:
         sys.stdout.write(json.dumps(body, indent=1) + "\n")
         sys.stdout.flush()
         return
     console.print(status_table(body))
     console.print(privacy_line(body["privacy"]), markup=False, soft_wrap=True)
+    console.print(feedback_line(body["feedback"]), markup=False, soft_wrap=True)
 
 
-def status_body(state: LocalState, budget: PrivacyBudget | None) -> dict[str, Any]:
-    """What `gym-client status --format json` prints (format 1)."""
+def status_body(
+    state: LocalState, budget: PrivacyBudget | None, *, feedback_path: Path | None = None
+) -> dict[str, Any]:
+    """What `gym-client status --format json` prints (format 1; ``feedback`` is null when no
+    error-feedback residual is kept)."""
     from dataclasses import asdict
+
+    from zoo_gym.client.feedback import summary
 
     spent = {r.round: r for r in state.privacy.rounds}
     rows = []
@@ -225,12 +231,14 @@ def status_body(state: LocalState, budget: PrivacyBudget | None) -> dict[str, An
         "budget_epsilon": budget.epsilon if budget is not None else None,
         "per_round": [asdict(r) for r in state.privacy.rounds],
     }
+    saved = summary(feedback_path) if feedback_path is not None else None
     return {
         "format": 1,
         "contributor_id": state.contributor_id,
         "coordinator": state.coordinator,
         "contributions": rows,
         "privacy": privacy,
+        "feedback": None if saved is None else asdict(saved),
     }
 
 
@@ -277,6 +285,18 @@ def privacy_line(p: dict[str, Any]) -> str:
         f"privacy: epsilon {_eps(p['epsilon_total'])}{of} spent over {p['rounds']} round(s) at delta "
         f"{p['delta']:g} ({p['accountant']}); user-level {_eps(p['user_epsilon_total'])}; "
         f"sum of round epsilons {p['naive_epsilon_sum']:.3g}"
+    )
+
+
+def feedback_line(f: dict[str, Any] | None) -> str:
+    """``error feedback: residual 32768 B kept for a 32768 B float32 update; A seed 123 since
+    round 5 (last round 7)``"""
+    if f is None:
+        return "error feedback: no residual kept"
+    seed = f"A seed {f['a_seed']} since round {f['a_since']}" if f["a_seed"] is not None else "no A"
+    return (
+        f"error feedback: residual {f['residual_bytes']} B kept for a {f['update_bytes']} B "
+        f"float32 update; {seed} (last round {f['round']})"
     )
 
 

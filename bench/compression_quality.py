@@ -1,31 +1,50 @@
 """Model quality under compression: the tiny task after R federated rounds, per codec.
 
-Run: python bench/compression_quality.py [--rounds R] [--clients N]. Each configuration runs
-the same in-process federation (coordinator, ledger, FFA-LoRA clients, FedAvg; same seeds and
-data shards) with a different client codec: none (raw float32), int8, BitDelta g128 with
-error feedback, and BitDelta g128 without it. Prints a Markdown table of the final
-validation loss (of the last published version) and its ratio to the uncompressed run.
+Run: python bench/compression_quality.py [--rounds R] [--clients N] [--a-rounds 1,4,8,16]
+[--seeds 0,1,2]. Each configuration runs the same in-process federation (coordinator, ledger,
+FFA-LoRA clients, FedAvg; same seeds and data shards) with a different client codec: none
+(raw float32), int8, BitDelta g128 without error feedback, and BitDelta g128 with error
+feedback once per `--a-rounds` K (the frozen A stays for K rounds, `lora_a_rounds`). Prints a
+Markdown table of the final validation loss (of the last published version, the mean over
+`--seeds`, which vary the data shards), its ratio to the uncompressed run, the bytes of
+error-feedback residual a client keeps against the float32 bytes of the update it sends, and
+what the changes of A dropped (the norm outside the new A's row space, relative to that
+round's update, mean over changes).
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import tempfile
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
+from zoo_gym.client.runtime import RoundEvent
 from zoo_gym.coordinator.setup import init_home
 from zoo_gym.core.synthetic import make_examples
 from zoo_gym.simulation.inprocess import InProcessFederation
 
-CONFIGS = (
-    ("none", "none", True),
-    ("int8", "int8", True),
-    ("bitdelta + EF", "bitdelta", True),
-    ("bitdelta, no EF", "bitdelta", False),
-)
+BASELINES = {
+    "none": ("none", "none", True),
+    "int8": ("int8", "int8", True),
+    "noef": ("bitdelta, no EF", "bitdelta", False),
+}
+
+
+@dataclass
+class Run:
+    """One federation: losses, wall time and what the clients reported per round."""
+
+    initial: float
+    final: float
+    seconds: float
+    residual_bytes: int = 0  # largest residual a client kept
+    update_bytes: int = 0  # float32 bytes of one update
+    dropped: list[float] = field(default_factory=list)  # dropped / update, per change of A
 
 
 def run(
@@ -36,11 +55,14 @@ def run(
     clients: int,
     steps: int,
     lr: float,
+    a_rounds: int = 1,
+    seed: int = 0,
     granularity: str = "group",
     adapter: str = "ffa_lora",
-) -> tuple[float, float, float]:
-    """(initial loss, final loss, seconds) of one federation."""
-    torch.manual_seed(0)
+) -> Run:
+    """One federation; `seed` picks the data shards (0: the shards of earlier tables)."""
+    torch.manual_seed(seed)
+    events: list[RoundEvent] = []
     with tempfile.TemporaryDirectory() as tmp:
         home = Path(tmp) / "coordinator"
         init_home(
@@ -48,12 +70,13 @@ def run(
             tiny=True,
             settings=f'rounds = {rounds}\nmin_clients = {clients}\naggregator = "fedavg"\n',
             training=f'steps = {steps}\nlearning_rate = {lr}\ncodec = "{codec}"\ngroup_size = 128\n'
-            f'granularity = "{granularity}"\nadapter = "{adapter}"\n',
+            f'granularity = "{granularity}"\nadapter = "{adapter}"\nlora_a_rounds = {a_rounds}\n',
         )
-        shards = [make_examples(60, seed=100 + i) for i in range(clients)]
-        federation = InProcessFederation.build(home, shards, seed=0)
+        shards = [make_examples(60, seed=100 + i + 1000 * seed) for i in range(clients)]
+        federation = InProcessFederation.build(home, shards, seed=seed)
         for runtime in federation.runtimes.values():
             runtime.feedback.enabled = feedback
+            runtime.on_event = events.append
         start = time.perf_counter()
         summaries = federation.run()
         seconds = time.perf_counter() - start
@@ -61,7 +84,15 @@ def run(
     for summary in summaries:
         if summary.status == "published":
             final = summary.loss_after
-    return summaries[0].loss_before, final, seconds
+    result = Run(summaries[0].loss_before, final, seconds)
+    for event in events:
+        if event.kind == "compressed":
+            d = event.detail
+            result.residual_bytes = max(result.residual_bytes, int(d.get("residual_bytes", 0)))
+            result.update_bytes = int(d.get("update_bytes", 0))
+            if "dropped_share" in d:
+                result.dropped.append(float(d["dropped_share"]))
+    return result
 
 
 def main() -> None:
@@ -70,6 +101,13 @@ def main() -> None:
     parser.add_argument("--clients", type=int, default=2)
     parser.add_argument("--steps", type=int, default=20, help="local steps per round")
     parser.add_argument("--lr", type=float, default=0.005)
+    parser.add_argument(
+        "--baselines", default="none,int8,noef", help="of none, int8, noef (comma-separated)"
+    )
+    parser.add_argument(
+        "--a-rounds", default="1", help="K of each BitDelta + EF run (comma-separated)"
+    )
+    parser.add_argument("--seeds", default="0", help="data seeds, averaged (comma-separated)")
     parser.add_argument(
         "--adapter",
         default="ffa_lora",
@@ -81,31 +119,53 @@ def main() -> None:
     )
     args = parser.parse_args()
     torch.set_num_threads(1)
+    configs = [BASELINES[name] + (1,) for name in args.baselines.split(",") if name]
+    configs += [
+        (f"bitdelta + EF, K = {k}", "bitdelta", True, k)
+        for k in (int(k) for k in args.a_rounds.split(",") if k)
+    ]
+    seeds = [int(s) for s in args.seeds.split(",")]
     rows = []
-    for label, codec, feedback in CONFIGS:
-        initial, final, seconds = run(
-            codec,
-            feedback,
-            rounds=args.rounds,
-            clients=args.clients,
-            steps=args.steps,
-            lr=args.lr,
-            granularity=args.granularity,
-            adapter=args.adapter,
-        )
-        rows.append((label, initial, final, seconds))
-        print(f"{label}: {initial:.4f} -> {final:.4f} in {seconds:.0f} s", flush=True)
-    reference = rows[0][2]
+    for label, codec, feedback, a_rounds in configs:
+        runs = []
+        for seed in seeds:
+            r = run(
+                codec,
+                feedback,
+                rounds=args.rounds,
+                clients=args.clients,
+                steps=args.steps,
+                lr=args.lr,
+                a_rounds=a_rounds,
+                seed=seed,
+                granularity=args.granularity,
+                adapter=args.adapter,
+            )
+            print(f"{label}, seed {seed}: {r.initial:.4f} -> {r.final:.4f} in {r.seconds:.0f} s")
+            runs.append(r)
+        rows.append((label, runs))
+    reference = statistics.fmean(r.final for r in rows[0][1])
     print()
     print(
         f"{args.rounds} rounds, {args.clients} clients, {args.steps} steps, lr {args.lr}, "
-        f"FedAvg, scales per {args.granularity}, {args.adapter}"
+        f"FedAvg, scales per {args.granularity}, {args.adapter}, seeds {args.seeds}"
     )
     print()
-    print("| codec | initial loss | final loss | vs none |")
-    print("|---|---|---|---|")
-    for label, initial, final, _ in rows:
-        print(f"| {label} | {initial:.4f} | {final:.4f} | {final / reference:.4f} |")
+    print(
+        "| configuration | final loss per seed | mean | vs first row | residual bytes | "
+        "update bytes | dropped at a change of A | wall s |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
+    for label, runs in rows:
+        mean = statistics.fmean(r.final for r in runs)
+        dropped = [d for r in runs for d in r.dropped]
+        print(
+            f"| {label} | {', '.join(f'{r.final:.4f}' for r in runs)} | {mean:.4f} | "
+            f"{mean / reference:.4f} | {max(r.residual_bytes for r in runs)} | "
+            f"{runs[0].update_bytes} | "
+            f"{f'{statistics.fmean(dropped):.1%} ({len(dropped)})' if dropped else '-'} | "
+            f"{sum(r.seconds for r in runs):.0f} |"
+        )
 
 
 if __name__ == "__main__":

@@ -39,7 +39,11 @@ def _compress(feedback: FfaErrorFeedback, update: dict[str, torch.Tensor], seed:
 def test_carry_of_hand_computed_matrices_is_the_least_squares_projection() -> None:
     # s·e·A_old = [2, 0, 0]; its projection onto the row [1, 1, 0] is [1, 1, 0] = 1·A_new,
     # and [1, -1, 0] (norm sqrt 2) lies outside A_new's row space
-    e, a_old, a_new = torch.tensor([[2.0]]), torch.tensor([[1.0, 0, 0]]), torch.tensor([[1.0, 1, 0]])
+    e, a_old, a_new = (
+        torch.tensor([[2.0]]),
+        torch.tensor([[1.0, 0, 0]]),
+        torch.tensor([[1.0, 1, 0]]),
+    )
 
     carry, total, kept = least_squares_carry(e, a_old, a_new, scaling=1.0)
 
@@ -60,8 +64,14 @@ def test_carry_onto_the_same_row_space_loses_nothing() -> None:
 
 def test_within_an_epoch_what_was_sent_is_the_updates_minus_the_residual() -> None:
     feedback = FfaErrorFeedback()
-    true_b, sent_b = torch.zeros(12, 4, dtype=torch.float64), torch.zeros(12, 4, dtype=torch.float64)
-    true_d, sent_d = torch.zeros(8, 24, dtype=torch.float64), torch.zeros(8, 24, dtype=torch.float64)
+    true_b, sent_b = (
+        torch.zeros(12, 4, dtype=torch.float64),
+        torch.zeros(12, 4, dtype=torch.float64),
+    )
+    true_d, sent_d = (
+        torch.zeros(8, 24, dtype=torch.float64),
+        torch.zeros(8, 24, dtype=torch.float64),
+    )
 
     for update in _updates(0, 30):
         _, sent = _compress(feedback, update, seed=7)
@@ -73,7 +83,9 @@ def test_within_an_epoch_what_was_sent_is_the_updates_minus_the_residual() -> No
     assert feedback.last_change is None and feedback.a_seed == 7
     assert feedback.residual[KEY].shape == (12, 4)  # B-space: the size of the update
     torch.testing.assert_close(true_b - sent_b, feedback.residual[KEY].double(), atol=1e-5, rtol=0)
-    torch.testing.assert_close(true_d - sent_d, feedback.residual[DENSE].double(), atol=1e-5, rtol=0)
+    torch.testing.assert_close(
+        true_d - sent_d, feedback.residual[DENSE].double(), atol=1e-5, rtol=0
+    )
     assert float((true_b - sent_b).norm()) < 0.05 * float(true_b.norm())
 
 
@@ -96,8 +108,14 @@ def test_within_an_epoch_dyadic_updates_are_carried_exactly() -> None:
 
 def test_a_capped_update_keeps_what_the_cap_removed_in_the_residual() -> None:
     feedback = FfaErrorFeedback()
-    true_b, sent_b = torch.zeros(12, 4, dtype=torch.float64), torch.zeros(12, 4, dtype=torch.float64)
-    true_d, sent_d = torch.zeros(8, 24, dtype=torch.float64), torch.zeros(8, 24, dtype=torch.float64)
+    true_b, sent_b = (
+        torch.zeros(12, 4, dtype=torch.float64),
+        torch.zeros(12, 4, dtype=torch.float64),
+    )
+    true_d, sent_d = (
+        torch.zeros(8, 24, dtype=torch.float64),
+        torch.zeros(8, 24, dtype=torch.float64),
+    )
 
     for update in _updates(2, 10):
         _, sent = _compress(feedback, update, seed=1, max_norm=0.5)
@@ -109,7 +127,9 @@ def test_a_capped_update_keeps_what_the_cap_removed_in_the_residual() -> None:
         sent_d += sent[DENSE].double()
 
     torch.testing.assert_close(true_b - sent_b, feedback.residual[KEY].double(), atol=1e-5, rtol=0)
-    torch.testing.assert_close(true_d - sent_d, feedback.residual[DENSE].double(), atol=1e-5, rtol=0)
+    torch.testing.assert_close(
+        true_d - sent_d, feedback.residual[DENSE].double(), atol=1e-5, rtol=0
+    )
 
 
 def test_a_change_of_a_carries_the_least_squares_projection_and_reports_the_rest() -> None:
@@ -128,7 +148,9 @@ def test_a_change_of_a_carries_the_least_squares_projection_and_reports_the_rest
     torch.testing.assert_close(carried, best, atol=1e-5, rtol=0)
     change = feedback.last_change
     assert change is not None and (change.old_seed, change.new_seed) == (0, 1)
-    assert change.dropped == pytest.approx(float((target - _weight_space(best, 1)).norm()), rel=1e-6)
+    assert change.dropped == pytest.approx(
+        float((target - _weight_space(best, 1)).norm()), rel=1e-6
+    )
     assert change.residual**2 == pytest.approx(change.carried**2 + change.dropped**2)
     assert change.update == pytest.approx(float(_weight_space(second[KEY], 1).norm()), rel=1e-6)
     assert feedback.a_seed == 1

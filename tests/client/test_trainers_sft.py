@@ -58,6 +58,23 @@ def test_merging_the_update_reproduces_the_adapted_model(
     assert float((base - adapted).abs().max()) > 1e-2
 
 
+def test_the_a_seed_sets_a_and_the_round_seed_the_batches(
+    base_dir: Path, tokenizer: PreTrainedTokenizerBase
+) -> None:
+    t = trainer(base_dir, tokenizer)
+    kw = dict(steps=3, lr=1e-2, batch_size=4, max_length=64)
+
+    first = t.train_round(TRAIN[:40], seed=1, a_seed=5, **kw).update  # type: ignore[arg-type]
+    again = t.train_round(TRAIN[:40], seed=1, a_seed=5, **kw).update  # type: ignore[arg-type]
+    other_batches = t.train_round(TRAIN[:40], seed=2, a_seed=5, **kw).update  # type: ignore[arg-type]
+
+    for name, layer in t.layers.items():
+        a = layer.lora_A["default"].weight  # type: ignore[index]
+        assert torch.equal(a.detach().cpu(), frozen_a(5, name, a.shape[1], SPEC.rank))
+    assert all(torch.equal(first[k], again[k]) for k in first)
+    assert any(not torch.equal(first[k], other_batches[k]) for k in first)
+
+
 def test_update_shapes_and_what_trains(base_dir: Path, tokenizer: PreTrainedTokenizerBase) -> None:
     t = trainer(base_dir, tokenizer)
     before = {k: v.clone() for k, v in t.base.state_dict().items() if "lora_" not in k}

@@ -130,6 +130,7 @@ class FfaErrorFeedback:
         (`zoo_gym.compression.feedback_cap`) admits it. `round` is recorded for `summary`.
         Returns (payload, the delta the coordinator will decode).
         """
+        self.update_bytes = sum(t.numel() * 4 for t in update.values())
         if not self.enabled:
             payload = encode(update, codec)
             return payload, decode(payload, max_elements=sum(t.numel() for t in update.values()))
@@ -147,7 +148,6 @@ class FfaErrorFeedback:
         if ffa and seed != self.a_seed:
             self.a_seed, self.a_since = seed, round
         self.round = round
-        self.update_bytes = sum(t.numel() * 4 for t in update.values())
         return payload, sent
 
     def _compensated(self, key: str, delta: torch.Tensor) -> torch.Tensor:

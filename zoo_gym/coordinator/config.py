@@ -43,11 +43,12 @@ class TrainingPolicy(BaseModel):
     lora_rank: int = Field(8, ge=1, le=4096)
     lora_alpha: float = Field(16.0, gt=0)
     lora_a_rounds: int = Field(
-        1,
+        8,
         ge=1,
         le=1 << 20,
         description="ffa_lora: rounds one frozen A stays for (an epoch of A); the error-feedback "
-        "residual carries losslessly within an epoch and by least squares across a change of A",
+        "residual carries losslessly within an epoch and by least squares across a change of A, "
+        "which drops about one round's compression error (bench/README.md)",
     )
     target_modules: list[str] = Field(default_factory=lambda: list(DEFAULT_TARGETS))
     steps: int = Field(30, ge=1)

@@ -9,7 +9,13 @@ import pytest
 import torch
 
 from zoo_gym.core.identity import Identity
-from zoo_gym.core.manifest import ManifestError, build_manifest, read_verified, write_signed
+from zoo_gym.core.manifest import (
+    ManifestError,
+    ModelManifest,
+    build_manifest,
+    read_verified,
+    write_signed,
+)
 from zoo_gym.core.weights import INDEX, WEIGHTS, save_weights
 
 
@@ -62,3 +68,16 @@ def test_a_changed_missing_or_unlisted_weights_file_is_refused(
     with pytest.raises(ManifestError, match=message) as exc:
         read_verified(directory, signer.public_key)
     assert "\n" not in str(exc.value)
+
+
+@pytest.mark.parametrize("name", ["../evil", "sub/model.safetensors", "C:\\x", ".hidden", ""])
+def test_a_manifest_naming_anything_but_a_plain_file_is_refused(name: str) -> None:
+    body = (
+        b'{"aggregator":"","contributors":[],"created_at":0,"epsilon":null,"files":{"'
+        + name.replace("\\", "\\\\").encode()
+        + b'":{"sha256":"00","size":1}},"format":1,"metrics":{},"parent":null,"round":0,'
+        b'"version":"v0001"}'
+    )
+
+    with pytest.raises(ManifestError, match="not a plain file name"):
+        ModelManifest.from_bytes(body)

@@ -91,6 +91,13 @@ def test_a_sharded_version_downloads_file_by_file_and_resumes_a_shard(
         read_verified(dest, co.signer.public_key)
         state = load_weights(dest)
         assert all(torch.equal(state[k], v) for k, v in load_weights(source).items())
+
+        # a weights file the manifest does not list (a loader would prefer it) is removed
+        (dest / "model.safetensors").write_bytes(b"not signed by anyone")
+        (dest / "notes.txt").write_text("left by someone")
+        client.fetch_model("v0000", dest, key)
+        assert not (dest / "model.safetensors").exists() and not (dest / "notes.txt").exists()
+        read_verified(dest, co.signer.public_key)
     finally:
         client.close()
         server.stop()

@@ -28,6 +28,11 @@ class ManifestError(ValueError):
     """A manifest is malformed, unsigned, or does not match the files."""
 
 
+def plain_file_name(name: str) -> bool:
+    """Whether `name` names a file directly inside a version directory (no path, not hidden)."""
+    return bool(name) and "/" not in name and "\\" not in name and not name.startswith(".")
+
+
 @dataclass(frozen=True)
 class FileEntry:
     sha256: str
@@ -59,6 +64,9 @@ class ModelManifest:
             if body.get("format") != MANIFEST_FORMAT:
                 raise ManifestError(f"manifest format {body.get('format')!r} is not supported")
             files = {name: FileEntry(**entry) for name, entry in body.pop("files").items()}
+            for name in files:
+                if not plain_file_name(name):
+                    raise ManifestError(f"manifest names {name!r}, which is not a plain file name")
             body["contributors"] = tuple(body.get("contributors", ()))
             return cls(files=files, **body)
         except (ValueError, TypeError, KeyError) as exc:

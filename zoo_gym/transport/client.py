@@ -241,6 +241,9 @@ class FederationClient:
                 "refusing it (is this the right coordinator?)"
             )
         manifest = ModelManifest.from_bytes(reply.manifest)
+        for path in directory.iterdir():  # a file the manifest does not list is nobody's
+            if path.is_file() and path.name not in manifest.files:
+                path.unlink()
         for name, entry in manifest.files.items():
             self._fetch_file(version, name, entry, directory / name)
         (directory / MANIFEST).write_bytes(reply.manifest)

@@ -16,13 +16,14 @@ from zoo_gym.client.trainers.adapters import (
     attention_implementation,
     make_trainer,
 )
-from zoo_gym.client.trainers.sft import DpConfig, FfaLoraTrainer
+from zoo_gym.client.trainers.sft import DpConfig, FfaLoraTrainer, Trainer
 from zoo_gym.compression import CodecSpec, decode, encode
 from zoo_gym.coordinator.rounds import RoundSummary
 from zoo_gym.core import synthetic
 from zoo_gym.core.chat import collate, encode_conversation, pad_id_of, to_conversation, token_nll
 from zoo_gym.core.evaluate import validation_loss
 from zoo_gym.core.lora import LoraSpec, frozen_a, merge_update, update_shapes
+from zoo_gym.core.tiny import tiny_config
 from zoo_gym.core.weights import load_weights
 from zoo_gym.simulation.inprocess import InProcessFederation
 
@@ -243,12 +244,85 @@ def test_make_trainer_refuses_what_it_cannot_run(
     with pytest.raises(ValueError, match="pass the model directory"):
         make_trainer(model, tokenizer, adapter="qlora", spec=SPEC)
     assert isinstance(make_trainer(model, tokenizer, adapter="ffa_lora", spec=SPEC), FfaLoraTrainer)
-    dora = make_trainer(base_dir, tokenizer, adapter="dora", spec=SPEC)
-    with pytest.raises(ValueError, match="DP-SGD is not available with the dora adapter"):
-        dora.train_round(
-            TRAIN[:8], seed=1, steps=1, lr=1e-2, batch_size=4, max_length=64, dp=DpConfig()
-        )
     assert attention_implementation("cpu") == "sdpa"
+
+
+# ---- DP-SGD: per-record gradients against one record at a time ---------------------------
+
+DP_RECORDS = TRAIN[:4]
+
+
+def dp_trainer(adapter: str, base_dir: Path, tokenizer: PreTrainedTokenizerBase) -> Trainer:
+    """`adapter`'s trainer; ``full`` on a Llama with tied embeddings (RMSNorm, one weight used
+    by the embedding and the head)."""
+    if adapter == "qlora":
+        pytest.importorskip("bitsandbytes")
+    if adapter != "full":
+        return make_trainer(base_dir, tokenizer, adapter=adapter, spec=SPEC)
+    config = tiny_config(vocab_size=len(tokenizer), arch="llama")
+    config.tie_word_embeddings = True
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    return FullTrainer(model, tokenizer, spec=SPEC)
+
+
+def per_record_gradients(
+    trainer: Trainer, tokenizer: PreTrainedTokenizerBase, seed: int
+) -> tuple[list[torch.nn.Parameter], list[list[torch.Tensor]]]:
+    """The round's parameters and each record's gradient of its token-mean loss, computed
+    one record at a time with plain autograd (a tied weight: the sum of both uses)."""
+    params = trainer.begin_round(seed)
+    trainer.model.train()
+    grads = []
+    for conversation in DP_RECORDS:
+        example = encode_conversation(tokenizer, conversation, max_length=64)
+        nll, mask = token_nll(trainer.model, collate([example], pad_id=pad_id_of(tokenizer)))
+        grads.append(list(torch.autograd.grad(nll.sum() / mask.sum(), params)))
+    return params, grads
+
+
+def clipped_mean(grads: list[list[torch.Tensor]], clip: float) -> list[torch.Tensor]:
+    """DP-SGD's gradient without noise: each record's gradient scaled to norm <= clip (one norm
+    over all parameters), summed, divided by the batch size."""
+    norms = [torch.sqrt(sum(g.pow(2).sum() for g in record)) for record in grads]
+    factors = [min(1.0, clip / (float(n) + 1e-6)) for n in norms]
+    return [
+        sum(f * record[k] for f, record in zip(factors, grads, strict=True)) / len(grads)
+        for k in range(len(grads[0]))
+    ]
+
+
+@pytest.mark.parametrize("adapter", ["dora", "qlora", "full"])
+def test_dp_sgd_clips_each_record_and_adds_noise_of_the_set_scale(
+    base_dir: Path, tokenizer: PreTrainedTokenizerBase, adapter: str
+) -> None:
+    # Prepare: every record's gradient, one at a time; a clip norm between their norms
+    trainer = dp_trainer(adapter, base_dir, tokenizer)
+    params, grads = per_record_gradients(trainer, tokenizer, seed=5)
+    norms = sorted(float(torch.sqrt(sum(g.pow(2).sum() for g in r))) for r in grads)
+    clip = (norms[1] + norms[2]) / 2  # two records clipped, two not
+    expected = clipped_mean(grads, clip)
+    trainable = {id(p) for p in trainer.model.parameters() if p.requires_grad}
+    one_step = dict(seed=5, steps=1, lr=0.0, batch_size=4, max_length=64)  # rate 1: all four
+
+    # Execute: one DP-SGD step without noise, then one with noise
+    quiet = trainer.train_round(
+        DP_RECORDS, dp=DpConfig(max_grad_norm=clip, noise_multiplier=0.0), **one_step
+    )  # type: ignore[arg-type]
+    clean = [p.grad.clone() for p in params]  # type: ignore[union-attr]
+    trainer.train_round(
+        DP_RECORDS, dp=DpConfig(max_grad_norm=clip, noise_multiplier=2.0), **one_step
+    )  # type: ignore[arg-type]
+    noise = torch.cat([(p.grad - e).flatten() for p, e in zip(params, expected, strict=True)])  # type: ignore[operator]
+
+    # Assert: every trainable parameter took part; per-record clipping as computed by hand
+    assert quiet.sample_rate == 1.0 and trainable == {id(p) for p in params}
+    assert norms[1] < clip < norms[2]
+    for got, want in zip(clean, expected, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-7)
+    assert noise.numel() > 5000
+    assert float(noise.std()) == pytest.approx(2.0 * clip / 4, rel=0.05)
 
 
 @pytest.mark.parametrize("adapter", DENSE)

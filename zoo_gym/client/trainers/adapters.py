@@ -22,11 +22,15 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import weakref
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
+from opacus.grad_sample.utils import register_grad_sampler
+from peft.tuners.lora import LoraLayer
+from peft.tuners.lora.dora import DoraLinearLayer
 from safetensors import safe_open
 from torch import Tensor
 from transformers import (
@@ -85,6 +89,10 @@ class DoraTrainer(PeftTrainer):
         assert isinstance(weight, Tensor)
         return weight.T if name in self.oriented.fan_in_fan_out else weight
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._prepare_layers()
+
     def begin_round(self, seed: int) -> list[torch.nn.Parameter]:
         """A from the seed, B zero, m = the row norms of W: the round starts at the base."""
         params = self.reset_factors(seed, train_a=True)
@@ -122,10 +130,51 @@ class DoraTrainer(PeftTrainer):
         return delta
 
     def check_dp(self) -> None:
-        raise ValueError(
-            "DP-SGD is not available with the dora adapter (Opacus has no per-example gradient "
-            "for the DoRA magnitude); use ffa_lora or lora with DP-SGD"
-        )
+        """Opacus's linear sampler gives A's and B's per-record gradients and
+        `dora_magnitude_grad_sample` the magnitude's (DoRA's ``lora_weight`` is computed from the
+        factors' weights, so ``lora_A`` and ``lora_B`` run forward once per step)."""
+
+    def _prepare_layers(self) -> None:
+        """Point each magnitude at its layer (for its per-record gradient) and compute DoRA's
+        ``B·A`` from the weights instead of running the factors on an identity matrix."""
+        for layer in self.layers.values():
+            dora: Any = layer.lora_magnitude_vector[ADAPTER]
+            dora.owner = weakref.ref(layer)
+            dora.get_lora_weight = _lora_weight
+
+
+def _lora_weight(lora_A: torch.nn.Linear, lora_B: torch.nn.Linear, **_: Any) -> Tensor:
+    """``B·A`` `(out, in)`, what peft's DoRA computes as ``lora_B(lora_A(eye)).T``."""
+    return lora_B.weight @ lora_A.weight
+
+
+def dora_magnitude_grad_sample(
+    dora: Any, activations: list[Tensor], backprops: Tensor
+) -> dict[torch.nn.Parameter, Tensor]:
+    """Per-record gradient `(n, out)` of a DoRA magnitude m, for Opacus's hooks.
+
+    The layer adds ``(m / c - 1) * W x + (m / c) * s * B A x`` to the base output, with the
+    row norms ``c = ||W + s B A||_row`` held constant (DoRA, section 4.3), so
+    ``dL/dm_j = sum_t g_tj (W x_t + s B A x_t)_j / c_j`` over each record's positions t.
+    `activations` is ``[x]`` `(n, ..., in)`, `backprops` is g `(n, ..., out)`.
+    """
+    owner = dora.owner()
+    assert isinstance(owner, LoraLayer)
+    x = activations[0]
+    base = owner.get_base_layer().weight
+    assert isinstance(base, Tensor)
+    weight = (base.T if dora.fan_in_fan_out else base).to(x.dtype)  # (out, in)
+    scaling: float = owner.scaling[ADAPTER]  # type: ignore[index]
+    a, b = _lora(owner, "lora_A"), _lora(owner, "lora_B")  # (r, in), (out, r)
+    with torch.no_grad():
+        adapted = weight + scaling * (b @ a)  # (out, in)
+        norm = torch.linalg.norm(adapted, dim=1)  # (out,)
+        directional = x @ adapted.T / norm  # (n, ..., out)
+        grad = (backprops * directional).reshape(x.shape[0], -1, weight.shape[0]).sum(1)
+    return {dora.weight: grad}
+
+
+register_grad_sampler(DoraLinearLayer)(dora_magnitude_grad_sample)  # type: ignore[no-untyped-call]
 
 
 class QLoraTrainer(LoraTrainer):
@@ -185,9 +234,8 @@ class QLoraTrainer(LoraTrainer):
             )
 
     def check_dp(self) -> None:
-        raise ValueError(
-            "DP-SGD is not available with the qlora adapter; use ffa_lora or lora with DP-SGD"
-        )
+        """Only LoRA's ``lora_A`` / ``lora_B`` linears train; the 4-bit base is frozen and never
+        hooked, so Opacus's linear sampler gives every per-record gradient."""
 
 
 class FullTrainer(Trainer):
@@ -262,9 +310,9 @@ class FullTrainer(Trainer):
         return self._swapped()
 
     def check_dp(self) -> None:
-        raise ValueError(
-            "DP-SGD is not available with the full adapter; use ffa_lora or lora with DP-SGD"
-        )
+        """Opacus's samplers (linear, embedding) and functorch for the rest (RMSNorm) give
+        every floating weight a per-record gradient; a tied embedding gets the sum of its two
+        uses and counts once in the clipping norm."""
 
 
 def check_full_size(num_params: int, max_params: int) -> None:

@@ -49,19 +49,38 @@ ADAPTER = "default"
 
 @dataclass(frozen=True)
 class DpConfig:
-    """DP-SGD [Abadi et al., 2016] on the B matrices, through Opacus.
+    """DP-SGD [Abadi et al., 2016] on every trainable parameter, through Opacus.
 
-    Each step samples every example independently with probability
-    ``batch_size / len(data)`` (Poisson sampling, which the accountants assume, drawn from a
-    CSPRNG-seeded generator so the public round seed does not reveal it),
-    clips each example's gradient to `max_grad_norm` and adds Gaussian noise of
-    std ``noise_multiplier * max_grad_norm`` from a CSPRNG-seeded generator.
-    Account with ``zoo_gym.privacy.accounting.epsilon(noise_multiplier,
+    Each step samples every record independently with probability `sample_rate`
+    (default ``batch_size / records``; Poisson sampling, which the accountants assume, drawn
+    from a CSPRNG-seeded generator so the public round seed does not reveal it),
+    clips each record's gradient (all trainable parameters jointly) to `max_grad_norm` and
+    adds Gaussian noise of std ``noise_multiplier * max_grad_norm`` from a CSPRNG-seeded
+    generator. Account with ``zoo_gym.privacy.accounting.epsilon(noise_multiplier,
     RoundResult.sample_rate, steps, delta)``.
     """
 
     max_grad_norm: float = 1.0
     noise_multiplier: float = 1.0
+    sample_rate: float | None = None  # the rate the privacy plan charges; None: batch / records
+
+    def rate(self, batch_size: int, records: int) -> float:
+        """The Poisson rate of a round over `records` with batches of `batch_size` expected."""
+        return self.sample_rate if self.sample_rate is not None else min(1.0, batch_size / records)
+
+    def optimizer(
+        self, optimizer: torch.optim.Optimizer, *, expected_batch_size: int
+    ) -> DPOptimizer:
+        """`optimizer` behind Opacus's per-record clipping and CSPRNG-seeded Gaussian noise,
+        for a loss that is the mean over records of the batch."""
+        return DPOptimizer(
+            optimizer,
+            noise_multiplier=self.noise_multiplier,
+            max_grad_norm=self.max_grad_norm,
+            expected_batch_size=max(1, expected_batch_size),
+            loss_reduction="mean",
+            generator=secure_generator(),
+        )
 
 
 @dataclass(frozen=True)
@@ -281,20 +300,20 @@ class Trainer:
             return _RoundLoop(
                 length_bucketed_batches(lengths, batch_size, generator), self.model, optimizer
             )
-        sample_rate = min(1.0, batch_size / len(examples))
+        sample_rate = dp.rate(batch_size, len(examples))
         return _RoundLoop(  # hooks go on after begin_round: only parameters that require grad
             batches=poisson_batches(len(examples), sample_rate, secure_generator()),
-            forward=GradSampleModule(self.model, loss_reduction="mean"),
-            optimizer=DPOptimizer(
-                optimizer,
-                noise_multiplier=dp.noise_multiplier,
-                max_grad_norm=dp.max_grad_norm,
-                expected_batch_size=batch_size,
-                loss_reduction="mean",
-                generator=secure_generator(),
-            ),
+            forward=self.grad_sample_module(),
+            optimizer=dp.optimizer(optimizer, expected_batch_size=batch_size),
             sample_rate=sample_rate,
         )
+
+    def grad_sample_module(self) -> GradSampleModule:
+        """Opacus's per-record gradient hooks on every parameter that requires grad (call after
+        `begin_round`): its own samplers for linear, embedding and norm layers, functorch for
+        other layers (e.g. ``LlamaRMSNorm``), and what `adapters` registers (the DoRA
+        magnitude). A weight used twice (tied embeddings) gets the sum of both uses."""
+        return GradSampleModule(self.model, loss_reduction="mean")
 
     def _backward(
         self,

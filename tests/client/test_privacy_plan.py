@@ -110,11 +110,7 @@ def test_update_noise_is_a_gaussian_mechanism_at_half_the_multiplier() -> None:
     assert not plan.dp_sgd
 
 
-def test_dp_sgd_is_refused_where_it_is_not_implemented() -> None:
-    with pytest.raises(PrivacyRefusal, match="implements only for sft, not gspo"):
-        plan_round(
-            task(method="gspo", dp_target_epsilon=8.0), num_records=10, account=PrivacyAccount()
-        )
+def test_dp_sgd_is_refused_where_it_cannot_be_given() -> None:
     with pytest.raises(PrivacyRefusal, match="clip_norm > 0"):
         plan_round(task(update_noise_multiplier=1.0), num_records=10, account=PrivacyAccount())
     with pytest.raises(PrivacyRefusal, match="no noise level reaches epsilon 1e-06"):
@@ -318,6 +314,26 @@ def test_dp_round_reports_epsilon_to_the_ledger_and_the_manifest(tiny_home: Path
         fed.coordinator.registry.root / summary.published_version, fed.coordinator.signer.public_key
     )
     assert published.epsilon == pytest.approx(max(v for v in recorded.values() if v is not None))
+
+
+@pytest.mark.parametrize(
+    ("adapter", "method"),
+    [("dora", "sft"), ("qlora", "sft"), ("full", "sft"), ("ffa_lora", "grpo"), ("lora", "gspo")],
+)
+def test_a_dp_sgd_round_trains_every_adapter_and_objective(
+    tmp_path: Path, base_dir: Path, adapter: str, method: str
+) -> None:
+    if adapter == "qlora":
+        pytest.importorskip("bitsandbytes")
+    rt = runtime(tmp_path, base_dir)
+    t = task(1, adapter=adapter, method=method, steps=2, max_new_tokens=4, dp_noise_multiplier=1.0)
+
+    reply = rt.train(message(t))
+
+    metrics = reply.content.metric_records[TRAIN_METRICS]
+    assert metrics["dp_noise_multiplier"] == 1.0 and metrics["dp_sample_rate"] == 8 / 40
+    assert metrics["epsilon"] == pytest.approx(reference("rdp", [(1.0, 0.2, 2)]), rel=1e-6)
+    assert rt.trainer is not None and rt.trainer.adapter == adapter
 
 
 def test_a_client_limited_to_one_objective_stops_at_a_round_asking_for_another(

@@ -10,13 +10,16 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
 from zoo_gym.client.trainers.grpo import (
+    Rollout,
+    _Policy,
+    _PolicyStep,
     group_advantages,
     policy_loss,
     token_logprobs,
     train_grpo,
 )
 from zoo_gym.client.trainers.reward_functions import load_reward_functions
-from zoo_gym.client.trainers.sft import FfaLoraTrainer, StepInfo
+from zoo_gym.client.trainers.sft import DpConfig, FfaLoraTrainer, StepInfo
 from zoo_gym.compression import CodecSpec, decode, encode
 from zoo_gym.core import synthetic
 from zoo_gym.core.chat import (
@@ -260,3 +263,117 @@ def test_bad_arguments_are_refused(base_dir: Path, tokenizer: PreTrainedTokenize
         train_grpo(t, [], objective="grpo", seed=0, **ROUND)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="num_generations must be at least 2"):
         train_grpo(t, PROMPTS, objective="grpo", seed=0, **{**ROUND, "num_generations": 1})  # type: ignore[arg-type]
+
+
+# ---- DP-SGD: one record is one prompt and its group of completions -----------------------
+
+G = 3
+
+
+def group_rollout(
+    t: FfaLoraTrainer, tokenizer: PreTrainedTokenizerBase
+) -> tuple[_Policy, Rollout, torch.Tensor]:
+    """Three prompts, G completions each (rows of a prompt adjacent), and fixed advantages."""
+    policy = _Policy(t, temperature=1.0, max_new_tokens=6)
+    prompt_ids = [encode_prompt(tokenizer, c) for c, _ in PROMPTS[:3]]
+    rollout = policy.sample([prompt_ids[i] for i in range(3) for _ in range(G)], seed=1)
+    advantages = torch.randn(3 * G, generator=torch.Generator().manual_seed(0))
+    return policy, rollout, advantages
+
+
+def per_prompt_gradients(
+    policy: _Policy, rollout: Rollout, advantages: torch.Tensor, params: list[torch.nn.Parameter]
+) -> list[list[torch.Tensor]]:
+    """Each prompt's gradient of its group loss, one prompt at a time with plain autograd."""
+    with torch.no_grad():
+        old = policy.logprobs(rollout)
+        with policy.trainer.reference():
+            ref = policy.logprobs(rollout)
+    policy.trainer.model.train()
+    grads = []
+    for p in range(3):
+        rows = slice(p * G, (p + 1) * G)
+        group = Rollout(
+            rollout.sequences[rows],
+            rollout.prompt_length,
+            rollout.mask[rows],
+            rollout.attention[rows],
+        )
+        loss, _ = policy_loss(
+            policy.logprobs(group),
+            old[rows],
+            ref[rows],
+            group.mask,
+            advantages[rows],
+            objective="gspo",
+            clip_epsilon=0.2,
+            kl_beta=0.5,
+        )
+        grads.append(list(torch.autograd.grad(loss, params)))
+    return grads
+
+
+def dp_step(
+    policy: _Policy,
+    rollout: Rollout,
+    advantages: torch.Tensor,
+    params: list[torch.nn.Parameter],
+    *,
+    clip: float,
+    noise: float,
+) -> list[torch.Tensor]:
+    """The gradient one DP-SGD step of `train_grpo` applies (lr 0: the weights stay)."""
+    dp = DpConfig(max_grad_norm=clip, noise_multiplier=noise)
+    optimizer = dp.optimizer(torch.optim.AdamW(params, lr=0.0), expected_batch_size=3)
+    hooks = policy.trainer.grad_sample_module()
+    try:
+        _PolicyStep(policy, optimizer, "gspo", 0.2, 0.5, 1, G, per_prompt=True)(rollout, advantages)
+    finally:
+        hooks._close()
+    return [p.grad.clone() for p in params]  # type: ignore[union-attr]
+
+
+def test_dp_sgd_clips_each_prompts_group_gradient_and_adds_noise(
+    base_dir: Path, tokenizer: PreTrainedTokenizerBase
+) -> None:
+    # Prepare: a trained-looking adapter (B not zero, so the KL term has a gradient)
+    t = trainer(base_dir, tokenizer)
+    params = t.begin_round(3)
+    with torch.no_grad():
+        for p in params:
+            p.normal_(std=0.05, generator=torch.Generator().manual_seed(1))
+    policy, rollout, advantages = group_rollout(t, tokenizer)
+    grads = per_prompt_gradients(policy, rollout, advantages, params)
+    norms = [float(torch.sqrt(sum(g.pow(2).sum() for g in r))) for r in grads]
+    clip = sorted(norms)[1]  # the largest clipped, the smallest not
+    factors = [min(1.0, clip / (n + 1e-6)) for n in norms]
+    expected = [
+        sum(f * r[k] for f, r in zip(factors, grads, strict=True)) / 3 for k in range(len(params))
+    ]
+
+    # Execute
+    clean = dp_step(policy, rollout, advantages, params, clip=clip, noise=0.0)
+    noisy = dp_step(policy, rollout, advantages, params, clip=clip, noise=2.0)
+
+    # Assert: clipped per prompt (not per completion); noise of std 2 * clip / 3 per coordinate
+    assert min(norms) < clip < max(norms)
+    for got, want in zip(clean, expected, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-7)
+    noise = torch.cat([(n - c).flatten() for n, c in zip(noisy, clean, strict=True)])
+    assert noise.numel() > 2000
+    assert float(noise.std()) == pytest.approx(2.0 * clip / 3, rel=0.05)
+
+
+def test_a_dp_round_samples_prompts_at_the_planned_rate(
+    base_dir: Path, tokenizer: PreTrainedTokenizerBase
+) -> None:
+    t = trainer(base_dir, tokenizer)
+    dp = DpConfig(max_grad_norm=1.0, noise_multiplier=1.0, sample_rate=0.1)
+
+    result = train_grpo(t, PROMPTS, objective="grpo", seed=1, dp=dp, **ROUND)  # type: ignore[arg-type]
+
+    assert result.sample_rate == 0.1 and result.mean_reward == result.mean_reward
+    assert all(float(b.abs().max()) > 0 for b in result.update.values())
+    assert not any(hasattr(p, "grad_sample") for p in t.model.parameters())
+    with pytest.raises(ValueError, match="set iterations to 1"):
+        train_grpo(t, PROMPTS, objective="gspo", seed=1, dp=dp, iterations=2, **ROUND)  # type: ignore[arg-type]

@@ -47,7 +47,7 @@ from zoo_gym.core.protocol import TaskConfig
 if TYPE_CHECKING:
     from zoo_gym.privacy.accounting import Accountant, Mechanism
 
-DP_SGD_OBJECTIVES = ("sft",)
+DP_SGD_OBJECTIVES = ("sft", "grpo", "gspo")  # GRPO / GSPO: a prompt is the record
 
 
 class PrivacyRefusal(RoundRefusal):

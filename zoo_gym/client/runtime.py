@@ -244,7 +244,9 @@ class ClientRuntime:
         except ValueError as exc:
             raise PrivacyRefusal(f"round {plan.round}: {exc}") from None
         return DpConfig(
-            max_grad_norm=plan.dp_max_grad_norm, noise_multiplier=plan.dp_noise_multiplier
+            max_grad_norm=plan.dp_max_grad_norm,
+            noise_multiplier=plan.dp_noise_multiplier,
+            sample_rate=plan.sample_rate,
         )
 
     def run_objective(
@@ -291,6 +293,7 @@ class ClientRuntime:
             max_length=task.max_length,
             on_step=on_step,
             a_seed=task.a_seed,
+            dp=dp,
         )
 
 

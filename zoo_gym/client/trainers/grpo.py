@@ -20,11 +20,18 @@ several updates, where clipping starts to bind.
 
 Everything runs in float32 on the CPU (no bf16 there). The round's update is whatever the
 trainer sends (`trainer.update()`, the B matrices for FFA-LoRA), so it goes through the
-same clipping, compression and signing as an SFT update. There is no DP-SGD variant:
-per-example DP-SGD applies to SFT on the contributor's records; update-level clipping and
-Gaussian noise still apply to this update after the round. TRL's ``GRPOTrainer`` implements
+same clipping, compression and signing as an SFT update. TRL's ``GRPOTrainer`` implements
 the same objective; TRL is not a dependency: this loop needs nothing beyond torch,
 transformers and peft.
+
+With DP-SGD (`dp`) the privacy unit is a prompt, one record. Each step takes a Poisson
+sample of prompts (CSPRNG-seeded, at the plan's rate) and samples their completions under a
+secret seed, so no record's completions depend on which other records were drawn. The loss
+is a mean over prompts of each prompt's group loss (the mean over its completions), so a
+prompt's gradient is the mean of its completions' per-row gradients (Opacus's hooks give
+those); Opacus clips each prompt's gradient to `max_grad_norm` and adds the noise once per
+step. The advantages use only the prompt's own group and the KL reference is the published
+base on the same completions, so neither carries another record's information.
 """
 
 from __future__ import annotations
@@ -32,14 +39,16 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import logging
+import secrets
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
+from opacus import GradSampleModule
 from torch import Tensor, nn
 
-from zoo_gym.client.trainers.sft import RoundMeter, RoundResult, StepInfo
+from zoo_gym.client.trainers.sft import DpConfig, RoundMeter, RoundResult, StepInfo, poisson_batches
 from zoo_gym.core.chat import (
     Prompt,
     completion_mask,
@@ -50,6 +59,7 @@ from zoo_gym.core.chat import (
 from zoo_gym.core.delta import Delta
 from zoo_gym.core.protocol import POLICY_OBJECTIVES, PolicyObjective
 from zoo_gym.core.reward_functions import RewardFunction, total_reward
+from zoo_gym.privacy.noise import secure_generator
 
 logger = logging.getLogger(__name__)
 
@@ -68,6 +78,10 @@ class PolicyTrainer(Protocol):
     def update(self) -> Delta: ...
 
     def reference(self) -> contextlib.AbstractContextManager[Any]: ...
+
+    def check_dp(self) -> None: ...
+
+    def grad_sample_module(self) -> GradSampleModule: ...
 
 
 def group_advantages(rewards: Tensor, num_generations: int, eps: float = ADVANTAGE_EPS) -> Tensor:
@@ -187,6 +201,7 @@ def train_grpo(
     on_step: Callable[[StepInfo], None] | None = None,
     iterations: int = 1,
     a_seed: int | None = None,
+    dp: DpConfig | None = None,
 ) -> RoundResult:
     """Train what `trainer.begin_round(a_seed)` returns for `steps` GRPO or GSPO steps
     (`a_seed`, the frozen LoRA A's seed, defaults to `seed`, which draws prompts and samples).
@@ -194,32 +209,56 @@ def train_grpo(
     `prompts` are (conversation, answer) pairs (`prompts_from_conversations`); each
     step uses `batch_size` of them with `num_generations` completions each, so
     ``batch_size * num_generations`` sequences. Prompts are cut on the left to leave
-    `max_new_tokens` within `max_length`. Deterministic under `seed` on one device.
+    `max_new_tokens` within `max_length`. Deterministic under `seed` on one device without
+    `dp`; with `dp` (DP-SGD per prompt, see above) the batches, samples and noise are secret.
     """
     _check_policy_round(objective, prompts, num_generations, rewards, iterations)
+    if dp is not None:
+        trainer.check_dp()
+        if iterations != 1:
+            raise ValueError("DP-SGD takes one step per sampled batch; set iterations to 1")
     meter = RoundMeter(steps, on_step, rewards=[])
     room = max(1, max_length - max_new_tokens)
     prompt_ids = [encode_prompt(trainer.tokenizer, c)[-room:] for c, _ in prompts]
     policy = _Policy(trainer, temperature=temperature, max_new_tokens=max_new_tokens)
-    optimizer = torch.optim.AdamW(
-        trainer.begin_round(seed if a_seed is None else a_seed), lr=lr, weight_decay=0.0
-    )
+    params = trainer.begin_round(seed if a_seed is None else a_seed)
+    optimizer: torch.optim.Optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
     mode: PolicyObjective = "gspo" if objective == "gspo" else "grpo"
-    optimise = _PolicyStep(policy, optimizer, mode, clip_epsilon, kl_beta, iterations)
-    batches = prompt_batches(len(prompts), batch_size, torch.Generator().manual_seed(seed))
-    for step in range(1, steps + 1):
-        # 1. sample each prompt num_generations times, 2. reward, 3. advantages, 4. update
-        rows = [i for i in next(batches) for _ in range(num_generations)]
-        rollout = policy.sample([prompt_ids[i] for i in rows], seed=step_seed(seed, step))
-        scores = policy.score(rollout, [prompts[i][1] for i in rows], rewards)  # (n,)
-        advantages = group_advantages(scores, num_generations).to(trainer.device)  # (n,)
-        loss, kl = optimise(rollout, advantages)
-        reward = float(scores.mean())
-        logger.debug("step %d: loss %.4f, reward %.3f, kl %.5f", step, loss, reward, kl)
-        meter.step(step, loss=loss, tokens=int(rollout.attention.sum()), reward=reward)
+    sample_rate = None
+    hooks = None
+    if dp is None:
+        batches = prompt_batches(len(prompts), batch_size, torch.Generator().manual_seed(seed))
+    else:
+        sample_rate = dp.rate(batch_size, len(prompts))
+        batches = poisson_batches(len(prompts), sample_rate, secure_generator())
+        expected = min(batch_size, round(sample_rate * len(prompts)))
+        optimizer = dp.optimizer(optimizer, expected_batch_size=expected)
+        hooks = trainer.grad_sample_module()  # after begin_round: what requires grad
+    optimise = _PolicyStep(
+        policy, optimizer, mode, clip_epsilon, kl_beta, iterations, num_generations, dp is not None
+    )
+    try:
+        for step in range(1, steps + 1):
+            # 1. sample each prompt num_generations times, 2. reward, 3. advantages, 4. update
+            rows = [i for i in next(batches) for _ in range(num_generations)]
+            if not rows:  # an empty Poisson batch still takes a (pure-noise) step
+                optimise.noise_only(params)
+                meter.step(step, loss=None, tokens=0)
+                continue
+            sampling = step_seed(seed, step) if dp is None else secrets.randbits(63)
+            rollout = policy.sample([prompt_ids[i] for i in rows], seed=sampling)
+            scores = policy.score(rollout, [prompts[i][1] for i in rows], rewards)  # (n,)
+            advantages = group_advantages(scores, num_generations).to(trainer.device)  # (n,)
+            loss, kl = optimise(rollout, advantages)
+            reward = float(scores.mean())
+            logger.debug("step %d: loss %.4f, reward %.3f, kl %.5f", step, loss, reward, kl)
+            meter.step(step, loss=loss, tokens=int(rollout.attention.sum()), reward=reward)
+    finally:
+        if hooks is not None:
+            hooks._close()
     trainer.model.eval()
     meter.stop()
-    result = meter.result(trainer.update(), num_examples=len(prompts))
+    result = meter.result(trainer.update(), num_examples=len(prompts), sample_rate=sample_rate)
     logger.info(
         "%s round trained: %d steps, mean reward %.3f, %.1fs",
         objective,
@@ -348,6 +387,8 @@ class _PolicyStep:
     clip_epsilon: float
     kl_beta: float
     iterations: int
+    num_generations: int = 1
+    per_prompt: bool = False  # DP-SGD: hand Opacus one gradient per prompt, not per row
 
     def __call__(self, rollout: Rollout, advantages: Tensor) -> tuple[float, float]:
         """(the last loss, its mean per-token KL to the reference)."""
@@ -372,5 +413,25 @@ class _PolicyStep:
             )
             self.optimizer.zero_grad(set_to_none=True)
             loss.backward()  # type: ignore[no-untyped-call]
+            if self.per_prompt:
+                self._group_grad_samples()
             self.optimizer.step()
         return loss.item(), kl.item()
+
+    def _group_grad_samples(self) -> None:
+        """Turn Opacus's per-row gradients `(b * G, ...)` into per-prompt ones `(b, ...)`: the
+        loss is the mean over prompts of each group's mean loss, and rows of a prompt are
+        adjacent, so a prompt's gradient is the mean of its G rows' gradients."""
+        for group in self.optimizer.param_groups:
+            for p in group["params"]:
+                rows = getattr(p, "grad_sample", None)
+                if isinstance(rows, Tensor):
+                    grouped = rows.view(-1, self.num_generations, *rows.shape[1:])
+                    p.grad_sample = grouped.mean(dim=1)
+
+    def noise_only(self, params: Sequence[nn.Parameter]) -> None:
+        """A step on an empty Poisson batch: no record, only the optimizer's noise."""
+        self.optimizer.zero_grad(set_to_none=True)
+        for p in params:
+            p.grad_sample = torch.zeros((0, *p.shape), device=p.device)  # type: ignore[attr-defined]
+        self.optimizer.step()

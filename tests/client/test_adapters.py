@@ -261,8 +261,9 @@ def dp_trainer(adapter: str, base_dir: Path, tokenizer: PreTrainedTokenizerBase)
         return make_trainer(base_dir, tokenizer, adapter=adapter, spec=SPEC)
     config = tiny_config(vocab_size=len(tokenizer), arch="llama")
     config.tie_word_embeddings = True
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
     assert model.lm_head.weight is model.model.embed_tokens.weight
     return FullTrainer(model, tokenizer, spec=SPEC)
 

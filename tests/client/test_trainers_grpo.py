@@ -339,9 +339,10 @@ def test_dp_sgd_clips_each_prompts_group_gradient_and_adds_noise(
     # Prepare: a trained-looking adapter (B not zero, so the KL term has a gradient)
     t = trainer(base_dir, tokenizer)
     params = t.begin_round(3)
+    generator = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for p in params:
-            p.normal_(std=0.05, generator=torch.Generator().manual_seed(1))
+            p.normal_(std=0.05, generator=generator)
     policy, rollout, advantages = group_rollout(t, tokenizer)
     grads = per_prompt_gradients(policy, rollout, advantages, params)
     norms = [float(torch.sqrt(sum(g.pow(2).sum() for g in r))) for r in grads]

@@ -16,6 +16,10 @@ Every trainer keeps one model across rounds and shares the SFT loop of
   update is ``s·B·A`` in float32, the delta against the dequantised base.
 - ``full``: every floating weight trains; the update is the dense delta of each
   one. For small models only (`max_full_params`).
+
+All of them run DP-SGD (`sft.DpConfig`) on Opacus's per-record gradients of what they
+train: its linear, embedding and norm samplers, functorch for other layers (RMSNorm),
+and `dora_magnitude_grad_sample` for the DoRA magnitude.
 """
 
 from __future__ import annotations

@@ -177,41 +177,13 @@ class FfaErrorFeedback:
     ) -> ChangeOfA | None:
         """Carry every FFA residual that belongs to another A (or rank) onto the A of `seed`,
         in place; None when every residual already belongs to it."""
-        s = lora.scaling
         total = kept = update_sq = 0.0
         changed = False
         for key in keys:
-            r = self.residual.get(key)
-            b = update[key]
-            out, rank = int(b.shape[0]), int(b.shape[1])
-            if r is None or (self.a_seed == seed and tuple(r.shape) == (out, rank)):
-                continue
-            module = key.removesuffix(SUFFIX)
-            device = b.device
-            a_new = frozen_a(seed, module, in_features[module], rank).to(device, torch.float64)
-            g_nn = a_new @ a_new.T  # (r, r)
-            if tuple(r.shape) == (out, in_features[module]):  # a version 1 weight-space residual
-                w = r.to(device, torch.float64)  # (out, in)
-                cross = (w @ a_new.T) / s  # (out, r)
-                carry = _solve(cross, g_nn)
-                total_k, kept_k = float(w.square().sum()), s * s * float((cross * carry).sum())
-            elif r.shape[0] == out and self.a_seed is not None:
-                a_old = frozen_a(self.a_seed, module, in_features[module], int(r.shape[1]))
-                carry, total_k, kept_k = least_squares_carry(
-                    r.to(device), a_old.to(device), a_new, scaling=s
-                )
-            else:
-                log.warning(
-                    "%s: dropping a residual of shape %s for an unknown A", key, tuple(r.shape)
-                )
-                del self.residual[key]
-                continue
-            kept += kept_k
-            total += total_k
-            b64 = b.detach().to(device, torch.float64)
-            update_sq += s * s * float(((b64 @ g_nn) * b64).sum())
-            self.residual[key] = carry.float()
-            changed = True
+            norms = self._carry_key(key, update[key], lora, seed, in_features)
+            if norms is not None:
+                total, kept, update_sq = total + norms[0], kept + norms[1], update_sq + norms[2]
+                changed = True
         if not changed:
             return None
         change = ChangeOfA(
@@ -231,6 +203,41 @@ class FfaErrorFeedback:
             100 * change.dropped_share,
         )
         return change
+
+    def _carry_key(
+        self,
+        key: str,
+        b: torch.Tensor,
+        lora: LoraSpec,
+        seed: int,
+        in_features: Mapping[str, int],
+    ) -> tuple[float, float, float] | None:
+        """Carry `key`'s residual onto the A of `seed` when it belongs to another A; (squared
+        norms of the residual, of what was carried, of this round's update) or None."""
+        r = self.residual.get(key)
+        out, rank = int(b.shape[0]), int(b.shape[1])
+        if r is None or (self.a_seed == seed and tuple(r.shape) == (out, rank)):
+            return None
+        s, module, device = lora.scaling, key.removesuffix(SUFFIX), b.device
+        a_new = frozen_a(seed, module, in_features[module], rank).to(device, torch.float64)
+        g_nn = a_new @ a_new.T  # (r, r)
+        if tuple(r.shape) == (out, in_features[module]):  # a version 1 weight-space residual
+            w = r.to(device, torch.float64)  # (out, in)
+            cross = (w @ a_new.T) / s  # (out, r)
+            carry = _solve(cross, g_nn)
+            total, kept = float(w.square().sum()), s * s * float((cross * carry).sum())
+        elif r.shape[0] == out and self.a_seed is not None:
+            a_old = frozen_a(self.a_seed, module, in_features[module], int(r.shape[1]))
+            carry, total, kept = least_squares_carry(
+                r.to(device), a_old.to(device), a_new, scaling=s
+            )
+        else:
+            log.warning("%s: dropping a residual of shape %s for an unknown A", key, tuple(r.shape))
+            del self.residual[key]
+            return None
+        b64 = b.detach().to(device, torch.float64)
+        self.residual[key] = carry.float()
+        return total, kept, s * s * float(((b64 @ g_nn) * b64).sum())
 
     def nbytes(self) -> int:
         """Bytes the residuals hold."""

@@ -203,8 +203,8 @@ def train_grpo(
     a_seed: int | None = None,
     dp: DpConfig | None = None,
 ) -> RoundResult:
-    """Train what `trainer.begin_round(a_seed)` returns for `steps` GRPO or GSPO steps
-    (`a_seed`, the frozen LoRA A's seed, defaults to `seed`, which draws prompts and samples).
+    """`steps` GRPO or GSPO steps of what `trainer.begin_round(a_seed)` returns (the frozen
+    LoRA A's seed; default `seed`, which draws prompts and samples).
 
     `prompts` are (conversation, answer) pairs (`prompts_from_conversations`); each
     step uses `batch_size` of them with `num_generations` completions each, so
@@ -212,35 +212,20 @@ def train_grpo(
     `max_new_tokens` within `max_length`. Deterministic under `seed` on one device without
     `dp`; with `dp` (DP-SGD per prompt, see above) the batches, samples and noise are secret.
     """
-    _check_policy_round(objective, prompts, num_generations, rewards, iterations)
-    if dp is not None:
-        trainer.check_dp()
-        if iterations != 1:
-            raise ValueError("DP-SGD takes one step per sampled batch; set iterations to 1")
-    meter = RoundMeter(steps, on_step, rewards=[])
-    room = max(1, max_length - max_new_tokens)
+    _check_policy_round(objective, prompts, num_generations, rewards, iterations, trainer, dp)
+    meter, room = RoundMeter(steps, on_step, rewards=[]), max(1, max_length - max_new_tokens)
     prompt_ids = [encode_prompt(trainer.tokenizer, c)[-room:] for c, _ in prompts]
     policy = _Policy(trainer, temperature=temperature, max_new_tokens=max_new_tokens)
     params = trainer.begin_round(seed if a_seed is None else a_seed)
-    optimizer: torch.optim.Optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+    plan = _plan_steps(trainer, params, lr, seed, batch_size, len(prompts), dp)
     mode: PolicyObjective = "gspo" if objective == "gspo" else "grpo"
-    sample_rate = None
-    hooks = None
-    if dp is None:
-        batches = prompt_batches(len(prompts), batch_size, torch.Generator().manual_seed(seed))
-    else:
-        sample_rate = dp.rate(batch_size, len(prompts))
-        batches = poisson_batches(len(prompts), sample_rate, secure_generator())
-        expected = min(batch_size, round(sample_rate * len(prompts)))
-        optimizer = dp.optimizer(optimizer, expected_batch_size=expected)
-        hooks = trainer.grad_sample_module()  # after begin_round: what requires grad
     optimise = _PolicyStep(
-        policy, optimizer, mode, clip_epsilon, kl_beta, iterations, num_generations, dp is not None
+        policy, plan.optimizer, mode, clip_epsilon, kl_beta, iterations, num_generations, bool(dp)
     )
     try:
         for step in range(1, steps + 1):
             # 1. sample each prompt num_generations times, 2. reward, 3. advantages, 4. update
-            rows = [i for i in next(batches) for _ in range(num_generations)]
+            rows = [i for i in next(plan.batches) for _ in range(num_generations)]
             if not rows:  # an empty Poisson batch still takes a (pure-noise) step
                 optimise.noise_only(params)
                 meter.step(step, loss=None, tokens=0)
@@ -254,19 +239,65 @@ def train_grpo(
             logger.debug("step %d: loss %.4f, reward %.3f, kl %.5f", step, loss, reward, kl)
             meter.step(step, loss=loss, tokens=int(rollout.attention.sum()), reward=reward)
     finally:
-        if hooks is not None:
-            hooks._close()
+        if plan.hooks is not None:
+            plan.hooks._close()
+    return _finish(trainer, meter, objective, len(prompts), plan.sample_rate)
+
+
+def _finish(
+    trainer: PolicyTrainer,
+    meter: RoundMeter,
+    objective: str,
+    records: int,
+    sample_rate: float | None,
+) -> RoundResult:
+    """The round's update and meters, logged."""
     trainer.model.eval()
     meter.stop()
-    result = meter.result(trainer.update(), num_examples=len(prompts), sample_rate=sample_rate)
+    result = meter.result(trainer.update(), num_examples=records, sample_rate=sample_rate)
     logger.info(
         "%s round trained: %d steps, mean reward %.3f, %.1fs",
         objective,
-        steps,
+        meter.steps,
         result.mean_reward,
         result.seconds,
     )
     return result
+
+
+@dataclass
+class _StepPlan:
+    """How a round's steps draw prompts and update: plain AdamW on shuffled batches, or under
+    DP-SGD Poisson batches at the plan's rate, a noisy clipping optimiser and Opacus hooks."""
+
+    optimizer: torch.optim.Optimizer
+    batches: Iterator[list[int]]
+    sample_rate: float | None = None
+    hooks: GradSampleModule | None = None
+
+
+def _plan_steps(
+    trainer: PolicyTrainer,
+    params: list[nn.Parameter],
+    lr: float,
+    seed: int,
+    batch_size: int,
+    records: int,
+    dp: DpConfig | None,
+) -> _StepPlan:
+    optimizer: torch.optim.Optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+    if dp is None:
+        return _StepPlan(
+            optimizer, prompt_batches(records, batch_size, torch.Generator().manual_seed(seed))
+        )
+    sample_rate = dp.rate(batch_size, records)
+    expected = min(batch_size, round(sample_rate * records))
+    return _StepPlan(
+        dp.optimizer(optimizer, expected_batch_size=expected),
+        poisson_batches(records, sample_rate, secure_generator()),
+        sample_rate,
+        trainer.grad_sample_module(),  # after begin_round: what requires grad
+    )
 
 
 def _check_policy_round(
@@ -275,6 +306,8 @@ def _check_policy_round(
     num_generations: int,
     rewards: Mapping[str, RewardFunction],
     iterations: int,
+    trainer: PolicyTrainer,
+    dp: DpConfig | None,
 ) -> None:
     """Raise ValueError on arguments no GRPO / GSPO round can run with."""
     if objective not in POLICY_OBJECTIVES:
@@ -289,6 +322,10 @@ def _check_policy_round(
         raise ValueError("GRPO needs at least one reward function")
     if iterations < 1:
         raise ValueError("iterations must be at least 1")
+    if dp is not None:
+        trainer.check_dp()
+        if iterations != 1:
+            raise ValueError("DP-SGD takes one step per sampled batch; set iterations to 1")
 
 
 @dataclass(frozen=True)

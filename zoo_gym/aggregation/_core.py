@@ -1,21 +1,25 @@
 """Shared pieces of the aggregation rules: result types, checks and chunked kernels.
 
 Every rule takes the updates as one `(n, d)` tensor of deltas (any floating dtype, any
-device) and returns an `Aggregate`: the `(d,)` float32 aggregate plus one `Decision` per
-update, in input order. Work over `d` runs in column chunks whose width comes from a byte
-budget (1% of the input, between 1 MiB and 32 MiB), so that the extra memory of a rule is
-the `(d,)` output plus a few percent of the input, never an `(n, d)` copy. Sums and
+device) or as a column source (`columns.Columns`), and returns an `Aggregate`: the `(d,)`
+float32 aggregate plus one `Decision` per update, in input order. The kernels read the
+updates only as column chunks `(n, c)`. For a tensor the width comes from a byte budget (1%
+of the input, between 1 MiB and 32 MiB), so that the extra memory of a rule is the `(d,)`
+output plus a few percent of the input, never an `(n, d)` copy; for a source with a
+`budget`, from that budget. Sums and
 accumulators are float64; per-chunk products and selections run in the working dtype
 (float32, or float64 when the updates are float64).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
+
+from .columns import Columns, TensorColumns, Updates
 
 __all__ = ["Aggregate", "Decision"]
 
@@ -59,19 +63,35 @@ class Aggregate:
     decisions: tuple[Decision, ...]
 
 
-def check_updates(updates: Tensor, rule: str) -> tuple[int, int]:
-    """Return `(n, d)` of a floating `(n, d)` tensor with n >= 1, or raise ValueError."""
-    if updates.dim() != 2:
+def check_updates(updates: Updates, rule: str) -> tuple[int, int]:
+    """Return `(n, d)` of a floating `(n, d)` tensor or column source with n >= 1, or raise
+    ValueError."""
+    source = as_columns(updates, rule)
+    return source.n, source.d
+
+
+def as_columns(updates: Updates, rule: str) -> Columns:
+    """The updates as a column source (a tensor as `TensorColumns` at the default widths),
+    checked: floating point, n >= 1 and d >= 1; ValueError otherwise."""
+    if isinstance(updates, Tensor):
+        if updates.dim() != 2:
+            raise ValueError(
+                f"{rule}: updates must be one (n, d) tensor, got shape {tuple(updates.shape)}; "
+                "flatten each update and stack them"
+            )
+        source: Columns = TensorColumns(updates)
+    elif isinstance(updates, Columns):
+        source = updates
+    else:
         raise ValueError(
-            f"{rule}: updates must be one (n, d) tensor, got shape {tuple(updates.shape)}; "
-            "flatten each update and stack them"
+            f"{rule}: updates must be an (n, d) tensor or a column source, "
+            f"got {type(updates).__name__}"
         )
-    if not updates.is_floating_point():
-        raise ValueError(f"{rule}: updates must be floating point, got {updates.dtype}")
-    n, d = updates.shape
-    if n < 1 or d < 1:
+    if not source.dtype.is_floating_point:
+        raise ValueError(f"{rule}: updates must be floating point, got {source.dtype}")
+    if source.n < 1 or source.d < 1:
         raise ValueError(f"{rule}: need at least one update of at least one coordinate")
-    return int(n), int(d)
+    return source
 
 
 def check_f(f: int, rule: str) -> None:
@@ -114,22 +134,32 @@ def check_weights(weights: Tensor | None, n: int, rule: str) -> Tensor:
     return w / total
 
 
-def work_dtype(updates: Tensor) -> torch.dtype:
+def work_dtype(updates: Updates) -> torch.dtype:
     """float64 for float64 updates, float32 for every other floating dtype."""
     return torch.float64 if updates.dtype == torch.float64 else torch.float32
 
 
-def chunk_width(updates: Tensor, bytes_per_value: int, max_budget: int = _MAX_BUDGET) -> int:
+def chunk_width(
+    source: Columns, bytes_per_value: int, max_budget: int = _MAX_BUDGET, parallel: int = 1
+) -> int:
     """Columns per chunk so that chunk temporaries of `bytes_per_value` bytes per value of an
-    `(n, width)` chunk stay within the budget: 1% of the input, clamped to [1 MiB,
-    `max_budget`] (32 MiB by default)."""
-    n, d = updates.shape
-    input_bytes = updates.numel() * updates.element_size()
+    `(n, width)` chunk stay within the budget.
+
+    A source without a budget (the in-memory tensor): 1% of the input, clamped to [1 MiB,
+    `max_budget`] (32 MiB by default). A source with one: its budget shared among
+    `parallel` chunks at a time, each also holding the chunk the source returns.
+    """
+    n, d = source.n, source.d
+    itemsize = torch.finfo(source.dtype).bits // 8
+    if source.budget is not None:
+        per_column = n * (bytes_per_value + itemsize) * max(1, parallel)
+        return max(1, min(d, source.budget // per_column))
+    input_bytes = n * d * itemsize
     budget = min(max(input_bytes // _BUDGET_SHARE, _MIN_BUDGET), max(_MIN_BUDGET, max_budget))
     return max(1, min(d, budget // max(1, n * bytes_per_value)))
 
 
-def sort_budget(updates: Tensor) -> int:
+def sort_budget(updates: Updates) -> int:
     """Largest chunk budget for rules that sort chunks: 2 MiB on CPU, where a chunk should
     stay in the L2 cache while it is sorted and scanned; 32 MiB elsewhere."""
     return _SORT_BUDGET if updates.device.type == "cpu" else _MAX_BUDGET
@@ -141,13 +171,24 @@ def spans(d: int, width: int) -> Iterator[tuple[int, int]]:
         yield start, min(d, start + width)
 
 
-def column_chunks(updates: Tensor, bytes_per_value: int) -> Iterator[tuple[int, int]]:
+def chunks(
+    source: Columns, width: int, rows: Sequence[int] | None = None
+) -> Iterator[tuple[int, int, Tensor]]:
+    """`(start, stop, chunk)` for column ranges of at most `width` columns, chunk `(n, c)`
+    (or `(len(rows), c)`) read from the source; one pass over the updates."""
+    for start, stop in spans(source.d, width):
+        yield start, stop, source.columns(start, stop, rows)
+
+
+def column_chunks(updates: Updates, bytes_per_value: int) -> Iterator[tuple[int, int]]:
     """Column ranges for chunks of `bytes_per_value` bytes per value (see `chunk_width`)."""
-    return spans(updates.shape[1], chunk_width(updates, bytes_per_value))
+    source = as_columns(updates, "column_chunks")
+    return spans(source.d, chunk_width(source, bytes_per_value))
 
 
-def gram(updates: Tensor) -> Tensor:
-    """Shifted Gram matrix `(n, n)` float64 of the updates, for pairwise distances.
+def gram(updates: Updates) -> Tensor:
+    """Shifted Gram matrix `(n, n)` float64 of the updates, for pairwise distances; one
+    pass over the column chunks.
 
     G = sum over column chunks C of (X_C - 1 r_C^T)(X_C - 1 r_C^T)^T: one working-dtype
     GEMM per chunk (columns of about 1% of the input), accumulated into float64. Only the
@@ -166,19 +207,17 @@ def gram(updates: Tensor) -> Tensor:
     GEMM follows torch's float32 matmul precision: keep it at "highest" (the default),
     TF32 keeps 10 bits.
     """
-    updates = updates.detach()
-    n, d = updates.shape
-    dtype = work_dtype(updates)
-    g = torch.zeros((n, n), dtype=torch.float64, device=updates.device)
-    part = torch.zeros((n, n), dtype=dtype, device=updates.device)  # one chunk's product
-    width = chunk_width(updates, torch.finfo(dtype).bits // 8)
-    buf = torch.empty((n, width), dtype=dtype, device=updates.device)  # shifted chunk, reused
+    source = as_columns(updates, "gram")
+    n, dtype, device = source.n, work_dtype(source), source.device
+    g = torch.zeros((n, n), dtype=torch.float64, device=device)
+    part = torch.zeros((n, n), dtype=dtype, device=device)  # one chunk's product
+    width = chunk_width(source, torch.finfo(dtype).bits // 8)
+    buf = torch.empty((n, width), dtype=dtype, device=device)  # shifted chunk, reused
     triangular = n >= 2 * _GRAM_BLOCK or (
         n >= _GRAM_TRIANGULAR_FROM and torch.get_num_threads() == 1
     )
     ref = -1
-    for k, (start, stop) in enumerate(spans(d, width)):
-        chunk = updates[:, start:stop]  # (n, c)
+    for k, (start, stop, chunk) in enumerate(chunks(source, width)):  # chunk (n, c)
         x = buf[:, : stop - start]  # (n, c)
         if k == 0:  # probe a few columns, shifted by update 0, for the first medoid
             probe = min(stop - start, _PROBE_WIDTH)
@@ -225,7 +264,7 @@ def _medoid(g: Tensor) -> int:
     return int(dist.sum(1).argmin())
 
 
-def squared_distances(updates: Tensor) -> Tensor:
+def squared_distances(updates: Updates) -> Tensor:
     """Pairwise squared Euclidean distances `(n, n)` float64 from one Gram matrix:
     ||x_i - x_j||^2 = G_ii + G_jj - 2 G_ij, symmetric, zero diagonal, clamped at 0."""
     g = gram(updates)
@@ -236,57 +275,93 @@ def squared_distances(updates: Tensor) -> Tensor:
     return dist
 
 
-def weighted_sum(updates: Tensor, weights: Tensor) -> Tensor:
-    """`sum_i weights[i] * updates[i]` as `(d,)` float32, accumulated in float64.
+def weighted_sum(updates: Updates, weights: Tensor) -> Tensor:
+    """`sum_i weights[i] * updates[i]` as `(d,)` float32, accumulated in float64; one pass.
 
-    Rows with weight zero are skipped; the others are added one at a time into a float64
-    accumulator of a few columns, so no `(n, d)` copy is ever made.
+    Rows with weight zero are skipped (a source is asked for the others only); the others
+    are added one at a time into a float64 accumulator of a few columns, so no `(n, d)`
+    copy is ever made. Each coordinate's sum runs over the rows in order, so the result
+    does not depend on the chunk widths.
     """
-    updates = updates.detach()
-    _, d = updates.shape
+    vector, _ = combine(as_columns(updates, "weighted_sum"), weights, distances=False)
+    return vector
+
+
+def combine(
+    source: Columns,
+    weights: Tensor,
+    *,
+    base: Tensor | None = None,
+    base_weight: float = 0.0,
+    distances: bool = True,
+) -> tuple[Tensor, Tensor | None]:
+    """One pass: z = sum_i weights[i] x_i (+ base_weight * base) `(d,)` float32 and, with
+    `distances`, ||x_i - z|| `(n,)` float64 of every update to it.
+
+    z's sum is accumulated in float64 over the rows in order, rounded to float32, then the
+    `base` `(d,)` term added in float32; each chunk's distances are formed in float64 from
+    the chunk and the finished part of z, so iterative rules (geometric median, centered
+    clipping) read the updates once per step. A tensor without a budget is read as one view
+    for the sum alone, or in the chunks of `distances_to` with distances.
+    """
+    n, d, device = source.n, source.d, source.device
     w = weights.detach().to("cpu", torch.float64).reshape(-1).tolist()
-    rows = [(i, wi) for i, wi in enumerate(w) if wi != 0.0]
-    width = _SUM_WIDTH if updates.device.type == "cpu" else _SUM_WIDTH_ACCELERATOR
-    out = torch.empty(d, dtype=torch.float32, device=updates.device)
-    acc = torch.empty(min(d, width), dtype=torch.float64, device=updates.device)
-    for start, stop in spans(d, width):
-        a = acc[: stop - start]
-        a.zero_()
-        for i, wi in rows:
-            a.add_(updates[i, start:stop], alpha=wi)
-        out[start:stop] = a
-    return out
+    pairs = [(i, wi) for i, wi in enumerate(w) if wi != 0.0]
+    subset = None if distances or len(pairs) == n else [i for i, _ in pairs]
+    if subset is not None:
+        pairs = [(j, wi) for j, (_, wi) in enumerate(pairs)]  # rows of the subset chunk
+    if distances:
+        width = chunk_width(source, 16)
+    elif source.budget is None:
+        width = d  # a view of the whole tensor
+    else:
+        width = chunk_width(source, 0)
+    inner = _SUM_WIDTH if device.type == "cpu" else _SUM_WIDTH_ACCELERATOR
+    out = torch.empty(d, dtype=torch.float32, device=device)
+    acc = torch.empty(min(d, inner, width), dtype=torch.float64, device=device)
+    dist = torch.zeros(n, dtype=torch.float64, device=device) if distances else None
+    b = None if base is None else base.detach().to(device, torch.float32)
+    for start, stop, chunk in chunks(source, width, subset):
+        for s0, s1 in spans(stop - start, inner):
+            a = acc[: s1 - s0]
+            a.zero_()
+            for i, wi in pairs:
+                a.add_(chunk[i, s0:s1], alpha=wi)
+            out[start + s0 : start + s1] = a
+        if b is not None:
+            out[start:stop] = out[start:stop] + base_weight * b[start:stop]
+        if dist is not None:
+            diff = chunk.to(torch.float64) - out[start:stop].to(torch.float64)
+            dist += diff.square().sum(dim=1)
+    return out, None if dist is None else dist.sqrt()
 
 
-def mean_of_rows(updates: Tensor, rows: list[int]) -> Tensor:
-    """Plain mean `(d,)` float32 of the given rows, accumulated in float64 (a copy for one row)."""
-    if len(rows) == 1:
-        return updates[rows[0]].to(torch.float32, copy=True)
-    n = updates.shape[0]
-    weights = torch.zeros(n, dtype=torch.float64)
+def mean_of_rows(updates: Updates, rows: list[int]) -> Tensor:
+    """Plain mean `(d,)` float32 of the given rows, accumulated in float64 (one row: its
+    values, exactly); one pass reading those rows only."""
+    source = as_columns(updates, "mean_of_rows")
+    weights = torch.zeros(source.n, dtype=torch.float64)
     weights[rows] = 1.0 / len(rows)
-    return weighted_sum(updates, weights)
+    return weighted_sum(source, weights)
 
 
-def distances_to(updates: Tensor, center: Tensor) -> Tensor:
-    """Euclidean distances `(n,)` float64 from each update to `center` `(d,)`."""
-    updates = updates.detach()
-    n, _ = updates.shape
-    acc = torch.zeros(n, dtype=torch.float64, device=updates.device)
-    c = center.detach().to(updates.device)
-    for start, stop in column_chunks(updates, 16):
-        diff = updates[:, start:stop].to(torch.float64) - c[start:stop].to(torch.float64)
+def distances_to(updates: Updates, center: Tensor) -> Tensor:
+    """Euclidean distances `(n,)` float64 from each update to `center` `(d,)`; one pass."""
+    source = as_columns(updates, "distances_to")
+    acc = torch.zeros(source.n, dtype=torch.float64, device=source.device)
+    c = center.detach().to(source.device)
+    for start, stop, chunk in chunks(source, chunk_width(source, 16)):
+        diff = chunk.to(torch.float64) - c[start:stop].to(torch.float64)
         acc += diff.square().sum(dim=1)
     return acc.sqrt()
 
 
-def row_norms(updates: Tensor) -> Tensor:
-    """L2 norm `(n,)` float64 of each update."""
-    updates = updates.detach()
-    n, _ = updates.shape
-    acc = torch.zeros(n, dtype=torch.float64, device=updates.device)
-    for start, stop in column_chunks(updates, 8):
-        acc += updates[:, start:stop].to(torch.float64).square().sum(dim=1)
+def row_norms(updates: Updates) -> Tensor:
+    """L2 norm `(n,)` float64 of each update; one pass."""
+    source = as_columns(updates, "row_norms")
+    acc = torch.zeros(source.n, dtype=torch.float64, device=source.device)
+    for _, _, chunk in chunks(source, chunk_width(source, 8)):
+        acc += chunk.to(torch.float64).square().sum(dim=1)
     return acc.sqrt()
 
 

@@ -25,7 +25,8 @@ import torch
 from numpy.typing import NDArray
 from torch import Tensor
 
-from ._core import spans
+from ._core import as_columns, spans
+from .columns import Updates
 
 Array = NDArray[Any]  # a NumPy array of the working dtype
 
@@ -255,22 +256,23 @@ def _np_trimmed(
 
 
 def coordinatewise(
-    updates: Tensor, kind: str, f: int, width: int, engine: str | None = None
+    updates: Updates, kind: str, f: int, width: int, engine: str | None = None
 ) -> tuple[Tensor, Tensor]:
     """Run the `kind` ("median" or "trimmed") kernel over all column chunks of `width`
-    columns: the `(d,)` float32 result and the per-row sums `(n,)` float64 (middle
-    positions held, or values dropped). `engine` "numpy" (CPU only) or "torch"; by default
-    NumPy on CPU and torch elsewhere."""
-    updates = updates.detach()
-    n, d = updates.shape
-    engine = engine or ("numpy" if updates.device.type == "cpu" else "torch")
-    out = torch.empty(d, dtype=torch.float32, device=updates.device)
-    dtype = torch.float64 if updates.dtype == torch.float64 else torch.float32
+    columns, one pass: the `(d,)` float32 result and the per-row sums `(n,)` float64
+    (middle positions held, or values dropped). `engine` "numpy" (CPU only) or "torch"; by
+    default NumPy on CPU and torch elsewhere. The NumPy engine reads chunks from
+    `torch.get_num_threads()` threads at once."""
+    source = as_columns(updates, "coordinatewise")
+    n, d, device = source.n, source.d, source.device
+    engine = engine or ("numpy" if device.type == "cpu" else "torch")
+    out = torch.empty(d, dtype=torch.float32, device=device)
+    dtype = torch.float64 if source.dtype == torch.float64 else torch.float32
     if engine == "torch":
-        scratch = Scratch(n, width, dtype, updates.device)
-        rows = torch.zeros(n, dtype=torch.float64, device=updates.device)
+        scratch = Scratch(n, width, dtype, device)
+        rows = torch.zeros(n, dtype=torch.float64, device=device)
         for start, stop in spans(d, width):
-            x = updates[:, start:stop]
+            x = source.columns(start, stop)
             if kind == "median":
                 rows += median_columns(x, scratch, out[start:stop])
             else:
@@ -286,7 +288,7 @@ def coordinatewise(
         scratch = _NpScratch(n, width, np_dtype)
         total = np.zeros(n, dtype=np.float64)
         for start, stop in group:
-            chunk = updates[:, start:stop]
+            chunk = source.columns(start, stop).detach()
             x = chunk.numpy() if chunk.dtype == dtype else chunk.to(dtype).numpy()
             total += kernel(x, scratch, out_np[start:stop])
         return total

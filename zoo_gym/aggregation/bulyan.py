@@ -11,7 +11,8 @@ With n updates of which at most f are Byzantine (n >= 4f + 3):
    not depend on the order of the updates).
 
 Distances come from the chunked Gram matrix of `_core.gram` (float64 accumulation); step 2
-sorts column chunks of the selected updates in float64.
+sorts column chunks of the selected updates in float64. Two passes over the updates: one
+for the Gram matrix, one reading the theta selected rows.
 """
 
 from __future__ import annotations
@@ -22,17 +23,18 @@ from torch import Tensor
 from ._core import (
     Aggregate,
     Decision,
+    as_columns,
     check_f,
-    check_updates,
     chunk_width,
+    chunks,
     pct,
     require,
     sort_budget,
-    spans,
     squared_distances,
     work_dtype,
 )
 from ._select import closest_to_median
+from .columns import Updates
 from .krum import krum_scores, lowest
 
 _EPS = 1e-9  # coordinates; shares of tied runs are fractions
@@ -51,22 +53,21 @@ def recursive_krum(dist: Tensor, f: int, theta: int) -> list[int]:
     return chosen
 
 
-def bulyan(updates: Tensor, *, f: int) -> Aggregate:
+def bulyan(updates: Updates, *, f: int) -> Aggregate:
     """Bulyan over the `(n, d)` updates: recursive Krum, then a trimmed mean around the median."""
-    n, d = check_updates(updates, "bulyan")
+    source = as_columns(updates, "bulyan")
+    n, d, device = source.n, source.d, source.device
     check_f(f, "bulyan")
     require(n, 4 * f + 3, f"bulyan with f={f}", "n >= 4f + 3")
     theta, beta = n - 2 * f, n - 4 * f
-    dist = squared_distances(updates)
+    dist = squared_distances(source)
     chosen = recursive_krum(dist, f, theta)
-    sel = torch.tensor(chosen, device=updates.device)
-    dtype = work_dtype(updates)
-    width = chunk_width(updates, 48, sort_budget(updates))  # gathered rows, gaps, shares
-    out = torch.empty(d, dtype=torch.float32, device=updates.device)
-    used = torch.zeros(theta, dtype=torch.float64, device=updates.device)  # coordinates
-    for start, stop in spans(d, width):
-        values = updates[:, start:stop].detach().index_select(0, sel).to(dtype)  # (theta, c)
-        mean, share = closest_to_median(values, beta)
+    dtype = work_dtype(source)
+    width = chunk_width(source, 48, sort_budget(source))  # gathered rows, gaps, shares
+    out = torch.empty(d, dtype=torch.float32, device=device)
+    used = torch.zeros(theta, dtype=torch.float64, device=device)  # coordinates
+    for start, stop, rows in chunks(source, width, chosen):  # rows (theta, c), chosen order
+        mean, share = closest_to_median(rows.to(dtype), beta)
         out[start:stop] = mean
         used += share
     per_update = dict(zip(chosen, used.cpu().tolist(), strict=True))

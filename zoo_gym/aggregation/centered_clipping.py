@@ -27,6 +27,9 @@ rate and the round.
 Steps. Five by default: from a zero start the first step only reaches the bulk of the
 updates and the next ones refine the centre. With a `center` from history one step is
 what the paper analyses; pass `iters=1` for that.
+
+Passes. iters + 1 over the updates: the distances to the start, then per step one pass
+that forms the new centre chunk by chunk and, but for the last step, the distances to it.
 """
 
 from __future__ import annotations
@@ -37,16 +40,17 @@ from torch import Tensor
 from ._core import (
     Aggregate,
     Decision,
+    as_columns,
     check_count,
-    check_updates,
+    combine,
     distances_to,
     pct,
-    weighted_sum,
 )
+from .columns import Updates
 
 
 def centered_clipping(
-    updates: Tensor,
+    updates: Updates,
     *,
     tau: float | None = None,
     iters: int = 5,
@@ -57,7 +61,8 @@ def centered_clipping(
     `tau`: clipping radius > 0, or None for the median distance to the centre at each
     step. `iters`: number of clipping steps (>= 1).
     """
-    n, d = check_updates(updates, "centered_clipping")
+    source = as_columns(updates, "centered_clipping")
+    n, d, device = source.n, source.d, source.device
     if tau is not None and (isinstance(tau, bool) or not float(tau) > 0.0):
         raise ValueError(f"centered_clipping: tau must be > 0 or None (adaptive), got {tau!r}")
     iters = check_count(iters, "iters", "centered_clipping")
@@ -66,20 +71,22 @@ def centered_clipping(
             f"centered_clipping: center must have shape ({d},), got {tuple(center.shape)}"
         )
     v = (
-        torch.zeros(d, dtype=torch.float32, device=updates.device)
+        torch.zeros(d, dtype=torch.float32, device=device)
         if center is None
-        else center.detach().to(updates.device, torch.float32).clone()
+        else center.detach().to(device, torch.float32).clone()
     )
     scale = torch.ones(n, dtype=torch.float64)
-    dist = torch.zeros(n, dtype=torch.float64)
+    dist = distances_to(source, v).cpu()  # (n,)
     radius = 0.0
-    for _ in range(iters):
-        dist = distances_to(updates, v).cpu()  # (n,)
+    for step in range(iters):
         radius = float(tau) if tau is not None else _median(dist)
         scale = torch.where(dist <= radius, 1.0, radius / dist.clamp_min(1e-300))  # (n,)
         # v + (1/n) sum_i s_i (x_i - v) = sum_i (s_i / n) x_i + (1 - sum_i s_i / n) v
         w = scale / n
-        v = weighted_sum(updates, w) + (1.0 - float(w.sum())) * v
+        last = step == iters - 1
+        v, new = combine(source, w, base=v, base_weight=1.0 - float(w.sum()), distances=not last)
+        if new is not None:  # distances to the new centre, for the next step
+            dist = new.cpu()
     what = "tau" if tau is not None else "the median distance"
     decisions = tuple(
         Decision(

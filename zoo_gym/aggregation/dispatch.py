@@ -18,6 +18,7 @@ from torch import Tensor
 from ._core import Aggregate, check_f, check_updates, require
 from .bulyan import bulyan
 from .centered_clipping import centered_clipping
+from .columns import Updates
 from .fedavg import fedavg
 from .geometric_median import geometric_median
 from .krum import krum
@@ -37,45 +38,46 @@ def _no_weights(rule: str, weights: Tensor | None) -> None:
         )
 
 
-def _fedavg(updates: Tensor, *, f: int, weights: Tensor | None, **params: Any) -> Aggregate:
+def _fedavg(updates: Updates, *, f: int, weights: Tensor | None, **params: Any) -> Aggregate:
     return fedavg(updates, weights=weights, **params)
 
 
-def _krum(updates: Tensor, *, f: int, weights: Tensor | None, **params: Any) -> Aggregate:
+def _krum(updates: Updates, *, f: int, weights: Tensor | None, **params: Any) -> Aggregate:
     _no_weights("krum", weights)
     return krum(updates, f=f, **params)
 
 
 def _multikrum(
-    updates: Tensor, *, f: int, weights: Tensor | None, m: int | None = None, **params: Any
+    updates: Updates, *, f: int, weights: Tensor | None, m: int | None = None, **params: Any
 ) -> Aggregate:
     _no_weights("multikrum", weights)
-    return krum(updates, f=f, m=updates.shape[0] - f if m is None else m, **params)
+    n, _ = check_updates(updates, "multikrum")
+    return krum(updates, f=f, m=n - f if m is None else m, **params)
 
 
-def _bulyan(updates: Tensor, *, f: int, weights: Tensor | None, **params: Any) -> Aggregate:
+def _bulyan(updates: Updates, *, f: int, weights: Tensor | None, **params: Any) -> Aggregate:
     _no_weights("bulyan", weights)
     return bulyan(updates, f=f, **params)
 
 
-def _trimmed_mean(updates: Tensor, *, f: int, weights: Tensor | None, **params: Any) -> Aggregate:
+def _trimmed_mean(updates: Updates, *, f: int, weights: Tensor | None, **params: Any) -> Aggregate:
     _no_weights("trimmed_mean", weights)
     return trimmed_mean(updates, f=f, **params)
 
 
-def _median(updates: Tensor, *, f: int, weights: Tensor | None, **params: Any) -> Aggregate:
+def _median(updates: Updates, *, f: int, weights: Tensor | None, **params: Any) -> Aggregate:
     _no_weights("median", weights)
     return median(updates, **params)
 
 
 def _geometric_median(
-    updates: Tensor, *, f: int, weights: Tensor | None, **params: Any
+    updates: Updates, *, f: int, weights: Tensor | None, **params: Any
 ) -> Aggregate:
     return geometric_median(updates, weights=weights, **params)
 
 
 def _centered_clipping(
-    updates: Tensor, *, f: int, weights: Tensor | None, **params: Any
+    updates: Updates, *, f: int, weights: Tensor | None, **params: Any
 ) -> Aggregate:
     _no_weights("centered_clipping", weights)
     return centered_clipping(updates, **params)
@@ -153,14 +155,15 @@ def check_params(rule: str, params: dict[str, Any]) -> None:
 
 def aggregate(
     rule: str,
-    updates: Tensor,
+    updates: Updates,
     *,
     f: int = 0,
     weights: Tensor | None = None,
     pre: str | None = None,
     **params: Any,
 ) -> Aggregate:
-    """Aggregate the `(n, d)` updates with `rule`, tolerating f Byzantine updates.
+    """Aggregate the `(n, d)` updates (a tensor or a column source) with `rule`,
+    tolerating f Byzantine updates.
 
     `pre="nnm"` first replaces each update by the mean of its n - f nearest neighbours
     (Allouah et al., 2023); decisions still refer to the original updates, by index.

@@ -11,14 +11,17 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from ._core import Aggregate, Decision, check_updates, check_weights, pct, weighted_sum
+from ._core import Aggregate, Decision, as_columns, check_weights, pct, weighted_sum
+from .columns import Updates
 
 
-def fedavg(updates: Tensor, *, weights: Tensor | None = None) -> Aggregate:
-    """Weighted mean of the `(n, d)` updates; `weights` `(n,)` >= 0, uniform when None."""
-    n, _ = check_updates(updates, "fedavg")
+def fedavg(updates: Updates, *, weights: Tensor | None = None) -> Aggregate:
+    """Weighted mean of the `(n, d)` updates; `weights` `(n,)` >= 0, uniform when None.
+    One pass over the updates (reading only those of positive weight)."""
+    source = as_columns(updates, "fedavg")
+    n = source.n
     w = check_weights(weights, n, "fedavg")  # (n,) float64, sums to 1
-    vector = weighted_sum(updates, w)
+    vector = weighted_sum(source, w)
     return Aggregate(vector, fedavg_decisions(w.tolist()))
 
 

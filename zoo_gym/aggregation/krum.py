@@ -13,7 +13,8 @@ Distances come from one Gram matrix of the column-centred updates, computed chun
 chunk over d with a float32 GEMM per chunk accumulated in float64 (see `_core.gram`), not
 from ||x||^2 + ||y||^2 - 2 x.y in float32 on full weights, which cancels catastrophically
 when updates are small next to the weights. The m chosen updates are averaged in float64
-without copying them.
+without copying them. Two passes over the updates: one for the Gram matrix, one reading
+the m chosen rows for their mean.
 """
 
 from __future__ import annotations
@@ -24,13 +25,14 @@ from torch import Tensor
 from ._core import (
     Aggregate,
     Decision,
+    as_columns,
     check_count,
     check_f,
-    check_updates,
     mean_of_rows,
     require,
     squared_distances,
 )
+from .columns import Updates
 
 
 def krum_scores(dist: Tensor, f: int) -> Tensor:
@@ -61,23 +63,24 @@ def lowest(scores: Tensor, m: int, dist: Tensor) -> list[int]:
     return [int(i) for i in order[:m]]
 
 
-def krum(updates: Tensor, *, f: int, m: int = 1) -> Aggregate:
+def krum(updates: Updates, *, f: int, m: int = 1) -> Aggregate:
     """Multi-Krum [Blanchard et al., 2017]: average the m updates with the lowest scores.
 
     score(i) = sum of squared distances from update i to its n - f - 2 nearest neighbours.
     `updates` is (n, d); distances come from one float64 Gram matrix. Requires n >= 2f + 3
     and 1 <= m <= n. Every update's decision carries its score.
     """
-    n, _ = check_updates(updates, "krum")
+    source = as_columns(updates, "krum")
+    n = source.n
     check_f(f, "krum")
     require(n, 2 * f + 3, f"krum with f={f}", "n >= 2f + 3")
     m = check_count(m, "m", "krum")
     if m > n:
         raise ValueError(f"krum: m must be between 1 and n={n}, got {m}")
-    dist = squared_distances(updates)  # (n, n)
+    dist = squared_distances(source)  # (n, n)
     scores = krum_scores(dist, f).cpu()  # (n,)
     chosen = lowest(scores, m, dist)
-    vector = mean_of_rows(updates, sorted(chosen))
+    vector = mean_of_rows(source, sorted(chosen))
     picked = set(chosen)
     what = "the lowest Krum score" if m == 1 else f"the {m} lowest Krum scores"
     decisions = tuple(

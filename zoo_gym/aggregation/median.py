@@ -12,20 +12,23 @@ updates with equal values share the positions their run covers.
 
 from __future__ import annotations
 
-from torch import Tensor
+import torch
 
-from ._core import Aggregate, Decision, check_updates, chunk_width, pct, sort_budget
+from ._core import Aggregate, Decision, as_columns, chunk_width, pct, sort_budget
 from ._select import coordinatewise
+from .columns import Updates
 
 _EPS = 1e-9  # coordinates; shares of tied runs are fractions
 
 
-def median(updates: Tensor) -> Aggregate:
+def median(updates: Updates) -> Aggregate:
     """Coordinate-wise median of the `(n, d)` updates (mean of the two middles for even n)."""
-    n, d = check_updates(updates, "median")
+    source = as_columns(updates, "median")
+    n, d = source.n, source.d
     middles = 2 if n % 2 == 0 else 1
-    width = chunk_width(updates, 8, sort_budget(updates))  # sorted copy, masks
-    out, used = coordinatewise(updates, "median", 0, width)  # used: middle positions held
+    threads = torch.get_num_threads() if source.device.type == "cpu" else 1
+    width = chunk_width(source, 8, sort_budget(source), threads)  # sorted copy, masks
+    out, used = coordinatewise(source, "median", 0, width)  # used: middle positions held
     decisions = []
     for u in used.cpu().tolist():
         taken = min(1.0, u / d)  # share of coordinates in which it was a middle value

@@ -11,30 +11,33 @@ trimmed positions equally.
 
 from __future__ import annotations
 
-from torch import Tensor
+import torch
 
 from ._core import (
     Aggregate,
     Decision,
+    as_columns,
     check_f,
-    check_updates,
     chunk_width,
     pct,
     require,
     sort_budget,
 )
 from ._select import coordinatewise
+from .columns import Updates
 
 _EPS = 1e-9  # coordinates; shares of tied runs are fractions
 
 
-def trimmed_mean(updates: Tensor, *, f: int) -> Aggregate:
+def trimmed_mean(updates: Updates, *, f: int) -> Aggregate:
     """Per coordinate, the mean of the `(n, d)` updates after dropping the f lowest and f highest."""
-    n, d = check_updates(updates, "trimmed_mean")
+    source = as_columns(updates, "trimmed_mean")
+    n, d = source.n, source.d
     check_f(f, "trimmed_mean")
     require(n, 2 * f + 1, f"trimmed_mean with f={f}", "n > 2f")
-    width = chunk_width(updates, 8, sort_budget(updates))  # sorted copy, masks
-    out, dropped = coordinatewise(updates, "trimmed", f, width)  # dropped: coordinates
+    threads = torch.get_num_threads() if source.device.type == "cpu" else 1
+    width = chunk_width(source, 8, sort_budget(source), threads)  # sorted copy, masks
+    out, dropped = coordinatewise(source, "trimmed", f, width)  # dropped: coordinates
     decisions = []
     for t in dropped.cpu().tolist():
         trimmed = min(1.0, max(0.0, t / d))

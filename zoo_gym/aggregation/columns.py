@@ -1,0 +1,168 @@
+"""Column sources: how a rule reads the `(n, d)` updates without holding them whole.
+
+A rule reads its updates only as column ranges `(n, stop - start)` of all n updates (or of
+some of them), through `Columns.columns(start, stop, rows)`. The in-memory `(n, d)` tensor
+is one source (`TensorColumns`, whose ranges are views); a source over compressed payloads
+decodes each range when asked (`zoo_gym.compression.columns.PayloadColumns`), so a rule's
+memory is set by its source's `budget` and not by n x d.
+
+`budget` is the number of bytes a rule may spend on one column range: the range itself and
+the rule's temporaries of the same shape. A rule picks widths of
+`budget // (n * (its bytes per value + the source's))` columns (see `_core.chunk_width`);
+beyond that it keeps O(n^2) float64 matrices and its `(d,)` output. A source with
+`budget=None` is the in-memory tensor at its default widths (1% of the input, as
+before), which is what a plain tensor argument means.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol, runtime_checkable
+
+import torch
+from torch import Tensor
+
+__all__ = ["Columns", "MixedColumns", "ScaledColumns", "TensorColumns", "Updates"]
+
+
+@runtime_checkable
+class Columns(Protocol):
+    """n updates of d coordinates, read by column range."""
+
+    @property
+    def n(self) -> int: ...
+
+    @property
+    def d(self) -> int: ...
+
+    @property
+    def dtype(self) -> torch.dtype: ...
+
+    @property
+    def device(self) -> torch.device: ...
+
+    @property
+    def budget(self) -> int | None:
+        """Bytes a rule may spend on one column range and its temporaries; None for the
+        in-memory defaults."""
+        ...
+
+    def columns(self, start: int, stop: int, rows: Sequence[int] | None = None) -> Tensor:
+        """Columns [start, stop) of the given rows (all when None), `(len(rows), stop -
+        start)`, row j being update `rows[j]`. Safe to call from several threads."""
+        ...
+
+
+Updates = Tensor | Columns
+"""What a rule accepts: the `(n, d)` tensor or a column source."""
+
+
+class TensorColumns:
+    """The in-memory `(n, d)` tensor as a column source: column ranges are views (a subset
+    of rows is gathered). `budget` None keeps the rules' default widths; a number of bytes
+    makes them read narrower ranges, as any other source."""
+
+    def __init__(self, updates: Tensor, *, budget: int | None = None) -> None:
+        if updates.dim() != 2:
+            raise ValueError(f"updates must be one (n, d) tensor, got shape {tuple(updates.shape)}")
+        if budget is not None and budget < 1:
+            raise ValueError(f"budget must be a positive number of bytes, got {budget}")
+        self.updates = updates.detach()
+        self._budget = budget
+
+    @property
+    def n(self) -> int:
+        return int(self.updates.shape[0])
+
+    @property
+    def d(self) -> int:
+        return int(self.updates.shape[1])
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.updates.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.updates.device
+
+    @property
+    def budget(self) -> int | None:
+        return self._budget
+
+    def columns(self, start: int, stop: int, rows: Sequence[int] | None = None) -> Tensor:
+        view = self.updates[:, start:stop]
+        if rows is None:
+            return view
+        return view.index_select(0, torch.as_tensor(list(rows), device=view.device))
+
+
+class MixedColumns:
+    """Rows `mix @ X` of another source X, computed range by range: `mix` `(n, n)` float64,
+    results float32 (nearest-neighbour mixing as a source). Its budget is a sixth of the
+    inner source's, since each range also holds the inner range in float64 and the product."""
+
+    def __init__(self, source: Columns, mix: Tensor) -> None:
+        self.source = source
+        self.mix = mix.to(source.device, torch.float64)  # (n, n)
+
+    @property
+    def n(self) -> int:
+        return self.source.n
+
+    @property
+    def d(self) -> int:
+        return self.source.d
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return torch.float32
+
+    @property
+    def device(self) -> torch.device:
+        return self.source.device
+
+    @property
+    def budget(self) -> int | None:
+        inner = self.source.budget
+        return None if inner is None else max(1, inner // 6)
+
+    def columns(self, start: int, stop: int, rows: Sequence[int] | None = None) -> Tensor:
+        mix = self.mix if rows is None else self.mix[list(rows)]
+        x = self.source.columns(start, stop).to(torch.float64)  # (n, c)
+        return (mix @ x).to(torch.float32)
+
+
+class ScaledColumns:
+    """Rows of another source, each multiplied by its `scale` `(n,)`, as float32 (clipped
+    updates as a source)."""
+
+    def __init__(self, source: Columns, scale: Tensor) -> None:
+        self.source = source
+        self.scale = scale.to(source.device, torch.float32)  # (n,)
+
+    @property
+    def n(self) -> int:
+        return self.source.n
+
+    @property
+    def d(self) -> int:
+        return self.source.d
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return torch.float32
+
+    @property
+    def device(self) -> torch.device:
+        return self.source.device
+
+    @property
+    def budget(self) -> int | None:
+        inner = self.source.budget
+        return None if inner is None else max(1, inner // 2)
+
+    def columns(self, start: int, stop: int, rows: Sequence[int] | None = None) -> Tensor:
+        scale = self.scale if rows is None else self.scale[list(rows)]
+        x = self.source.columns(start, stop, rows).to(torch.float32)
+        return x * scale[:, None]

@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from ._core import as_columns, check_f, column_chunks, require, squared_distances
-from .columns import Columns, MixedColumns, Updates
+from .columns import Columns, MixedColumns, TensorColumns, Updates
 
 
 @overload
@@ -43,6 +43,8 @@ def nnm(updates: Updates, *, f: int) -> Tensor | Columns:
     order = torch.sort(dist, dim=1, stable=True).indices[:, : n - f]  # (n, n - f)
     mix = torch.zeros((n, n), dtype=torch.float64, device=source.device)
     mix.scatter_(1, order, 1.0 / (n - f))
+    if isinstance(updates, TensorColumns) and updates.budget is None:
+        return TensorColumns(nnm(updates.updates, f=f))  # the in-memory path
     if not isinstance(updates, Tensor):
         return MixedColumns(source, mix)
     out = torch.empty((n, source.d), dtype=torch.float32, device=source.device)

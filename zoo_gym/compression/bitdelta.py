@@ -63,6 +63,12 @@ def unpack_signs(packed: Tensor, n: int) -> Tensor:
     return spread.view(torch.uint8)[:n].view(torch.bool)
 
 
+def sign_values(packed: Tensor) -> Tensor:
+    """The +-1.0 float32 values (8 m,) of the sign bits in bytes `packed` (m,) uint8."""
+    table = _SIGN_TABLE.to(packed.device)
+    return table.index_select(0, packed.reshape(-1).long()).view(-1)
+
+
 def group_reduce(x: Tensor, group: int, *, ord: float) -> Tensor:
     """Per-group ``mean |x|`` (``ord=1``) or ``max |x|`` (``ord=inf``) of `x` (n,) -> (G,) float32."""
     n = x.numel()

@@ -157,14 +157,66 @@ def decode_tensor(
         unpack = kernels.unpack if triton else bitdelta.unpack
         unpack(data.to(out.device), scales.to(out.device), group, out)
         return
+    codes = _codes(codec, data, n)
+    torch.mul(codes.to(out.device), expand(scales.to(out.device), n, group), out=out)
+
+
+def _codes(codec: str, data: Tensor, n: int) -> Tensor:
+    """Signed integer codes (n,) int16 of a quantiser's packed bytes `data`."""
     if codec == "int8":
-        codes = data.view(torch.int8).to(torch.int16)
-    elif codec == "int4":
+        return data[:n].view(torch.int8).to(torch.int16)
+    if codec == "int4":
         codes = _unpack_codes(data, n, 2, 4) - 8
         if bool((codes == -8).any()):
             raise EnvelopeError("int4 code 0 (value -8) is outside the symmetric range [-7, 7]")
-    elif codec == "int2":
-        codes = _unpack_codes(data, n, 4, 2) * 2 - 3
-    else:
-        codes = _unpack_codes(data, n, 5, 0) - 1
-    torch.mul(codes.to(out.device), expand(scales.to(out.device), n, group), out=out)
+        return codes
+    if codec == "int2":
+        return _unpack_codes(data, n, 4, 2) * 2 - 3
+    return _unpack_codes(data, n, 5, 0) - 1
+
+
+def values_per_byte(codec: str) -> int:
+    """How many values one byte of packed data holds (1 for int8, 8 for BitDelta, ...);
+    0 for the raw codecs, whose values take several bytes each."""
+    return _VALUES_PER_BYTE.get(codec, 0)
+
+
+def decode_range(
+    codec: str,
+    scales: Tensor,
+    first_group: int,
+    data: Tensor,
+    first_byte: int,
+    n: int,
+    lo: int,
+    hi: int,
+    group: int,
+    out: Tensor,
+) -> None:
+    """Decode values [lo, hi) of a tensor of `n` values into `out` (hi - lo,) float32.
+
+    `data` holds the tensor's packed bytes from byte `first_byte` on, covering the range
+    (for a raw codec, the values' bytes from value `lo`); `scales` (float32) its scales
+    from group `first_group` on. The values equal those `decode_tensor` writes at
+    [lo, hi); content errors (non-finite raw values, padding after the last value when the
+    range reaches it, invalid codes) raise `EnvelopeError`.
+    """
+    if codec in _RAW_DTYPES:
+        out.copy_(data.view(_RAW_DTYPES[codec])[: hi - lo])
+        if not bool(torch.isfinite(out).all()):
+            raise EnvelopeError(f"non-finite value in a {codec} tensor")
+        return
+    per_byte = _VALUES_PER_BYTE[codec]
+    skip = lo - first_byte * per_byte  # values of the first byte before lo
+    index = torch.arange(lo, hi, device=out.device) // group - first_group
+    step = scales.to(out.device).index_select(0, index)  # (hi - lo,) per-value scales
+    if codec == "bitdelta":
+        if hi == n:
+            check_padding(data, n - first_byte * 8)
+        nbytes = -(-(hi - first_byte * 8) // 8)
+        signs = bitdelta.sign_values(data[:nbytes].to(out.device))  # (8 nbytes,) +-1
+        torch.mul(signs[skip : skip + hi - lo], step, out=out)
+        return
+    count = min(n, -(-hi // per_byte) * per_byte) - first_byte * per_byte
+    codes = _codes(codec, data[: -(-count // per_byte)], count)
+    torch.mul(codes[skip : skip + hi - lo].to(out.device), step, out=out)

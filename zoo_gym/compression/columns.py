@@ -1,0 +1,151 @@
+"""A column source over compressed payloads: aggregation straight from envelopes.
+
+`PayloadColumns` holds n envelopes of one layout and decodes, when a rule asks for columns
+[start, stop) of the flat updates (tensors concatenated in layout order, as `decode_into`
+writes them), only the bytes and scales that cover that range, into one `(n, stop -
+start)` float32 chunk. Its memory is the chunk and temporaries of one row's range, so
+aggregating from payloads takes n x width floats, not n x d; the payloads themselves stay
+as they are (bytes in memory, or a memory-mapped spool file).
+
+Every codec decodes by range: BitDelta from the sign bytes and group scales covering it
+(any granularity: a group, a row or a whole matrix is a run of consecutive values), the
+quantisers (int8, int4, int2, ternary) from their packed bytes, the raw codecs (none,
+fp16, bf16) from their value bytes. Decoded values equal `decode_into`'s bit for bit.
+
+It satisfies `zoo_gym.aggregation.columns.Columns` by its shape alone (the two pure
+packages do not import each other): pass it to any rule, or to `aggregation.aggregate`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import warnings
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from zoo_gym.compression import codecs
+from zoo_gym.compression.envelope import (
+    EnvelopeHeader,
+    TensorSection,
+    check_layout,
+    inspect_envelope,
+    section_tensors,
+)
+from zoo_gym.core.delta import Layout
+
+__all__ = ["PayloadColumns"]
+
+_SCALE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}
+_RAW_BYTES = {"none": 4, "fp16": 2, "bf16": 2}
+
+
+def _view(payload: bytes, offset: int, nbytes: int) -> Tensor:
+    """A read-only uint8 tensor view of `payload[offset : offset + nbytes]`."""
+    if nbytes == 0:
+        return torch.empty(0, dtype=torch.uint8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # torch warns that bytes are read-only
+        return torch.frombuffer(payload, dtype=torch.uint8, count=nbytes, offset=offset)
+
+
+class PayloadColumns:
+    """n envelopes of one `layout`, read as column ranges of their decoded `(n, d)` float32.
+
+    Each payload is validated once here (header, SHA-256, layout, scales, BitDelta
+    padding), as `decode_into` would; content errors found while decoding a range (a
+    non-finite raw value, an invalid quantiser code) raise `EnvelopeError` then. `budget`
+    is the number of bytes a rule may spend per chunk (see
+    `zoo_gym.aggregation.columns`); chunks are decoded on the CPU and moved to `device`.
+    """
+
+    def __init__(
+        self,
+        payloads: Sequence[bytes],
+        layout: Layout,
+        *,
+        max_elements: int,
+        budget: int,
+        device: torch.device | str | None = None,
+    ) -> None:
+        if budget < 1:
+            raise ValueError(f"budget must be a positive number of bytes, got {budget}")
+        self.payloads = [bytes(p) if not isinstance(p, bytes) else p for p in payloads]
+        self.headers = [self._check(p, layout, max_elements) for p in self.payloads]
+        self._budget = budget
+        self._device = torch.device("cpu" if device is None else device)
+        self._starts = list(itertools.accumulate((ts.numel for ts in layout), initial=0))
+
+    @staticmethod
+    def _check(payload: bytes, layout: Layout, max_elements: int) -> EnvelopeHeader:
+        header = inspect_envelope(payload, max_elements=max_elements)
+        check_layout(header, layout)
+        for section in header.sections:
+            _, data = section_tensors(payload, header, section)  # scales checked there
+            if header.codec == "bitdelta":
+                codecs.check_padding(data, section.spec.numel, section.spec.name)
+        return header
+
+    @property
+    def n(self) -> int:
+        return len(self.payloads)
+
+    @property
+    def d(self) -> int:
+        return self._starts[-1]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return torch.float32
+
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+    @property
+    def budget(self) -> int | None:
+        return self._budget
+
+    def columns(self, start: int, stop: int, rows: Sequence[int] | None = None) -> Tensor:
+        """Columns [start, stop) of the decoded updates `(len(rows), stop - start)` float32,
+        row j decoded from payload `rows[j]` (all payloads when None)."""
+        if not 0 <= start <= stop <= self.d:
+            raise ValueError(f"column range [{start}, {stop}) outside [0, {self.d})")
+        order = range(self.n) if rows is None else rows
+        out = torch.empty((len(order), stop - start), dtype=torch.float32)
+        for j, i in enumerate(order):
+            self._decode_row(i, start, stop, out[j])
+        return out.to(self._device)
+
+    def _decode_row(self, i: int, start: int, stop: int, out: Tensor) -> None:
+        """Values [start, stop) of payload i's flat update into `out` (stop - start,)."""
+        payload, header = self.payloads[i], self.headers[i]
+        for t, section in enumerate(header.sections):
+            t0, t1 = self._starts[t], self._starts[t + 1]
+            lo, hi = max(start, t0) - t0, min(stop, t1) - t0
+            if lo >= hi:
+                continue
+            target = out[t0 + lo - start : t0 + hi - start]
+            _decode_range(payload, header, section, lo, hi, target)
+
+
+def _decode_range(
+    payload: bytes, header: EnvelopeHeader, section: TensorSection, lo: int, hi: int, out: Tensor
+) -> None:
+    """Values [lo, hi) of one tensor of an envelope into `out` (hi - lo,) float32, reading
+    only the bytes and scales that cover them."""
+    codec, n, group = header.codec, section.spec.numel, section.group
+    if codec in _RAW_BYTES:
+        size = _RAW_BYTES[codec]
+        data = _view(payload, section.data_offset + lo * size, (hi - lo) * size)
+        codecs.decode_range(codec, torch.empty(0), 0, data, lo, n, lo, hi, group, out)
+        return
+    per_byte = codecs.values_per_byte(codec)
+    b0, b1 = lo // per_byte, -(-hi // per_byte)
+    g0, g1 = lo // group, (hi - 1) // group + 1
+    width = _SCALE_BYTES[header.spec.scale_dtype]
+    raw = _view(payload, section.scales_offset + g0 * width, (g1 - g0) * width)
+    scales = raw.view(codecs.SCALE_TORCH_DTYPES[header.spec.scale_dtype]).float()
+    data = _view(payload, section.data_offset + b0, b1 - b0)
+    codecs.decode_range(codec, scales, g0, data, b0, n, lo, hi, group, out)

@@ -63,6 +63,31 @@ def test_every_range_equals_decode_into(spec: CodecSpec) -> None:
             assert torch.equal(source.columns(start, stop, [3, 0]), full[[3, 0], start:stop])
 
 
+@pytest.mark.parametrize("scale_dtype", ["float16", "bfloat16", "float32"])
+@pytest.mark.parametrize("group", [1, 12, 64])
+def test_bitdelta_ranges_cut_through_bytes_and_groups(scale_dtype: str, group: int) -> None:
+    g = torch.Generator().manual_seed(group)
+    shapes = {"a": (3, 333), "b": (7,), "c": (2, 517), "d": (1,)}
+    deltas = [{k: torch.randn(s, generator=g) for k, s in shapes.items()} for _ in range(5)]
+    blobs = [encode(x, CodecSpec("bitdelta", group, "group", scale_dtype)) for x in deltas]
+    layout = layout_of(deltas[0])
+    full = decoded(blobs, layout)
+    source = PayloadColumns(blobs, layout, max_elements=MAX, budget=1000)
+    d = full.shape[1]
+    cuts = torch.randint(0, d + 1, (60, 2), generator=g).sort(dim=1).values.tolist()
+    for start, stop in [*cuts, (0, d), (5, 6), (999, 1001), (d - 3, d), (1006, 1007)]:
+        assert torch.equal(source.columns(start, stop), full[:, start:stop])
+        assert torch.equal(source.columns(start, stop, [4, 1, 1]), full[[4, 1, 1], start:stop])
+
+
+def test_payloads_of_different_group_sizes_decode_one_by_one() -> None:
+    blobs, layout = payloads(2, CodecSpec("bitdelta", 16))
+    other, _ = payloads(2, CodecSpec("bitdelta", 8), seed=1)
+    mixed = [blobs[0], other[0], blobs[1]]
+    source = PayloadColumns(mixed, layout, max_elements=MAX, budget=1000)
+    assert torch.equal(source.columns(3, 101), decoded(mixed, layout)[:, 3:101])
+
+
 @pytest.mark.parametrize("rule", sorted(RULES))
 def test_every_rule_from_payloads_equals_the_decoded_tensor(rule: str) -> None:
     blobs, layout = payloads(11, CodecSpec("bitdelta", 8))

@@ -34,6 +34,7 @@ _SHORT = 8192  # pieces shorter than this on average are gathered before packing
 _SIGN_TABLE = torch.from_numpy(
     np.unpackbits(np.arange(256, dtype=np.uint8)[:, None], axis=1).astype(np.float32) * 2 - 1
 )  # (256, 8): row p holds +-1 for the eight bits of byte p, most significant first
+_SIGN_TABLE_NP = _SIGN_TABLE.numpy()
 
 _Segment = tuple[int, int, int, int]  # (tensor, start, length, padded), see `_segments`
 
@@ -67,6 +68,12 @@ def sign_values(packed: Tensor) -> Tensor:
     """The +-1.0 float32 values (8 m,) of the sign bits in bytes `packed` (m,) uint8."""
     table = _SIGN_TABLE.to(packed.device)
     return table.index_select(0, packed.reshape(-1).long()).view(-1)
+
+
+def sign_values_into(packed: NDArray[np.uint8], out: NDArray[np.float32]) -> None:
+    """Write the +-1.0 values of the sign bytes `packed` (..., m) uint8 into `out`
+    (..., m, 8) float32 (any strides), one row of `_SIGN_TABLE` per byte."""
+    np.take(_SIGN_TABLE_NP, packed, axis=0, out=out, mode="clip")
 
 
 def group_reduce(x: Tensor, group: int, *, ord: float) -> Tensor:

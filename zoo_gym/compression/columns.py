@@ -7,7 +7,7 @@ start)` float32 chunk. Its memory is the chunk and temporaries of one row's rang
 aggregating from payloads takes n x width floats, not n x d; the payloads themselves stay
 as they are (bytes in memory, or a memory-mapped spool file).
 
-Every codec decodes by range: BitDelta from the sign bytes and group scales covering it
+Every codec decodes by range: BitDelta (all rows at once, see `_SignColumns`) from the sign bytes and group scales covering it
 (any granularity: a group, a row or a whole matrix is a run of consecutive values), the
 quantisers (int8, int4, int2, ternary) from their packed bytes, the raw codecs (none,
 fp16, bf16) from their value bytes. Decoded values equal `decode_into`'s bit for bit.
@@ -18,14 +18,18 @@ packages do not import each other): pass it to any rule, or to `aggregation.aggr
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import warnings
 from collections.abc import Sequence
+from dataclasses import dataclass
 
+import numpy as np
 import torch
+from numpy.typing import NDArray
 from torch import Tensor
 
-from zoo_gym.compression import codecs
+from zoo_gym.compression import bitdelta, codecs
 from zoo_gym.compression.envelope import (
     EnvelopeHeader,
     TensorSection,
@@ -76,6 +80,7 @@ class PayloadColumns:
         self._budget = budget
         self._device = torch.device("cpu" if device is None else device)
         self._starts = list(itertools.accumulate((ts.numel for ts in layout), initial=0))
+        self._signs = _SignColumns.of(self.payloads, self.headers, self._starts)
 
     @staticmethod
     def _check(payload: bytes, layout: Layout, max_elements: int) -> EnvelopeHeader:
@@ -114,8 +119,11 @@ class PayloadColumns:
             raise ValueError(f"column range [{start}, {stop}) outside [0, {self.d})")
         order = range(self.n) if rows is None else rows
         out = torch.empty((len(order), stop - start), dtype=torch.float32)
-        for j, i in enumerate(order):
-            self._decode_row(i, start, stop, out[j])
+        if self._signs is not None:
+            self._signs.decode(order, start, stop, out)
+        else:
+            for j, i in enumerate(order):
+                self._decode_row(i, start, stop, out[j])
         return out.to(self._device)
 
     def _decode_row(self, i: int, start: int, stop: int, out: Tensor) -> None:
@@ -149,3 +157,127 @@ def _decode_range(
     scales = raw.view(codecs.SCALE_TORCH_DTYPES[header.spec.scale_dtype]).float()
     data = _view(payload, section.data_offset + b0, b1 - b0)
     codecs.decode_range(codec, scales, g0, data, b0, n, lo, hi, group, out)
+
+
+@dataclass(frozen=True)
+class _SignTensor:
+    """One tensor of n BitDelta envelopes: its size, group, and where each payload keeps
+    its sign bytes and scales."""
+
+    numel: int
+    group: int
+    n_groups: int
+    data: tuple[int, ...]  # (n,) byte offset of the tensor's sign bytes in each payload
+    scales: tuple[int, ...]  # (n,) byte offset of its scales in each payload
+
+
+class _SignColumns:
+    """Column ranges of n BitDelta envelopes of one layout, decoded for all rows at once.
+
+    All payloads share a codec, scale dtype and group per tensor, so a column range covers
+    the same bytes and groups of every payload: they are computed once per tensor, each
+    row's bytes and scales copied into one `(m, bytes)` and one `(m, groups)` array, and
+    the values written by one sign-table lookup and one scaling per group run straight into
+    the output chunk. Values of a range that starts or ends inside a byte are decoded from
+    that byte into an `(m, 8)` scratch and copied.
+    """
+
+    def __init__(
+        self, payloads: Sequence[bytes], headers: Sequence[EnvelopeHeader], starts: list[int]
+    ) -> None:
+        self._starts = starts  # (T + 1,) first column of each tensor, then d
+        self._arrays = [np.frombuffer(p, dtype=np.uint8) for p in payloads]
+        scale_dtype = headers[0].spec.scale_dtype
+        self._scale_dtype = codecs.SCALE_TORCH_DTYPES[scale_dtype]
+        self._scale_bytes = _SCALE_BYTES[scale_dtype]
+        self._tensors = [
+            _SignTensor(
+                numel=first.spec.numel,
+                group=first.group,
+                n_groups=first.n_groups,
+                data=tuple(h.sections[t].data_offset for h in headers),
+                scales=tuple(h.sections[t].scales_offset for h in headers),
+            )
+            for t, first in enumerate(headers[0].sections)
+        ]
+
+    @classmethod
+    def of(
+        cls, payloads: Sequence[bytes], headers: Sequence[EnvelopeHeader], starts: list[int]
+    ) -> _SignColumns | None:
+        """The decoder of these payloads, or None unless all are BitDelta with one scale
+        dtype and one group size per tensor."""
+        if not headers or any(h.codec != "bitdelta" for h in headers):
+            return None
+        first = headers[0]
+        for h in headers:
+            groups = [s.group for s in h.sections] != [s.group for s in first.sections]
+            if h.spec.scale_dtype != first.spec.scale_dtype or groups:
+                return None
+        return cls(payloads, headers, starts)
+
+    def decode(self, rows: Sequence[int], start: int, stop: int, out: Tensor) -> None:
+        """Columns [start, stop) of payloads `rows` into `out` (len(rows), stop - start)."""
+        t = bisect.bisect_right(self._starts, start) - 1
+        while t < len(self._tensors) and self._starts[t] < stop:
+            t0 = self._starts[t]
+            lo, hi = max(start, t0) - t0, min(stop, self._starts[t + 1]) - t0
+            if lo < hi:
+                target = out[:, t0 + lo - start : t0 + hi - start]
+                self._decode_piece(self._tensors[t], rows, lo, hi, target)
+            t += 1
+
+    def _decode_piece(
+        self, tensor: _SignTensor, rows: Sequence[int], lo: int, hi: int, target: Tensor
+    ) -> None:
+        """Values [lo, hi) of one tensor into `target` (m, hi - lo): the whole bytes in place,
+        the values of a byte cut by lo or hi through a scratch."""
+        a0, a1 = -(-lo // 8) * 8, hi // 8 * 8
+        if a0 < a1:
+            self._decode_span(tensor, rows, a0, a1, target[:, a0 - lo : a1 - lo])
+        edges = [(lo, min(a0, hi))] if lo < a0 else []
+        if a0 <= a1 < hi:
+            edges.append((a1, hi))
+        for e0, e1 in edges:
+            base = e0 // 8 * 8
+            scratch = torch.empty((len(rows), 8), dtype=torch.float32)
+            self._decode_span(tensor, rows, base, base + 8, scratch)
+            target[:, e0 - lo : e1 - lo].copy_(scratch[:, e0 - base : e1 - base])
+
+    def _decode_span(
+        self, tensor: _SignTensor, rows: Sequence[int], v0: int, v1: int, target: Tensor
+    ) -> None:
+        """Values [v0, v1) (whole bytes; v1 may pass the tensor's end inside its last byte)
+        of one tensor into `target` (m, v1 - v0), unit stride along a row."""
+        group, m = tensor.group, len(rows)
+        signs = self._gather(tensor.data, rows, v0 // 8, (v1 - v0) // 8, -(-tensor.numel // 8), 1)
+        g0, g1 = v0 // group, -(-v1 // group)
+        raw = self._gather(tensor.scales, rows, g0, g1 - g0, tensor.n_groups, self._scale_bytes)
+        scales = torch.from_numpy(raw).view(self._scale_dtype).float()  # (m, g1 - g0)
+        bitdelta.sign_values_into(signs, target.view(m, -1, 8).numpy())
+        head = min(v1, (g0 + 1) * group) - v0  # the values of group g0
+        target[:, :head].mul_(scales[:, :1])
+        if g1 - g0 > 1:
+            last = (g1 - 1) * group - v0  # where the last group starts
+            middle = target[:, head:last].view(m, g1 - g0 - 2, group)
+            middle.mul_(scales[:, 1:-1, None])
+            target[:, last:].mul_(scales[:, -1:])
+
+    def _gather(
+        self,
+        offsets: tuple[int, ...],
+        rows: Sequence[int],
+        first: int,
+        count: int,
+        avail: int,
+        width: int,
+    ) -> NDArray[np.uint8]:
+        """(len(rows), count * width) bytes: items [first, first + count) of `width` bytes
+        each from `offsets[i]` of each payload i in `rows`, zeros for items from `avail` on."""
+        real = min(count, avail - first) * width
+        out = np.empty((len(rows), count * width), dtype=np.uint8)
+        out[:, real:] = 0
+        for j, i in enumerate(rows):
+            at = offsets[i] + first * width
+            out[j, :real] = self._arrays[i][at : at + real]
+        return out

@@ -174,7 +174,7 @@ def zoo_inprocess(workdir: Path, clients: int, steps: int, rounds: int) -> dict[
         clock.wrap(ClientRuntime, "train", "client_total")
         clock.wrap(FfaLoraTrainer, "train_round", "train")
         clock.wrap(CoordinatorBackend, "receive", "validate")
-        clock.wrap(ZooStrategy, "aggregate_train", "aggregate")
+        clock.wrap(ZooStrategy, "aggregate_round", "aggregate")
         clock.wrap(Evaluator, "loss", "evaluate")
         clock.wrap(ModelRegistry, "publish", "write_version")
         clock.wrap(rounds_mod, "merge_update", "merge")
@@ -324,14 +324,17 @@ def flower(workdir: Path, clients: int, steps: int, rounds: int) -> dict[str, An
     (flwr_home / "config.toml").write_text(
         f'[superlink]\ndefault = "bench"\n\n[superlink.bench]\naddress = "127.0.0.1:{port}"\ninsecure = true\n'
     )
+    binary = Path(sys.executable).parent
     env = {
         **os.environ,
+        # the SuperNode and SuperLink start flwr-clientapp / flwr-serverapp by name: the
+        # environment's bin directory goes first on PATH, activated or not
+        "PATH": os.pathsep.join([str(binary), os.environ.get("PATH", "")]),
         "FLWR_HOME": str(flwr_home),
         "OMP_NUM_THREADS": "1",
         "PYTHONUNBUFFERED": "1",
         "HOME": str(workdir),
     }
-    binary = Path(sys.executable).parent
     run_config = " ".join(
         [
             f"num-rounds={rounds}",

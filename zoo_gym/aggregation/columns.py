@@ -97,16 +97,15 @@ class TensorColumns:
         return view.index_select(0, torch.as_tensor(list(rows), device=view.device))
 
 
-class MixedColumns:
-    """Rows `mix @ X` of another source X, computed range by range: `mix` `(n, n)` float64,
-    results float32 (nearest-neighbour mixing as a source). Its budget is a sixth of the
-    inner source's, since each range also holds the inner range and the sum in float64.
-    Values agree with the in-memory `mix @ X` (a float64 GEMM) to float64 rounding before
-    the float32 result is rounded."""
+class _Derived:
+    """What a source computed from another `source` shares with it: its shape and device,
+    float32 values, and a `1 / share` part of its byte budget (each range also holds the
+    inner range and the derived temporaries)."""
 
-    def __init__(self, source: Columns, mix: Tensor) -> None:
+    share = 1
+
+    def __init__(self, source: Columns) -> None:
         self.source = source
-        self.mix = mix.to(source.device, torch.float64)  # (n, n)
 
     @property
     def n(self) -> int:
@@ -127,7 +126,21 @@ class MixedColumns:
     @property
     def budget(self) -> int | None:
         inner = self.source.budget
-        return None if inner is None else max(1, inner // 6)
+        return None if inner is None else max(1, inner // self.share)
+
+
+class MixedColumns(_Derived):
+    """Rows `mix @ X` of another source X, computed range by range: `mix` `(n, n)` float64,
+    results float32 (nearest-neighbour mixing as a source). Its budget is a sixth of the
+    inner source's, since each range also holds the inner range and the sum in float64.
+    Values agree with the in-memory `mix @ X` (a float64 GEMM) to float64 rounding before
+    the float32 result is rounded."""
+
+    share = 6
+
+    def __init__(self, source: Columns, mix: Tensor) -> None:
+        super().__init__(source)
+        self.mix = mix.to(source.device, torch.float64)  # (n, n)
 
     def columns(self, start: int, stop: int, rows: Sequence[int] | None = None) -> Tensor:
         mix = self.mix if rows is None else self.mix[list(rows)]  # (k, n)
@@ -140,34 +153,15 @@ class MixedColumns:
         return acc.to(torch.float32)
 
 
-class ScaledColumns:
+class ScaledColumns(_Derived):
     """Rows of another source, each multiplied by its `scale` `(n,)`, as float32 (clipped
     updates as a source)."""
 
+    share = 2
+
     def __init__(self, source: Columns, scale: Tensor) -> None:
-        self.source = source
+        super().__init__(source)
         self.scale = scale.to(source.device, torch.float32)  # (n,)
-
-    @property
-    def n(self) -> int:
-        return self.source.n
-
-    @property
-    def d(self) -> int:
-        return self.source.d
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return torch.float32
-
-    @property
-    def device(self) -> torch.device:
-        return self.source.device
-
-    @property
-    def budget(self) -> int | None:
-        inner = self.source.budget
-        return None if inner is None else max(1, inner // 2)
 
     def columns(self, start: int, stop: int, rows: Sequence[int] | None = None) -> Tensor:
         scale = self.scale if rows is None else self.scale[list(rows)]

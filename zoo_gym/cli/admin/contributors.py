@@ -35,6 +35,12 @@ def _contributor(data: dict[str, Any], fmt: Format) -> None:
     emit(data, fmt, fields(data, title=f"contributor {data['contributor_id']}"))
 
 
+def _decide(ctx: typer.Context, contributor_id: str, action: str, reason: str, fmt: Format) -> None:
+    """POST /contributors/{id}/{action} (approve, ban, unban) with its reason; show the result."""
+    path = f"/contributors/{contributor_id}/{action}"
+    _contributor(get_api(ctx).call("POST", path, body={"reason": reason}), fmt)
+
+
 @app.command("list")
 @command
 def contributors_list(
@@ -65,10 +71,7 @@ def contributors_approve(
     format: FormatOpt = Format.table,
 ) -> None:
     """Let a pending contributor take part."""
-    body = {"reason": reason}
-    _contributor(
-        get_api(ctx).call("POST", f"/contributors/{contributor_id}/approve", body=body), format
-    )
+    _decide(ctx, contributor_id, "approve", reason, format)
 
 
 @app.command("ban")
@@ -80,10 +83,7 @@ def contributors_ban(
     format: FormatOpt = Format.table,
 ) -> None:
     """Refuse a contributor's requests and submissions."""
-    body = {"reason": reason}
-    _contributor(
-        get_api(ctx).call("POST", f"/contributors/{contributor_id}/ban", body=body), format
-    )
+    _decide(ctx, contributor_id, "ban", reason, format)
 
 
 @app.command("unban")
@@ -95,10 +95,7 @@ def contributors_unban(
     format: FormatOpt = Format.table,
 ) -> None:
     """Lift a ban."""
-    body = {"reason": reason}
-    _contributor(
-        get_api(ctx).call("POST", f"/contributors/{contributor_id}/unban", body=body), format
-    )
+    _decide(ctx, contributor_id, "unban", reason, format)
 
 
 @app.command("invite")

@@ -12,8 +12,8 @@ from transformers import (
 
 from zoo_gym.core import synthetic
 from zoo_gym.core.chat import IGNORE_INDEX, encode_conversation, to_conversation
-from zoo_gym.core.evaluate import validation_loss
-from zoo_gym.core.tiny import create_tiny_base
+from zoo_gym.core.evaluate import rows_per_batch, validation_loss
+from zoo_gym.core.tiny import build_tiny_model, create_tiny_base
 
 
 @pytest.fixture(scope="module")
@@ -102,3 +102,16 @@ def test_validation_loss_needs_records(
 
     with pytest.raises(ValueError, match="at least one"):
         validation_loss(model, tokenizer, [])
+
+
+def test_batches_are_sized_by_the_logits_they_make() -> None:
+    # Prepare: Qwen2.5's vocabulary and the tiny one (64 x 4 bytes x 3 per token)
+    big = torch.nn.Module()
+    big.config = type("Config", (), {"vocab_size": 151_936})()  # type: ignore[assignment]
+    tiny = build_tiny_model(vocab_size=64)
+
+    # Execute / Assert: 256 MiB / (3 x 4 x 151,936 x 96) = 1.53 rows; the tiny model is capped
+    assert rows_per_batch(big, 96) == 1
+    assert rows_per_batch(big, 24) == 6
+    assert rows_per_batch(tiny, 96) == 16
+    assert rows_per_batch(tiny, 96, most=4) == 4

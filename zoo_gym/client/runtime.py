@@ -31,6 +31,7 @@ from zoo_gym.core.chat import Conversation
 from zoo_gym.core.delta import Delta
 from zoo_gym.core.identity import Identity
 from zoo_gym.core.lora import LoraSpec
+from zoo_gym.core.phases import phase
 from zoo_gym.core.protocol import (
     PAYLOAD,
     POLICY_OBJECTIVES,
@@ -112,22 +113,24 @@ class ClientRuntime:
         if same_kind and self.base_version == version:
             return
         directory = self.home / "models" / version
-        self.model_source(version, directory)
-        if self.trainer is None or not same_kind:
-            self.trainer = None  # drop the old model before loading the new one
-            tokenizer = AutoTokenizer.from_pretrained(directory)
-            self.trainer = make_trainer(
-                directory,
-                tokenizer,
-                adapter=adapter,
-                spec=spec,
-                device=self.device,
-                gradient_checkpointing=self.gradient_checkpointing,
-                max_full_params=self.max_full_params,
-            )
-            self.adapter = adapter
-        else:
-            self.trainer.load_base(load_weights(directory))
+        with phase("download", version):
+            self.model_source(version, directory)
+        with phase("load", version):
+            if self.trainer is None or not same_kind:
+                self.trainer = None  # drop the old model before loading the new one
+                tokenizer = AutoTokenizer.from_pretrained(directory)
+                self.trainer = make_trainer(
+                    directory,
+                    tokenizer,
+                    adapter=adapter,
+                    spec=spec,
+                    device=self.device,
+                    gradient_checkpointing=self.gradient_checkpointing,
+                    max_full_params=self.max_full_params,
+                )
+                self.adapter = adapter
+            else:
+                self.trainer.load_base(load_weights(directory))
         self.base_version = version
         self.on_event(RoundEvent("base", 0, {"version": version}))
 
@@ -150,7 +153,8 @@ class ClientRuntime:
         self.ensure_base(task.base_version, spec, task.adapter)
         assert self.trainer is not None
         dp = self._dp_config(plan, self.trainer)
-        result = self.run_objective(self.trainer, task, self._step_events(task.round), dp=dp)
+        with phase("train", f"round {task.round}, {task.steps} steps"):
+            result = self.run_objective(self.trainer, task, self._step_events(task.round), dp=dp)
         update, norm = privatize(
             result.update, clip_norm=task.clip_norm, noise_std=plan.update_noise_std
         )
@@ -158,7 +162,8 @@ class ClientRuntime:
         self.state.save()
         if self.misbehaviour is not None:  # after clipping: an attacker ignores the protocol
             update = self.misbehaviour.corrupt(update, task.round)
-        payload = self.compress(update, task, spec, self.trainer)
+        with phase("encode", f"round {task.round}"):
+            payload = self.compress(update, task, spec, self.trainer)
         if self.persist_feedback:
             self.commit_feedback()
         raw_bytes = sum(t.numel() * 2 for t in update.values())  # as bf16

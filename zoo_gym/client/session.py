@@ -28,6 +28,7 @@ from zoo_gym.client.state import RoundRecord
 from zoo_gym.core.chat import Conversation
 from zoo_gym.core.identity import Identity
 from zoo_gym.core.manifest import read_verified
+from zoo_gym.core.phases import phase
 from zoo_gym.core.protocol import ALREADY_ACCEPTED, Registration
 from zoo_gym.transport.client import FederationClient, ReceivedTask, TransportError
 
@@ -201,7 +202,8 @@ class _Session:
         of reach. The error-feedback residual is kept only once the coordinator holds the update."""
         self.say(f"round {task.round}: training on {task.base_version}")
         reply = self.app(task.message, self.context)
-        result = self.link.submit(task, reply)
+        with phase("upload", f"round {task.round}"):
+            result = self.link.submit(task, reply)
         if result is None:
             self.runtime.revert_feedback()
             return False

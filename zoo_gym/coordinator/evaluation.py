@@ -1,7 +1,9 @@
 """Validation utility on the coordinator's private validation set.
 
 One model is loaded once and receives candidate weights in place, so scoring a
-round costs a forward pass over the validation set, not a model load. Utility is
+round costs a forward pass over the validation set, not a model load. `editing` hands
+out that model's own weights with a state loaded, for an update to be merged into
+them in place: a candidate is evaluated without a second copy of the model. Utility is
 minus the validation loss for SFT and the mean reward of greedy completions for
 GRPO / GSPO (DESIGN "Quality and rewards").
 """
@@ -11,7 +13,8 @@ from __future__ import annotations
 import functools
 import json
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -45,19 +48,32 @@ class Evaluator:
                 f"validation set {validation_data} is empty; it needs Alpaca/ShareGPT JSONL records"
             )
         self.max_length = max_length
-        self.lock = threading.Lock()
+        self.lock = threading.RLock()
 
-    def loss(self, state_dict: dict[str, torch.Tensor]) -> float:
-        """Mean completion-token NLL of the model with `state_dict` loaded."""
+    @contextmanager
+    def editing(self, state_dict: dict[str, torch.Tensor]) -> Iterator[dict[str, torch.Tensor]]:
+        """The model's own weights (name -> tensor, float32) with `state_dict` loaded, to be
+        changed in place; inside the block, `loss(None)` and the reward methods with None
+        evaluate them as they stand. Other threads wait until the block ends."""
         with self.lock:
             self.model.load_state_dict(state_dict, strict=False)
+            yield dict(self.model.state_dict())
+
+    def _load(self, state_dict: dict[str, torch.Tensor] | None) -> None:
+        if state_dict is not None:
+            self.model.load_state_dict(state_dict, strict=False)
+
+    def loss(self, state_dict: dict[str, torch.Tensor] | None) -> float:
+        """Mean completion-token NLL of the model with `state_dict` loaded (None: as it is)."""
+        with self.lock:
+            self._load(state_dict)
             return validation_loss(
                 self.model, self.tokenizer, self.records, max_length=self.max_length
             )
 
     def mean_reward(
         self,
-        state_dict: dict[str, torch.Tensor],
+        state_dict: dict[str, torch.Tensor] | None,
         *,
         reward_functions: Sequence[str],
         max_new_tokens: int,
@@ -78,7 +94,7 @@ class Evaluator:
 
     def mean_rewards(
         self,
-        state_dict: dict[str, torch.Tensor],
+        state_dict: dict[str, torch.Tensor] | None,
         *,
         reward_functions: Sequence[str],
         max_new_tokens: int,
@@ -108,7 +124,11 @@ class Evaluator:
         return [encode_prompt(self.tokenizer, prompt) for prompt, _ in self.prompts]
 
     def completions(
-        self, state_dict: dict[str, torch.Tensor], *, max_new_tokens: int, batch_size: int = 64
+        self,
+        state_dict: dict[str, torch.Tensor] | None,
+        *,
+        max_new_tokens: int,
+        batch_size: int = 64,
     ) -> list[str]:
         """The greedy completion of each validation prompt, in batches left-padded as on clients."""
         if not self.prompts:
@@ -122,7 +142,7 @@ class Evaluator:
         texts: list[str] = []
         model: Any = self.model
         with self.lock, torch.no_grad():
-            model.load_state_dict(state_dict, strict=False)
+            self._load(state_dict)
             model.eval()
             for start in range(0, len(encoded), batch_size):
                 ids, mask = left_pad(encoded[start : start + batch_size], pad_id)

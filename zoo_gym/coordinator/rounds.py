@@ -39,7 +39,15 @@ from zoo_gym.coordinator.payout import pay_round
 from zoo_gym.coordinator.service import Coordinator
 from zoo_gym.coordinator.strategy import RoundAggregate
 from zoo_gym.core.delta import Layout, TensorSpec, unflatten
-from zoo_gym.core.lora import LoraSpec, for_base, linear_layers_of, merge_update, update_shapes
+from zoo_gym.core.lora import (
+    LoraSpec,
+    for_base,
+    linear_layers_of,
+    merge_update,
+    module_of,
+    update_shapes,
+)
+from zoo_gym.core.phases import phase
 from zoo_gym.core.protocol import POLICY_OBJECTIVES, TASK_CONFIG, TaskConfig
 from zoo_gym.ledger import Engine, Session
 from zoo_gym.transport.flower_internals import set_task_identity
@@ -107,19 +115,44 @@ def validation_utility(
     (SFT), or the mean validation reward (GRPO / GSPO)."""
 
     def utility(vector: torch.Tensor) -> float:
-        merged = {k: v.clone() for k, v in state.items()}
         update = unflatten(vector.float(), layout)
-        merge_update(merged, update, adapter=t.adapter, spec=spec, seed=seed)
-        reward = validation_reward(evaluator, t, merged)
-        return -evaluator.loss(merged) if reward is None else reward
+        with evaluator.editing(state) as weights:
+            merge_candidate(weights, state, update, adapter=t.adapter, spec=spec, seed=seed)
+            reward = validation_reward(evaluator, t, None)
+            return -evaluator.loss(None) if reward is None else reward
 
     return utility
 
 
+def merge_candidate(
+    weights: dict[str, torch.Tensor],
+    state: dict[str, torch.Tensor],
+    update: dict[str, torch.Tensor],
+    *,
+    adapter: str,
+    spec: LoraSpec,
+    seed: int,
+) -> list[str]:
+    """Merge `update` into the evaluator's `weights` (with `state` loaded), in place, as
+    `merge_update` would merge it into `state`: each changed weight rounded to its stored
+    dtype. Returns the names of the changed weights."""
+    merge_update(weights, update, adapter=adapter, spec=spec, seed=seed)
+    if adapter == "ffa_lora":
+        names = sorted({module_of(key) + ".weight" for key in update})
+    else:
+        names = sorted(update)
+    with torch.no_grad():
+        for name in names:
+            if state[name].dtype != weights[name].dtype:
+                weights[name].copy_(weights[name].to(state[name].dtype))
+    return names
+
+
 def validation_reward(
-    evaluator: Evaluator, t: TrainingPolicy, state: dict[str, torch.Tensor]
+    evaluator: Evaluator, t: TrainingPolicy, state: dict[str, torch.Tensor] | None
 ) -> float | None:
-    """Mean reward of greedy completions on the validation prompts for GRPO / GSPO; None for SFT."""
+    """Mean reward of greedy completions on the validation prompts for GRPO / GSPO (of the
+    evaluator's weights as they stand when `state` is None); None for SFT."""
     if t.method not in POLICY_OBJECTIVES:
         return None
     return evaluator.mean_reward(
@@ -228,8 +261,10 @@ class RoundLoop:
     def __init__(self, co: Coordinator, grid: Grid) -> None:
         self.co, self.grid = co, grid
         self.base = co.registry.latest()
-        self.state = co.registry.load_state_dict(self.base.version)
-        self.loss = co.evaluator.loss(self.state)
+        with phase("load", f"base {self.base.version}"):
+            self.state = co.registry.load_state_dict(self.base.version)
+        with phase("evaluate", f"base {self.base.version}"):
+            self.loss = co.evaluator.loss(self.state)
         self.linear = linear_layers_of(self.base.directory)  # and which are stored (in, out)
         self._configure()
 
@@ -350,69 +385,83 @@ class RoundLoop:
         if it passes the quality gate; otherwise the round is rolled back."""
         co, config = self.co, self.config
         loss, reward = self.loss, self.reward
-        pay_round(
-            co.engine,
-            config,
-            round_number=opened.number,
-            agg=agg,
-            utility=validation_utility(
-                co.evaluator, config.training, self.state, self.layout, self.spec, opened.a_seed
-            ),
-            baseline=-loss if reward is None else reward,
-        )
-        candidate = {k: v.clone() for k, v in self.state.items()}
-        merge_update(
-            candidate,
-            agg.update,
-            adapter=config.training.adapter,
-            spec=self.spec,
-            seed=opened.a_seed,
-        )
-        new_loss = co.evaluator.loss(candidate)
-        new_reward = validation_reward(co.evaluator, config.training, candidate)
-        tolerance = config.quality_gate_tolerance
-        if reward is None or new_reward is None:
-            passes = new_loss <= loss * (1.0 + tolerance)
-        else:  # rewards may be 0 or negative: the tolerance is relative to max(|reward|, 1)
-            passes = new_reward >= reward - tolerance * max(abs(reward), 1.0)
-        if not passes:
-            return Outcome("rolled_back", new_loss, new_reward)
+        detail = f"round {opened.number}"
+        with phase("score", detail):
+            pay_round(
+                co.engine,
+                config,
+                round_number=opened.number,
+                agg=agg,
+                utility=validation_utility(
+                    co.evaluator, config.training, self.state, self.layout, self.spec, opened.a_seed
+                ),
+                baseline=-loss if reward is None else reward,
+            )
+        with co.evaluator.editing(self.state) as weights:  # the candidate: no copy of the model
+            with phase("merge", detail):
+                names = merge_candidate(
+                    weights,
+                    self.state,
+                    agg.update,
+                    adapter=config.training.adapter,
+                    spec=self.spec,
+                    seed=opened.a_seed,
+                )
+            with phase("evaluate", detail):
+                new_loss = co.evaluator.loss(None)
+                new_reward = validation_reward(co.evaluator, config.training, None)
+            if not self._passes(new_loss, new_reward):
+                return Outcome("rolled_back", new_loss, new_reward)
+            with torch.no_grad():  # the base becomes the candidate
+                for name in names:
+                    self.state[name].copy_(weights[name])
         metrics = {"validation_loss": new_loss, "parent_validation_loss": loss}
         if reward is not None and new_reward is not None:
             metrics.update(mean_reward=new_reward, parent_mean_reward=reward)
-        published = self._publish(opened.number, candidate, agg.contributors, metrics)
+        with phase("publish", detail):
+            published = self._publish(opened.number, agg.contributors, metrics)
         return Outcome("published", new_loss, new_reward, published)
 
+    def _passes(self, new_loss: float, new_reward: float | None) -> bool:
+        """The quality gate: the candidate is no worse than the base by more than the tolerance."""
+        tolerance, loss, reward = self.config.quality_gate_tolerance, self.loss, self.reward
+        if reward is None or new_reward is None:
+            return new_loss <= loss * (1.0 + tolerance)
+        # rewards may be 0 or negative: the tolerance is relative to max(|reward|, 1)
+        return new_reward >= reward - tolerance * max(abs(reward), 1.0)
+
     def _publish(
-        self,
-        number: int,
-        candidate: dict[str, torch.Tensor],
-        contributors: tuple[str, ...],
-        metrics: dict[str, float],
+        self, number: int, contributors: tuple[str, ...], metrics: dict[str, float]
     ) -> str:
-        """Sign and store `candidate` as the new base version, record it; its version."""
+        """Sign and store the base weights (the candidate, merged into them) as the new base
+        version and record it; its version. If that fails, the weights are read back from the
+        parent version before the error goes on."""
         co, parent = self.co, self.base.version
-        pub = co.registry.publish(
-            candidate,
-            parent=parent,
-            round_number=number,
-            aggregator=self.config.aggregator,
-            contributors=contributors,
-            metrics=metrics,
-            epsilon=round_epsilon(co.engine, number, contributors),
-            shard_size=self.config.shard_size,
-        )
-        with Session(co.engine) as session:
-            ledger.record_model_version(
-                session,
-                version=pub.version,
+        try:
+            pub = co.registry.publish(
+                self.state,
                 parent=parent,
                 round_number=number,
-                manifest_sha256=hashlib.sha256(pub.manifest.to_bytes()).hexdigest(),
-                path=str(pub.directory),
+                aggregator=self.config.aggregator,
+                contributors=contributors,
                 metrics=metrics,
+                epsilon=round_epsilon(co.engine, number, contributors),
+                shard_size=self.config.shard_size,
             )
-        self.state, self.base = candidate, pub
+            with Session(co.engine) as session:
+                ledger.record_model_version(
+                    session,
+                    version=pub.version,
+                    parent=parent,
+                    round_number=number,
+                    manifest_sha256=hashlib.sha256(pub.manifest.to_bytes()).hexdigest(),
+                    path=str(pub.directory),
+                    metrics=metrics,
+                )
+        except BaseException:
+            self.state = co.registry.load_state_dict(parent)
+            raise
+        self.base = pub
         return pub.version
 
     def _close(

@@ -25,6 +25,7 @@ from zoo_gym.coordinator.registry import ModelRegistry
 from zoo_gym.coordinator.strategy import ZooStrategy
 from zoo_gym.core.delta import Layout
 from zoo_gym.core.identity import Identity
+from zoo_gym.core.phases import phase
 
 
 def admission_policy(config: CoordinatorConfig) -> AdmissionPolicy:
@@ -65,11 +66,12 @@ class Coordinator:
             metrics=self.metrics,
             max_submissions_per_round=config.max_submissions_per_round,
         )
-        self.evaluator = Evaluator(
-            self.registry.latest().directory,
-            config.path(config.validation_data),
-            max_length=config.training.max_length,
-        )
+        with phase("load", "evaluation model"):
+            self.evaluator = Evaluator(
+                self.registry.latest().directory,
+                config.path(config.validation_data),
+                max_length=config.training.max_length,
+            )
         self.stop = threading.Event()
         self.health = LoopHealth()  # what the round loop is doing, for /health and metrics
 

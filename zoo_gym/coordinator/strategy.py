@@ -36,6 +36,7 @@ from zoo_gym.compression import EnvelopeError, decode_accumulate, decode_into
 from zoo_gym.coordinator.backend import CoordinatorBackend
 from zoo_gym.core.delta import Layout, numel, unflatten
 from zoo_gym.core.identity import node_id
+from zoo_gym.core.phases import phase
 from zoo_gym.core.protocol import SUBMISSION, TASK_CONFIG, TRAIN_METRICS, IntakeResult
 from zoo_gym.ledger import Session
 from zoo_gym.scoring import influence_weights, sample_contributors
@@ -164,13 +165,15 @@ class ZooStrategy(FedAvg):
             return nothing
         layout = self.layout()
         if self.rule == "fedavg" and self.pre is None and not self.keep_rows:
-            fused = self._fused_fedavg(accepted, layout, received=len(replies))
+            with phase("decode+aggregate", f"round {server_round}, fused fedavg"):
+                fused = self._fused_fedavg(accepted, layout, received=len(replies))
             if fused is not None:
                 log.info(
                     "round %d: %d updates averaged in one fused pass", server_round, len(accepted)
                 )
                 return fused
-        updates, rows = self._decoded(accepted, layout)
+        with phase("decode", f"round {server_round}, {len(accepted)} updates"):
+            updates, rows = self._decoded(accepted, layout)
         needed = max(self.quorum, min_clients(self.rule, self.f))
         if len(rows) < needed:
             log.warning(
@@ -188,7 +191,10 @@ class ZooStrategy(FedAvg):
                     reason=f"round aborted: {len(rows)} usable updates, {self.rule} needs {needed}",
                 )
             return nothing
-        return self._robust(updates, rows, layout, received=len(replies), accepted=len(accepted))
+        with phase("aggregate", f"round {server_round}, {self.rule}"):
+            return self._robust(
+                updates, rows, layout, received=len(replies), accepted=len(accepted)
+            )
 
     def _decoded(
         self, accepted: list[Message], layout: Layout

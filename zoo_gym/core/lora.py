@@ -200,7 +200,8 @@ def dense_delta(
 def merge_ffa(state_dict: dict[str, Tensor], update: Delta, *, spec: LoraSpec, seed: int) -> None:
     """Add ``scaling * B @ A`` of every module in `update` to `state_dict`, in place.
 
-    The sum is formed in float32 and written back in each weight's own dtype.
+    The sum is formed in float32 and written back in each weight's own dtype, one module at
+    a time (the dense deltas of all target modules together are most of a model's size).
     """
     shapes: dict[str, tuple[int, int]] = {}
     for key in update:
@@ -209,11 +210,11 @@ def merge_ffa(state_dict: dict[str, Tensor], update: Delta, *, spec: LoraSpec, s
         if weight is not None and weight.dim() == 2:
             rows, columns = int(weight.shape[0]), int(weight.shape[1])
             shapes[module] = (columns, rows) if module in spec.fan_in_fan_out else (rows, columns)
-    dense = dense_delta(update, spec=spec, seed=seed, shapes=shapes)
     with torch.no_grad():
-        for name, delta in dense.items():
-            weight = state_dict[name]
-            weight.copy_((weight.float() + delta.to(weight.device)).to(weight.dtype))
+        for key, b in update.items():  # one module's (out, in) delta in memory at a time
+            for name, delta in dense_delta({key: b}, spec=spec, seed=seed, shapes=shapes).items():
+                weight = state_dict[name]
+                weight.copy_((weight.float() + delta.to(weight.device)).to(weight.dtype))
 
 
 def merge_dense(state_dict: dict[str, Tensor], delta: Delta) -> None:

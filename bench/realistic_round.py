@@ -33,10 +33,11 @@ import tempfile
 import threading
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import httpx
 import torch
 from transformers import AutoModelForCausalLM, Qwen2Config
 
@@ -103,6 +104,7 @@ class Run:
     workdir: Path
     steps: int
     shard_size: str
+    rest_port: int = 0
     processes: list[Process] = field(default_factory=list)
     stop: threading.Event = field(default_factory=threading.Event)
 
@@ -152,12 +154,12 @@ def prepare(run: Run) -> tuple[Path, int, int]:
     work, home = run.workdir, run.workdir / "coordinator"
     fp32 = build_base(work / "base", run.shard_size)
     write_jsonl(make_examples(16, seed=99), work / "validation.jsonl")
-    port = free_port()
+    port, run.rest_port = free_port(), free_port()
     subprocess.run(
         [
             *(sys.executable, "-m", "zoo_gym.cli.coordinator", "init", "--home", str(home)),
             *("--base-model", str(work / "base"), "--validation", str(work / "validation.jsonl")),
-            *("--listen", f"127.0.0.1:{port}", "--rest-listen", f"127.0.0.1:{free_port()}"),
+            *("--listen", f"127.0.0.1:{port}", "--rest-listen", f"127.0.0.1:{run.rest_port}"),
         ],
         check=True,
         capture_output=True,
@@ -187,6 +189,17 @@ def prepare(run: Run) -> tuple[Path, int, int]:
     return config, port, fp32
 
 
+def wait_until_serving(coordinator: Process, rest_port: int, timeout_s: float) -> None:
+    """Wait until the coordinator's REST API answers (it starts after the gRPC service)."""
+    deadline = time.monotonic() + timeout_s
+    while coordinator.popen.poll() is None and time.monotonic() < deadline:
+        with suppress(httpx.HTTPError):
+            if httpx.get(f"http://127.0.0.1:{rest_port}/health", timeout=5).status_code == 200:
+                return
+        time.sleep(0.5)
+    raise RuntimeError(f"the coordinator did not come up; see {coordinator.log}")
+
+
 def execute(run: Run, config: Path, port: int, timeout_s: float) -> float:
     """Serve the round and join it twice; the round's wall time."""
     started = time.perf_counter()
@@ -194,6 +207,9 @@ def execute(run: Run, config: Path, port: int, timeout_s: float) -> float:
         coordinator = run.spawn(
             "coordinator", "zoo_gym.cli.coordinator", "serve", "-c", str(config)
         )
+        wait_until_serving(
+            coordinator, run.rest_port, timeout_s
+        )  # join does not retry its first call
         for i in range(2):
             client = run.workdir / f"client-{i}"
             run.spawn(

@@ -425,7 +425,11 @@ def _wait_nodes(workdir: Path, clients: int, timeout_s: float = 120.0) -> None:
 # --- report ---------------------------------------------------------------------------------
 
 
-def report(results: dict[int, dict[str, Any]], steps: int, rounds: int) -> None:
+def report(
+    results: dict[int, dict[str, Any]], steps: int, rounds: int, skipped: frozenset[str]
+) -> None:
+    """The table; a row of a side the command line skipped says so, and a value missing from
+    a side that ran is an error (a measurement that fails is never shown as n/a)."""
     last = rounds - 1
     print(
         f"\nround overhead, tiny model, FFA-LoRA r=8, {steps} steps x batch 8 per client, "
@@ -451,9 +455,12 @@ def report(results: dict[int, dict[str, Any]], steps: int, rounds: int) -> None:
         for r in results.values():
             try:
                 v = value(r)
-            except (KeyError, IndexError, TypeError):
-                v = None
-            cells.append(f"{'n/a':>15s}" if v is None else fmt.format(v))
+            except KeyError as missing:
+                if missing.args[0] not in skipped:
+                    raise
+                cells.append(f"{'skipped':>15s}")
+                continue
+            cells.append(f"{'-':>15s}" if v is None else fmt.format(v))  # one round: no warm one
         print(f"{label:38s}" + "".join(cells))
 
     for phase in PHASES:
@@ -526,15 +533,20 @@ def main() -> None:
                 started = time.perf_counter()
                 try:
                     r[key] = fn(tmp / f"{key}-{n}", n, args.steps, args.rounds)
-                except Exception as exc:  # a benchmark reports what failed and goes on
-                    print(f"[{n} clients] {key} failed: {exc}", file=sys.stderr)
+                except Exception as exc:  # a side that fails ends the run: no table without it
+                    raise SystemExit(
+                        f"[{n} clients] {key} failed: {exc}; rerun with --keep for its logs"
+                    ) from exc
                 print(
                     f"[{n} clients] {key}: {time.perf_counter() - started:.1f} s",
                     file=sys.stderr,
                     flush=True,
                 )
             results[n] = r
-        report(results, args.steps, args.rounds)
+        skipped = frozenset(
+            side for side, skip in (("real", args.skip_real), ("flower", args.skip_flower)) if skip
+        )
+        report(results, args.steps, args.rounds, skipped)
     finally:
         if args.keep:
             print(f"work directory: {tmp}", file=sys.stderr)

@@ -9,9 +9,11 @@ contributor can see why it earned nothing.
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 import threading
 import time
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -84,19 +86,32 @@ class Intake:
         """Check `sub`, whose payload was spooled to `payload`, and record the decision.
 
         What takes time (the contributor's row, the signature, reading and hashing the bytes,
-        one pass over the envelope's values) runs outside `lock`, so submissions are checked
+        one pass over the envelope's values, copying the payload into the payload directory
+        under a temporary name) runs outside `lock`, so submissions are checked and copied
         side by side; under it the round is looked at again (it may have closed or moved on
-        meanwhile), one contributor's second acceptance is refused, and the decision is
-        recorded. Returns the verdict and what the ServerApp sees: an `IntakeResult` record
-        beside the training metrics of `content`.
+        meanwhile), one contributor's second acceptance is refused, the copy is renamed into
+        place and the decision is recorded. Returns the verdict and what the ServerApp sees: an
+        `IntakeResult` record beside the training metrics of `content`.
         """
         checked = self.open_round
         reason, envelope = self._first_look(sub, payload, node_id, checked)
-        with self.lock:
-            verdict = self._decide(sub, payload, content, checked, reason, envelope)
+        staged = None if reason or envelope else self._stage(payload)
+        try:
+            with self.lock:
+                verdict = self._decide(sub, payload, content, checked, reason, envelope, staged)
+        finally:
+            if staged is not None:
+                staged.unlink(missing_ok=True)  # refused: the copy goes (accepted: renamed)
         metrics = content.metric_records.get(TRAIN_METRICS, MetricRecord())
         result = ConfigRecord(IntakeResult.of(sub, verdict).to_record())
         return verdict, RecordDict({SUBMISSION: result, TRAIN_METRICS: metrics})
+
+    def _stage(self, payload: Path) -> Path:
+        """A copy of `payload` in the payload directory under a unique temporary name (a
+        ``.part`` file, which `serve` clears at start if a crash left it)."""
+        staged = self.payload_dir / f"{uuid.uuid4().hex}.part"
+        shutil.copyfile(payload, staged)
+        return staged
 
     def _first_look(
         self, sub: SignedSubmission, payload: Path, node: int, checked: OpenRound | None
@@ -120,10 +135,12 @@ class Intake:
         checked: OpenRound | None,
         reason: str,
         envelope: str,
+        staged: Path | None,
     ) -> Verdict:
         """Under `lock`: the round as it is now (it may have closed, passed its deadline or
         moved on since the first look), then the decision, recorded. `reason` and `envelope`
-        are what the first look found against `checked`."""
+        are what the first look found against `checked`; `staged` is the payload's copy made
+        then (None when the first look refused it)."""
         current = self.open_round
         reason = reason or self._round_reason(sub, current)
         if not reason and current is not checked:  # a new round opened: check against it
@@ -134,7 +151,10 @@ class Intake:
         reason = reason or envelope
         if reason:
             return self.refuse(sub, reason)
-        shutil.copyfile(payload, self.payload_path(sub.payload_sha256))
+        if staged is not None:
+            os.replace(staged, self.payload_path(sub.payload_sha256))  # a rename, not a copy
+        else:  # refused against the round it was first checked with, fits the one open now
+            shutil.copyfile(payload, self.payload_path(sub.payload_sha256))
         verdict = self._record(
             sub,
             accepted=True,

@@ -51,8 +51,8 @@ LOOP_STOP_S = 20.0
 
 
 def clear_spool(spool: Path) -> int:
-    """Remove the `*.part` files in `spool`: uploads a stopped or killed coordinator never
-    finished (nothing reads them again). Returns how many there were."""
+    """Remove the `*.part` files in `spool`: uploads (or intake's copies of them) a stopped or
+    killed coordinator never finished (nothing reads them again). Returns how many there were."""
     removed = 0
     for part in spool.glob("*.part"):
         part.unlink(missing_ok=True)
@@ -96,6 +96,7 @@ def serve(co: Coordinator, *, stay: bool = False) -> LoopStatus:
     signals = _catch_signals()
     c = co.config
     clear_spool(c.path("spool"))
+    clear_spool(c.path("payloads"))  # copies intake was making when it stopped
     rest = RestServer(api_services(co), c.rest_listen)
     watcher = _serve_tls(co, rest) if c.tls_cert is not None else None
     mailbox = Mailbox()

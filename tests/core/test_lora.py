@@ -5,9 +5,11 @@ import torch
 
 from zoo_gym.core.lora import (
     LoraSpec,
+    carry_key,
     dense_delta,
     for_base,
     frozen_a,
+    is_carry,
     merge_dense,
     merge_ffa,
     merge_update,
@@ -173,6 +175,52 @@ def test_update_shapes_per_adapter() -> None:
         "m.k_proj.weight": (2, 6),
         "m.embed.weight": (10, 6),
     }
+
+
+def test_the_first_round_of_an_epoch_of_a_adds_a_carried_b_per_module() -> None:
+    spec = LoraSpec(rank=4, target_modules=("q_proj", "k_proj"))
+    state = {"m.q_proj.weight": torch.zeros(8, 6), "m.k_proj.weight": torch.zeros(2, 6)}
+
+    carrying = update_shapes(state, adapter="ffa_lora", spec=spec, carry=True)
+
+    assert update_shapes(state, adapter="ffa_lora", spec=spec) == {
+        "m.q_proj.lora_B": (8, 4),
+        "m.k_proj.lora_B": (2, 4),
+    }
+    assert carrying == {
+        "m.q_proj.lora_B": (8, 4),
+        "m.q_proj.lora_B_carry": (8, 4),
+        "m.k_proj.lora_B": (2, 4),
+        "m.k_proj.lora_B_carry": (2, 4),
+    }
+    assert carry_key("m.q_proj") == "m.q_proj.lora_B_carry" and is_carry("m.q_proj.lora_B_carry")
+    assert module_of("m.q_proj.lora_B_carry") == "m.q_proj" and not is_carry("m.q_proj.lora_B")
+    with pytest.raises(ValueError, match="only ffa_lora updates carry"):
+        update_shapes(state, adapter="lora", spec=spec, carry=True)
+
+
+def test_a_carried_b_is_merged_with_the_previous_a() -> None:
+    # W += s·(B·A_new + B_carry·A_old), A_new of seed 3 and A_old of seed 2, by hand
+    spec = LoraSpec(rank=2, alpha=4.0)
+    b = torch.tensor([[1.0, 0.0], [0.0, 2.0], [1.0, 1.0]])  # (out 3, r 2)
+    back = torch.tensor([[0.0, 1.0], [-1.0, 0.0], [0.5, 0.0]])
+    a_new, a_old = frozen_a(3, "m.q_proj", 4, 2), frozen_a(2, "m.q_proj", 4, 2)
+    state = {"m.q_proj.weight": torch.ones(3, 4)}
+
+    merge_update(
+        state,
+        {"m.q_proj.lora_B": b, "m.q_proj.lora_B_carry": back},
+        adapter="ffa_lora",
+        spec=spec,
+        seed=3,
+        carry_seed=2,
+    )
+
+    new_rows = torch.stack([a_new[0], 2 * a_new[1], a_new[0] + a_new[1]])
+    old_rows = torch.stack([a_old[1], -a_old[0], 0.5 * a_old[0]])
+    torch.testing.assert_close(state["m.q_proj.weight"], 1 + 2.0 * (new_rows + old_rows))
+    with pytest.raises(ValueError, match="needs the seed of the previous epoch's A"):
+        merge_ffa(state, {"m.q_proj.lora_B_carry": back}, spec=spec, seed=3)
 
 
 def test_conv1d_weights_are_stored_in_out_and_merged_transposed() -> None:

@@ -21,6 +21,12 @@ own (`linear_layers`); the coordinator reads them from the base's config.json
 ``A`` `(r, in)`) are the logical ones; dense deltas keyed by a weight's name
 (`dense_delta`, the dense adapters' updates) have the weight's stored shape.
 
+A new epoch of A (the coordinator keeps one A for ``lora_a_rounds`` rounds) starts with a
+round whose FFA update also carries, per module, ``"<module>.lora_B_carry"`` `(out, r)`: the
+client's error-feedback residual for the previous epoch's A (`carry_key`; the task's
+``carry_a_seed``). It is merged with that A: ``W += scaling * (B @ A_new + B_carry @ A_old)``
+(`update_shapes(..., carry=True)`, `merge_ffa(..., carry_seed=...)`).
+
 The other adapters (plain LoRA, DoRA, QLoRA, full fine-tuning) send dense weight
 deltas keyed by base weight names; `update_shapes` says what an update of each
 adapter consists of and `merge_update` merges either kind (`merge_ffa`,
@@ -46,6 +52,7 @@ from zoo_gym.core.delta import Delta
 from zoo_gym.core.protocol import DEFAULT_TARGETS
 
 _B_SUFFIX = ".lora_B"
+_CARRY_SUFFIX = ".lora_B_carry"
 
 
 @dataclass(frozen=True)
@@ -164,25 +171,46 @@ def update_key(module_name: str) -> str:
     return module_name + _B_SUFFIX
 
 
+def carry_key(module_name: str) -> str:
+    """Key of a module's carried B `(out, r)` for the previous epoch's A, sent in the first
+    round of an epoch of A: ``"<module>.lora_B_carry"``."""
+    return module_name + _CARRY_SUFFIX
+
+
 def module_of(key: str) -> str:
-    """Inverse of `update_key`."""
-    if not key.endswith(_B_SUFFIX):
-        raise ValueError(f"{key!r} is not an FFA-LoRA update key (expected '<module>.lora_B')")
-    return key.removesuffix(_B_SUFFIX)
+    """Inverse of `update_key` and `carry_key`."""
+    for suffix in (_B_SUFFIX, _CARRY_SUFFIX):
+        if key.endswith(suffix):
+            return key.removesuffix(suffix)
+    raise ValueError(
+        f"{key!r} is not an FFA-LoRA update key (expected '<module>.lora_B' or "
+        "'<module>.lora_B_carry')"
+    )
+
+
+def is_carry(key: str) -> bool:
+    """Whether `key` names a carried B (`carry_key`) rather than a round's own B."""
+    return key.endswith(_CARRY_SUFFIX)
 
 
 def dense_delta(
-    update: Delta, *, spec: LoraSpec, seed: int, shapes: Mapping[str, tuple[int, int]]
+    update: Delta,
+    *,
+    spec: LoraSpec,
+    seed: int,
+    shapes: Mapping[str, tuple[int, int]],
+    carry_seed: int | None = None,
 ) -> Delta:
     """Map each ``"<module>.lora_B"`` `(out, r)` to ``"<module>.weight"`` = scaling * B @ A.
 
     `shapes` gives each module's weight shape `(out, in)` (see `target_weights`);
-    A's width is ``in``. Each delta has its weight's stored shape (transposed to
-    `(in, out)` for the modules in `spec.fan_in_fan_out`, as peft merges a
-    ``Conv1D``). The result is float32 on the CPU.
+    A's width is ``in``. A ``"<module>.lora_B_carry"`` (`carry_key`) goes with the A of
+    `carry_seed` (the previous epoch's) and adds to the same weight's delta. Each delta has
+    its weight's stored shape (transposed to `(in, out)` for the modules in
+    `spec.fan_in_fan_out`, as peft merges a ``Conv1D``). The result is float32 on the CPU.
     """
     dense: Delta = {}
-    for key, b in update.items():
+    for key, b in sorted(update.items()):
         module = module_of(key)
         if module not in shapes:
             raise ValueError(f"{key}: {module!r} is not a target module of the base model")
@@ -191,14 +219,28 @@ def dense_delta(
             raise ValueError(
                 f"{key}: shape {tuple(b.shape)}, expected ({out_features}, {spec.rank})"
             )
-        a = frozen_a(seed, module, in_features, spec.rank)  # (r, in)
-        delta = spec.scaling * (b.detach().float().cpu() @ a)  # (out, in)
-        dense[module + ".weight"] = stored(delta, module, spec)
+        a_seed = seed
+        if is_carry(key):
+            if carry_seed is None:
+                raise ValueError(f"{key}: a carried B needs the seed of the previous epoch's A")
+            a_seed = carry_seed
+        a = frozen_a(a_seed, module, in_features, spec.rank)  # (r, in)
+        delta = stored(spec.scaling * (b.detach().float().cpu() @ a), module, spec)  # (out, in)
+        name = module + ".weight"
+        dense[name] = dense[name] + delta if name in dense else delta
     return dense
 
 
-def merge_ffa(state_dict: dict[str, Tensor], update: Delta, *, spec: LoraSpec, seed: int) -> None:
-    """Add ``scaling * B @ A`` of every module in `update` to `state_dict`, in place.
+def merge_ffa(
+    state_dict: dict[str, Tensor],
+    update: Delta,
+    *,
+    spec: LoraSpec,
+    seed: int,
+    carry_seed: int | None = None,
+) -> None:
+    """Add ``scaling * B @ A`` of every module in `update` to `state_dict`, in place (and
+    ``scaling * B_carry @ A_old`` of its carried Bs, A_old from `carry_seed`).
 
     The sum is formed in float32 and written back in each weight's own dtype, one module at
     a time (the dense deltas of all target modules together are most of a model's size).
@@ -210,9 +252,13 @@ def merge_ffa(state_dict: dict[str, Tensor], update: Delta, *, spec: LoraSpec, s
         if weight is not None and weight.dim() == 2:
             rows, columns = int(weight.shape[0]), int(weight.shape[1])
             shapes[module] = (columns, rows) if module in spec.fan_in_fan_out else (rows, columns)
+    parts: dict[str, Delta] = {}  # module -> its B (and carried B)
+    for key, b in update.items():
+        parts.setdefault(module_of(key), {})[key] = b
     with torch.no_grad():
-        for key, b in update.items():  # one module's (out, in) delta in memory at a time
-            for name, delta in dense_delta({key: b}, spec=spec, seed=seed, shapes=shapes).items():
+        for part in parts.values():  # one module's (out, in) delta in memory at a time
+            dense = dense_delta(part, spec=spec, seed=seed, shapes=shapes, carry_seed=carry_seed)
+            for name, delta in dense.items():
                 weight = state_dict[name]
                 weight.copy_((weight.float() + delta.to(weight.device)).to(weight.dtype))
 
@@ -239,29 +285,40 @@ def merge_dense(state_dict: dict[str, Tensor], delta: Delta) -> None:
 
 
 def merge_update(
-    state_dict: dict[str, Tensor], update: Delta, *, adapter: str, spec: LoraSpec, seed: int
+    state_dict: dict[str, Tensor],
+    update: Delta,
+    *,
+    adapter: str,
+    spec: LoraSpec,
+    seed: int,
+    carry_seed: int | None = None,
 ) -> None:
     """Merge one (aggregated) update of `adapter` into `state_dict`, in place.
 
-    ``ffa_lora``: ``W += scaling * B @ A`` (`merge_ffa`); every other adapter sends
+    ``ffa_lora``: ``W += scaling * B @ A`` (`merge_ffa`), plus ``scaling * B_carry @ A_old``
+    in the first round of an epoch of A (A_old from `carry_seed`); every other adapter sends
     dense deltas keyed by weight name: ``W += delta`` (`merge_dense`).
     """
     if adapter == "ffa_lora":
-        merge_ffa(state_dict, update, spec=spec, seed=seed)
+        merge_ffa(state_dict, update, spec=spec, seed=seed, carry_seed=carry_seed)
     else:
         merge_dense(state_dict, update)
 
 
 def update_shapes(
-    state_dict: Mapping[str, Tensor], *, adapter: str, spec: LoraSpec
+    state_dict: Mapping[str, Tensor], *, adapter: str, spec: LoraSpec, carry: bool = False
 ) -> dict[str, tuple[int, ...]]:
     """Name -> shape of every tensor an update of `adapter` consists of, for this base.
 
-    ``ffa_lora``: ``"<module>.lora_B"`` `(out, rank)`; ``lora`` / ``dora`` / ``qlora``:
+    ``ffa_lora``: ``"<module>.lora_B"`` `(out, rank)`, and with `carry` (the first round of
+    an epoch of A, after the first epoch) ``"<module>.lora_B_carry"`` `(out, rank)` as well;
+    ``lora`` / ``dora`` / ``qlora``:
     ``"<module>.weight"`` of each target module, in its stored shape (`(in, out)` for the
     modules in `spec.fan_in_fan_out`); ``full``: every floating tensor of the base under its
     own name (a tied weight is stored once, so it is updated once).
     """
+    if carry and adapter != "ffa_lora":
+        raise ValueError(f"only ffa_lora updates carry a B for the previous A, not {adapter}")
     if adapter == "full":
         return {
             name: tuple(int(s) for s in t.shape)
@@ -270,7 +327,10 @@ def update_shapes(
         }
     shapes = target_weights(state_dict, spec)
     if adapter == "ffa_lora":
-        return {update_key(module): (out, spec.rank) for module, (out, _in) in shapes.items()}
+        keys = (update_key, carry_key) if carry else (update_key,)
+        return {
+            key(module): (out, spec.rank) for module, (out, _in) in shapes.items() for key in keys
+        }
     return {
         module + ".weight": (in_, out) if module in spec.fan_in_fan_out else (out, in_)
         for module, (out, in_) in shapes.items()

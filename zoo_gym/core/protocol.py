@@ -317,13 +317,18 @@ class TaskConfig:
     Field names match `zoo_gym.coordinator.config.TrainingPolicy`, which fills them. `seed`
     is the round's (data order, sampling); `a_seed` names the frozen LoRA A, which stays for
     ``lora_a_rounds`` rounds. A task without `a_seed` (an older coordinator's, or -1) uses
-    `seed` for A as well.
+    `seed` for A as well. `carry_a_seed` is set (>= 0) only in the first round of an epoch of
+    A after the first: it names the previous epoch's A, and the FFA update then carries the
+    client's error-feedback residual for that A as a second B per module
+    (``"<module>.lora_B_carry"``); -1 (the default, and an older coordinator's task) carries
+    nothing.
     """
 
     round: int
     base_version: str
     seed: int
     a_seed: int = -1
+    carry_a_seed: int = -1
     lora_a_rounds: int = 1
     method: str = "sft"  # one of OBJECTIVES
     adapter: str = "ffa_lora"  # one of ADAPTERS
@@ -357,6 +362,11 @@ class TaskConfig:
     def __post_init__(self) -> None:
         if self.a_seed < 0:
             object.__setattr__(self, "a_seed", self.seed)
+
+    @property
+    def carry_seed(self) -> int | None:
+        """`carry_a_seed`, or None when the round carries nothing."""
+        return self.carry_a_seed if self.carry_a_seed >= 0 else None
 
     def to_record(self) -> dict[str, Any]:
         """Flat scalars and lists for a Flower ConfigRecord."""

@@ -5,13 +5,14 @@ import pytest
 import torch
 
 from zoo_gym.client.feedback import FfaErrorFeedback, least_squares_carry, summary
-from zoo_gym.compression import CodecSpec, encode
+from zoo_gym.compression import CodecSpec, encode, inspect_envelope
 from zoo_gym.core.lora import LoraSpec, frozen_a
 
 SPEC = CodecSpec("bitdelta", group_size=8)
 LORA = LoraSpec(rank=4, alpha=8.0)
 MODULE = "model.layers.0.self_attn.q_proj"
 KEY = f"{MODULE}.lora_B"
+CARRY = f"{MODULE}.lora_B_carry"
 DENSE = "model.layers.0.mlp.up_proj.weight"
 IN_FEATURES = {MODULE: 16}
 
@@ -156,6 +157,111 @@ def test_a_change_of_a_carries_the_least_squares_projection_and_reports_the_rest
     assert feedback.a_seed == 1
 
 
+def _names(payload: bytes) -> list[str]:
+    return [ts.name for ts in inspect_envelope(payload, max_elements=1 << 20).layout]
+
+
+def test_with_codec_none_nothing_is_lost_across_a_change_of_a() -> None:
+    # a residual e for the A of seed 0 (as a restart loads it); round 1 of the epoch of seed 1
+    e = torch.randn(12, 4, generator=torch.Generator().manual_seed(0))
+    b = torch.randn(12, 4, generator=torch.Generator().manual_seed(1))
+    feedback = FfaErrorFeedback({KEY: e.clone()}, a_seed=0)
+
+    payload, sent = feedback.compress(
+        {KEY: b}, CodecSpec("none"), lora=LORA, seed=1, carry_seed=0, in_features=IN_FEATURES
+    )
+
+    # s·(B·A_1 + B_carry·A_0) is everything: the update and the whole residual
+    assert _names(payload) == [KEY, CARRY]
+    assert torch.equal(sent[KEY], b) and torch.equal(sent[CARRY], e)
+    merged = _weight_space(sent[KEY], 1) + _weight_space(sent[CARRY], 0)
+    torch.testing.assert_close(merged, _weight_space(b, 1) + _weight_space(e, 0))
+    assert sorted(feedback.residual) == [KEY] and not feedback.residual[KEY].any()
+    change = feedback.last_change
+    assert change is not None and (change.old_seed, change.new_seed) == (0, 1)
+    assert change.residual == pytest.approx(float(_weight_space(e, 0).norm()), rel=1e-6)
+    assert (change.remainder, change.carried, change.dropped) == (0.0, 0.0, 0.0)
+
+
+def test_a_dyadic_residual_is_sent_back_exactly() -> None:
+    # |e| is the same in every group of 8, so one bit and the scale 0.5 send it exactly
+    e = torch.tensor([[0.5, -0.5, 0.5, 0.5], [-0.5, -0.5, 0.5, -0.5]])  # (out 2, r 4)
+    b = torch.tensor([[1.0, -0.5, 0.25, 2.0], [-1.0, 0.5, -0.25, 0.5]])
+    feedback = FfaErrorFeedback({KEY: e}, a_seed=4)
+    lora, in_features = LoraSpec(rank=4, alpha=4.0), {MODULE: 16}
+
+    _, sent = feedback.compress(
+        {KEY: b}, SPEC, lora=lora, seed=5, carry_seed=4, in_features=in_features
+    )
+
+    assert torch.equal(sent[CARRY], e)
+    assert torch.equal(feedback.residual[KEY], b - sent[KEY])  # the update's own error only
+    assert feedback.last_change is not None and feedback.last_change.dropped == 0.0
+
+
+def test_over_a_carry_only_the_carry_s_compression_error_is_dropped() -> None:
+    # Prepare: 3 rounds on the A of seed 0, then 2 on seed 1, the first of them carrying back
+    updates = _updates(7, 5)
+    feedback = FfaErrorFeedback()
+    true = torch.zeros(12, 16, dtype=torch.float64)
+    merged = torch.zeros(12, 16, dtype=torch.float64)
+    layouts = []
+
+    # Execute
+    for number, update in enumerate(updates, start=1):
+        b = {KEY: update[KEY]}
+        seed, carry = (0, None) if number <= 3 else (1, 0 if number == 4 else None)
+        if number == 4:
+            pending = feedback.residual[KEY].double()  # e for the A of seed 0
+        payload, sent = _compress(feedback, b, seed=seed, carry_seed=carry)
+        if number == 4:
+            change, remainder = feedback.last_change, pending - sent[CARRY].double()
+            merged += _weight_space(sent[CARRY], 0)
+        layouts.append(_names(payload))
+        true += _weight_space(update[KEY], seed)
+        merged += _weight_space(sent[KEY], seed)
+
+    # Assert: only round 4 carries; what the rounds merged is the true sum less the residual
+    # kept for A_1 and D = s·r·A_0·(I - P_1) of the carry's remainder r = e - C(e)
+    assert layouts == [[KEY]] * 3 + [[KEY, CARRY], [KEY]]
+    lost = true - merged - _weight_space(feedback.residual[KEY], 1)
+    a_new = frozen_a(1, MODULE, 16, LORA.rank).double()
+    outside = _weight_space(remainder, 0)
+    outside -= outside @ torch.linalg.pinv(a_new) @ a_new  # (I - P_1) on the right
+    torch.testing.assert_close(lost, outside, atol=1e-5, rtol=0)
+    assert change is not None and change.dropped == pytest.approx(float(lost.norm()), rel=1e-4)
+    assert change.remainder == pytest.approx(float(_weight_space(remainder, 0).norm()), rel=1e-6)
+    assert change.residual == pytest.approx(float(_weight_space(pending, 0).norm()), rel=1e-6)
+    assert change.dropped < 0.6 * change.residual  # 0.46 of it; 0.83 carried by least squares
+    assert sorted(feedback.residual) == [KEY] and feedback.nbytes() == 12 * 4 * 4
+
+
+def test_a_residual_for_another_a_is_carried_by_least_squares_and_zeros_go_back() -> None:
+    feedback = FfaErrorFeedback()
+    _compress(feedback, {KEY: _updates(8, 1)[0][KEY]}, seed=6)  # the A before the last one
+    e = feedback.residual[KEY].double()
+
+    payload, sent = _compress(feedback, {KEY: torch.zeros(12, 4)}, seed=1, carry_seed=0)
+
+    assert _names(payload) == [KEY, CARRY] and not sent[CARRY].any()
+    a_new = frozen_a(1, MODULE, 16, LORA.rank).double()
+    best = torch.linalg.lstsq(LORA.scaling * a_new.T, _weight_space(e, 6).T).solution.T
+    carried = sent[KEY].double() + feedback.residual[KEY].double()
+    torch.testing.assert_close(carried, best, atol=1e-5, rtol=0)
+    change = feedback.last_change
+    assert change is not None and change.old_seed == 6 and change.remainder == change.residual
+
+
+def test_without_feedback_a_carry_round_sends_zeros_for_the_previous_a() -> None:
+    off = FfaErrorFeedback(enabled=False)
+    b = torch.randn(12, 4, generator=torch.Generator().manual_seed(3))
+
+    payload, sent = off.compress({KEY: b}, SPEC, carry_seed=0)
+
+    assert payload == encode({KEY: b, CARRY: torch.zeros(12, 4)}, SPEC)
+    assert not sent[CARRY].any() and off.residual == {}
+
+
 def test_a_higher_rank_of_the_same_seed_carries_everything() -> None:
     feedback, narrow = FfaErrorFeedback(), LoraSpec(rank=2, alpha=4.0)  # the same scaling
     first = {KEY: _updates(4, 1)[0][KEY][:, :2]}
@@ -175,9 +281,10 @@ def test_the_residual_is_no_larger_than_the_update_and_survives_a_restart(tmp_pa
     steady = FfaErrorFeedback()
     restarted = FfaErrorFeedback.load(path)
     for round_number, update in enumerate(_updates(2, 6), start=1):
-        seed = (round_number - 1) // 3  # A changes after round 3
-        expected, _ = _compress(steady, update, seed=seed, round=round_number)
-        got, _ = _compress(restarted, update, seed=seed, round=round_number)
+        seed = (round_number - 1) // 3  # A changes after round 3; round 4 carries back
+        carry = {"carry_seed": 0} if round_number == 4 else {}
+        expected, _ = _compress(steady, update, seed=seed, round=round_number, **carry)
+        got, _ = _compress(restarted, update, seed=seed, round=round_number, **carry)
         restarted.save(path)
         restarted = FfaErrorFeedback.load(path)  # a new process reads the client's state
 

@@ -9,23 +9,36 @@ larger than the float32 update:
   B-space, for the frozen A its `a_seed` names. While A stays (the coordinator keeps
   one A for ``lora_a_rounds`` rounds) the update sent is C(B + e) and
   e ← (B + e) - C(B + e): nothing is lost, the sum of what was sent is the sum of
-  the updates minus the last residual. When A changes (a new epoch of A, a new rank)
-  the weight-space residual s·e·A_old is carried onto the new A by least squares:
+  the updates minus the last residual. The first round of a new epoch of A (the
+  task's ``carry_a_seed`` names the previous A) sends e back against the A it belongs
+  to: the update is C(B) and, per module, a carried B C(e) (``.lora_B_carry``,
+  compressed in the same envelope), which the coordinator merges as
+  s·(C(B)·A_new + C(e)·A_old). What that loses is only the carry's own compression
+  error r = e - C(e): it is carried onto the new A by least squares,
 
-      B_carry = e · (A_old A_newᵀ) · (A_new A_newᵀ)⁻¹        (out, r)
+      B_ls = r · (A_old A_newᵀ) · (A_new A_newᵀ)⁻¹        (out, r)
 
-  formed from r x r Gram matrices, never an (out, in) matrix. What is lost is
-  s·e·A_old·(I - P_new), the part outside the new A's row space (P_new projects onto
-  it); for an A drawn independently of e the carry keeps about r / in of the
-  residual's squared norm, so a change of A drops nearly all of one round's
-  compression error. `last_change` reports the norms (`ChangeOfA`).
+  formed from r x r Gram matrices, never an (out, in) matrix, and joins the new
+  residual (B - C(B)) + B_ls, so the residual stays B-sized (the upload of that round
+  is two B-sized tensors per module). Dropped is s·r·A_old·(I - P_new), the part of r
+  outside the new A's row space (P_new projects onto it; for an A drawn independently
+  of r it keeps about r / in of the squared norm). With BitDelta r is about 0.5-0.6 of
+  e in norm, so a change of A drops about half of what carrying e itself by least
+  squares dropped. A residual that belongs to another A (the client took part in
+  no round of the previous epoch, the rank changed, a version 1 file) cannot be sent
+  back: the carried B is zero and e itself is carried by least squares, as it is when
+  A changes outside a first round of an epoch (a policy change of
+  ``lora_a_rounds``). `last_change` reports the norms (`ChangeOfA`).
 - Any other key (a dense weight delta such as ``model.layers.0.mlp.up_proj.weight``):
   the plain residual e of its own shape, sent as C(delta + e) with
   e ← delta + e - C(delta + e).
 
 Residuals stay on the update's device, in float32. They are saved with the client's
 state (`save` / `load`, safetensors with the A seed in its metadata), so they survive
-a restart. ``enabled=False`` sends C(delta) and keeps nothing (for comparisons).
+a restart; a client restarted before the first round of an epoch sends the saved
+residual back as that round's carried B. A carry round leaves no carried residual
+behind, so the file format is unchanged (version 2). ``enabled=False`` sends C(delta)
+(and zero carried Bs where the round wants them) and keeps nothing (for comparisons).
 """
 
 from __future__ import annotations
@@ -44,7 +57,7 @@ from safetensors.torch import save as safetensors_bytes
 from zoo_gym.compression import CodecSpec, decode, encode
 from zoo_gym.core.delta import Delta
 from zoo_gym.core.files import write_atomic
-from zoo_gym.core.lora import LoraSpec, frozen_a
+from zoo_gym.core.lora import LoraSpec, carry_key, frozen_a, module_of, update_key
 
 SUFFIX = ".lora_B"
 FORMAT = "zoo-gym/error-feedback"
@@ -57,16 +70,20 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class ChangeOfA:
-    """What carrying the FFA residuals onto a new A kept and lost, in weight space.
+    """What a change of A did with the FFA residuals, in weight space.
 
-    Norms are Frobenius norms over all modules: `residual` = ||s·e·A_old||, `carried` =
-    ||s·B_carry·A_new||, `dropped` = ||s·e·A_old·(I - P_new)|| (so residual² = carried² +
-    dropped²), and `update` = ||s·B·A_new|| of the round's own update, before any residual.
+    Norms are Frobenius norms over all modules: `residual` = ||s·e·A_old|| pending at the
+    change; `remainder` = ||s·r·A_old||, the part of it not sent against A_old (r = e - C(e)
+    for a residual sent back as the round's carried B, the whole e when the round carries
+    nothing back); `carried` = ||s·B_ls·A_new|| of the remainder's least-squares carry onto
+    the new A and `dropped` = ||s·r·A_old·(I - P_new)|| (so remainder² = carried² +
+    dropped²); `update` = ||s·B·A_new|| of the round's own update, before any residual.
     """
 
     old_seed: int | None
     new_seed: int
     residual: float
+    remainder: float
     carried: float
     dropped: float
     update: float
@@ -75,6 +92,22 @@ class ChangeOfA:
     def dropped_share(self) -> float:
         """`dropped` relative to the round's update (0 when the update is 0)."""
         return self.dropped / self.update if self.update > 0 else 0.0
+
+
+@dataclass
+class _Tally:
+    """Squared weight-space norms of a change of A, summed over modules (see `ChangeOfA`)."""
+
+    residual: float = 0.0
+    remainder: float = 0.0
+    carried: float = 0.0
+    changed: bool = False
+
+    def add(self, residual: float, remainder: float, carried: float) -> None:
+        self.residual += residual
+        self.remainder += remainder
+        self.carried += carried
+        self.changed = True
 
 
 @dataclass(frozen=True)
@@ -117,6 +150,7 @@ class FfaErrorFeedback:
         *,
         lora: LoraSpec | None = None,
         seed: int = 0,
+        carry_seed: int | None = None,
         in_features: Mapping[str, int] | None = None,
         max_norm: float = 0.0,
         round: int = 0,
@@ -124,27 +158,44 @@ class FfaErrorFeedback:
         """Encode `update` plus the carried residuals; keep the new residuals.
 
         `lora`, `seed` (the seed of the round's frozen A) and `in_features` (module -> A's
-        input size) are needed only for ``.lora_B`` keys. With `max_norm` > 0 the compensated
+        input size) are needed only for ``.lora_B`` keys. `carry_seed` (the task's
+        ``carry_a_seed``, set in the first round of an epoch of A) names the previous epoch's
+        A: each ``.lora_B`` key then goes out with a ``.lora_B_carry`` (`carry_key`), the
+        residual kept for that A (zeros when the residual belongs to another A, or there is
+        none), compressed with the update. What its compression left is carried onto the new
+        A by least squares and joins the new residual. With `max_norm` > 0 the compensated
         update is scaled down to that L2 norm before encoding and what was removed stays in
         the residual (sent later), so the coordinator's norm bound
         (`zoo_gym.compression.feedback_cap`) admits it. `round` is recorded for `summary`.
         Returns (payload, the delta the coordinator will decode).
         """
         self.update_bytes = sum(t.numel() * 4 for t in update.values())
-        if not self.enabled:
-            payload = encode(update, codec)
-            return payload, decode(payload, max_elements=sum(t.numel() for t in update.values()))
         ffa = [key for key in update if key.endswith(SUFFIX)]
+        if not self.enabled:
+            outgoing = {**update, **_zero_carry(update, ffa, carry_seed)}
+            payload = encode(outgoing, codec)
+            return payload, decode(payload, max_elements=sum(t.numel() for t in outgoing.values()))
         self.last_change = None
-        if ffa:
-            if lora is None or in_features is None:
-                raise ValueError(f"{ffa[0]}: FFA-LoRA keys need `lora` and `in_features`")
-            self.last_change = self._change_a(update, ffa, lora, seed, in_features)
+        tally = _Tally()
+        if ffa and (lora is None or in_features is None):
+            raise ValueError(f"{ffa[0]}: FFA-LoRA keys need `lora` and `in_features`")
+        back = self._send_back(update, ffa, carry_seed)  # carry key -> residual for A_old
+        for key in ffa:
+            assert lora is not None and in_features is not None
+            self._carry_key(key, update[key], lora, seed, in_features, tally)
         compensated = {key: self._compensated(key, value) for key, value in update.items()}
+        compensated.update(back)
         payload = encode(_capped(compensated, max_norm), codec)
         sent = decode(payload, max_elements=sum(t.numel() for t in compensated.values()))
-        for key, value in compensated.items():
-            self.residual[key] = value - sent[key].to(value.device)  # float32, exact enough
+        for key, value in update.items():
+            self.residual[key] = compensated[key] - sent[key].to(value.device)  # float32
+        for key, pending in back.items():
+            assert lora is not None and in_features is not None and carry_seed is not None
+            remainder = pending - sent[key].to(pending.device)
+            self._fold(key, pending, remainder, lora, (carry_seed, seed), in_features, tally)
+        if tally.changed:
+            assert lora is not None and in_features is not None
+            self.last_change = self._report(tally, update, ffa, lora, seed, in_features)
         if ffa and seed != self.a_seed:
             self.a_seed, self.a_since = seed, round
         self.round = round
@@ -167,42 +218,21 @@ class FfaErrorFeedback:
             return value
         return value + r.to(device=value.device, dtype=torch.float32)
 
-    def _change_a(
-        self,
-        update: Delta,
-        keys: list[str],
-        lora: LoraSpec,
-        seed: int,
-        in_features: Mapping[str, int],
-    ) -> ChangeOfA | None:
-        """Carry every FFA residual that belongs to another A (or rank) onto the A of `seed`,
-        in place; None when every residual already belongs to it."""
-        total = kept = update_sq = 0.0
-        changed = False
+    def _send_back(
+        self, update: Delta, keys: list[str], carry_seed: int | None
+    ) -> dict[str, torch.Tensor]:
+        """The carried Bs of a round that sends residuals back to the A of `carry_seed`: each
+        `carry_key` -> the residual kept for that A, taken out of `residual` (zeros when the
+        residual belongs to another A or rank, which `_carry_key` then carries onto the new
+        A). Empty when the round carries nothing."""
+        back = _zero_carry(update, keys, carry_seed)
+        if carry_seed is None or self.a_seed != carry_seed:
+            return back
         for key in keys:
-            norms = self._carry_key(key, update[key], lora, seed, in_features)
-            if norms is not None:
-                total, kept, update_sq = total + norms[0], kept + norms[1], update_sq + norms[2]
-                changed = True
-        if not changed:
-            return None
-        change = ChangeOfA(
-            old_seed=self.a_seed,
-            new_seed=seed,
-            residual=math.sqrt(total),
-            carried=math.sqrt(max(kept, 0.0)),
-            dropped=math.sqrt(max(total - kept, 0.0)),
-            update=math.sqrt(update_sq),
-        )
-        log.info(
-            "frozen A changed: carried %.3g of the residual's %.3g onto the new A; %.3g "
-            "(%.1f%% of this round's update) is outside its row space and dropped",
-            change.carried,
-            change.residual,
-            change.dropped,
-            100 * change.dropped_share,
-        )
-        return change
+            r = self.residual.get(key)
+            if r is not None and tuple(r.shape) == tuple(update[key].shape):
+                back[carry_key(module_of(key))] = self.residual.pop(key).to(update[key].device)
+        return back
 
     def _carry_key(
         self,
@@ -211,20 +241,20 @@ class FfaErrorFeedback:
         lora: LoraSpec,
         seed: int,
         in_features: Mapping[str, int],
-    ) -> tuple[float, float, float] | None:
-        """Carry `key`'s residual onto the A of `seed` when it belongs to another A; (squared
-        norms of the residual, of what was carried, of this round's update) or None."""
+        tally: _Tally,
+    ) -> None:
+        """Carry `key`'s residual onto the A of `seed` by least squares when it belongs to
+        another A (or rank), in place; its norms go to `tally`."""
         r = self.residual.get(key)
         out, rank = int(b.shape[0]), int(b.shape[1])
         if r is None or (self.a_seed == seed and tuple(r.shape) == (out, rank)):
-            return None
-        s, module, device = lora.scaling, key.removesuffix(SUFFIX), b.device
+            return
+        s, module, device = lora.scaling, module_of(key), b.device
         a_new = frozen_a(seed, module, in_features[module], rank).to(device, torch.float64)
-        g_nn = a_new @ a_new.T  # (r, r)
         if tuple(r.shape) == (out, in_features[module]):  # a version 1 weight-space residual
             w = r.to(device, torch.float64)  # (out, in)
             cross = (w @ a_new.T) / s  # (out, r)
-            carry = _solve(cross, g_nn)
+            carry = _solve(cross, a_new @ a_new.T)
             total, kept = float(w.square().sum()), s * s * float((cross * carry).sum())
         elif r.shape[0] == out and self.a_seed is not None:
             a_old = frozen_a(self.a_seed, module, in_features[module], int(r.shape[1]))
@@ -234,10 +264,66 @@ class FfaErrorFeedback:
         else:
             log.warning("%s: dropping a residual of shape %s for an unknown A", key, tuple(r.shape))
             del self.residual[key]
-            return None
-        b64 = b.detach().to(device, torch.float64)
+            return
         self.residual[key] = carry.float()
-        return total, kept, s * s * float(((b64 @ g_nn) * b64).sum())
+        tally.add(total, total, kept)
+
+    def _fold(
+        self,
+        key: str,
+        pending: torch.Tensor,
+        remainder: torch.Tensor,
+        lora: LoraSpec,
+        seeds: tuple[int, int],
+        in_features: Mapping[str, int],
+        tally: _Tally,
+    ) -> None:
+        """Carry `remainder` `(out, r)`, what compressing the carried B `pending` of `key`
+        left, from the old A onto the new one (`seeds`) by least squares, into the residual
+        of the module's B; the norms go to `tally`."""
+        module, (old, new), rank = module_of(key), seeds, int(pending.shape[1])
+        a_old = frozen_a(old, module, in_features[module], rank).to(pending.device)
+        a_new = frozen_a(new, module, in_features[module], rank).to(pending.device)
+        carry, rest, kept = least_squares_carry(remainder, a_old, a_new, scaling=lora.scaling)
+        target = update_key(module)
+        self.residual[target] = self.residual[target] + carry.float().to(pending.device)
+        tally.add(_squared_norm(pending, a_old, lora.scaling), rest, kept)
+
+    def _report(
+        self,
+        tally: _Tally,
+        update: Delta,
+        keys: list[str],
+        lora: LoraSpec,
+        seed: int,
+        in_features: Mapping[str, int],
+    ) -> ChangeOfA:
+        """The `ChangeOfA` of `tally`, with the norm of the round's update; logged."""
+        update_sq = 0.0
+        for key in keys:
+            module, b = module_of(key), update[key]
+            a_new = frozen_a(seed, module, in_features[module], int(b.shape[1]))
+            update_sq += _squared_norm(b, a_new.to(b.device), lora.scaling)
+        change = ChangeOfA(
+            old_seed=self.a_seed,
+            new_seed=seed,
+            residual=math.sqrt(tally.residual),
+            remainder=math.sqrt(tally.remainder),
+            carried=math.sqrt(max(tally.carried, 0.0)),
+            dropped=math.sqrt(max(tally.remainder - tally.carried, 0.0)),
+            update=math.sqrt(update_sq),
+        )
+        log.info(
+            "frozen A changed: %.3g of the residual's %.3g was not sent against the old A; "
+            "%.3g of that carried onto the new A, %.3g (%.1f%% of this round's update) is "
+            "outside its row space and dropped",
+            change.remainder,
+            change.residual,
+            change.carried,
+            change.dropped,
+            100 * change.dropped_share,
+        )
+        return change
 
     def nbytes(self) -> int:
         """Bytes the residuals hold."""
@@ -319,6 +405,25 @@ def least_squares_carry(
     s2 = scaling * scaling
     total = s2 * float(((e @ (a_old @ a_old.T)) * e).sum())
     return carry, total, s2 * float((cross * carry).sum())  # ||s·B·A_new||² = s²·tr(cross·Bᵀ)
+
+
+def _squared_norm(b: torch.Tensor, a: torch.Tensor, scaling: float) -> float:
+    """||s·b·a||² of `b` `(out, r)` and `a` `(r, in)`, from the `(r, r)` Gram matrix."""
+    b64, a64 = b.detach().double(), a.double()
+    return scaling * scaling * float(((b64 @ (a64 @ a64.T)) * b64).sum())
+
+
+def _zero_carry(update: Delta, keys: list[str], carry_seed: int | None) -> dict[str, torch.Tensor]:
+    """A zero `carry_key` tensor per FFA key (float32, the B's shape and device); empty when
+    the round carries nothing (`carry_seed` None)."""
+    if carry_seed is None:
+        return {}
+    return {
+        carry_key(module_of(key)): torch.zeros(
+            update[key].shape, dtype=torch.float32, device=update[key].device
+        )
+        for key in keys
+    }
 
 
 def _solve(cross: torch.Tensor, gram: torch.Tensor) -> torch.Tensor:

@@ -206,6 +206,7 @@ class ClientRuntime:
             codec,
             lora=spec,
             seed=task.a_seed,
+            carry_seed=task.carry_seed,
             in_features=in_features,
             max_norm=cap if self.misbehaviour is None else 0.0,
             round=task.round,

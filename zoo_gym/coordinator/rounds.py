@@ -15,7 +15,6 @@ parts they use.
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import json
 import logging
@@ -90,16 +89,30 @@ def a_seed(run_seed: int, round_number: int, a_rounds: int) -> int:
     return round_seed(run_seed, first)
 
 
+def carry_a_seed(run_seed: int, round_number: int, a_rounds: int) -> int | None:
+    """The `a_seed` of the previous epoch of A when round `round_number` opens a new one after
+    the first (its FFA updates then carry each client's residual for that A as a second B);
+    None in every other round."""
+    if round_number <= 1 or (round_number - 1) % a_rounds:
+        return None
+    return a_seed(run_seed, round_number - 1, a_rounds)
+
+
 def lora_spec(t: TrainingPolicy) -> LoraSpec:
     return LoraSpec(rank=t.lora_rank, alpha=t.lora_alpha, target_modules=tuple(t.target_modules))
 
 
 def update_layout(
-    state: dict[str, torch.Tensor], spec: LoraSpec, adapter: str = "ffa_lora"
+    state: dict[str, torch.Tensor],
+    spec: LoraSpec,
+    adapter: str = "ffa_lora",
+    *,
+    carry: bool = False,
 ) -> Layout:
     """Names and shapes of the tensors a round's update consists of: the B matrices for
-    ffa_lora, the target weights for lora / dora / qlora, every floating weight for full."""
-    shapes = update_shapes(state, adapter=adapter, spec=spec)
+    ffa_lora (and, with `carry`, the carried Bs for the previous A), the target weights for
+    lora / dora / qlora, every floating weight for full."""
+    shapes = update_shapes(state, adapter=adapter, spec=spec, carry=carry)
     return tuple(TensorSpec(name, shape) for name, shape in sorted(shapes.items()))
 
 
@@ -110,6 +123,7 @@ def validation_utility(
     layout: Layout,
     spec: LoraSpec,
     seed: int,
+    carry_seed: int | None = None,
 ) -> Callable[[torch.Tensor], float]:
     """U(v) of the base with the flat `(d,)` update v merged in: minus the validation loss
     (SFT), or the mean validation reward (GRPO / GSPO)."""
@@ -117,7 +131,15 @@ def validation_utility(
     def utility(vector: torch.Tensor) -> float:
         update = unflatten(vector.float(), layout)
         with evaluator.editing(state) as weights:
-            merge_candidate(weights, state, update, adapter=t.adapter, spec=spec, seed=seed)
+            merge_candidate(
+                weights,
+                state,
+                update,
+                adapter=t.adapter,
+                spec=spec,
+                seed=seed,
+                carry_seed=carry_seed,
+            )
             reward = validation_reward(evaluator, t, None)
             return -evaluator.loss(None) if reward is None else reward
 
@@ -132,11 +154,12 @@ def merge_candidate(
     adapter: str,
     spec: LoraSpec,
     seed: int,
+    carry_seed: int | None = None,
 ) -> list[str]:
     """Merge `update` into the evaluator's `weights` (with `state` loaded), in place, as
-    `merge_update` would merge it into `state`: each changed weight rounded to its stored
-    dtype. Returns the names of the changed weights."""
-    merge_update(weights, update, adapter=adapter, spec=spec, seed=seed)
+    `merge_update` would merge it into `state` (carried Bs with the A of `carry_seed`): each
+    changed weight rounded to its stored dtype. Returns the names of the changed weights."""
+    merge_update(weights, update, adapter=adapter, spec=spec, seed=seed, carry_seed=carry_seed)
     if adapter == "ffa_lora":
         names = sorted({module_of(key) + ".weight" for key in update})
     else:
@@ -193,10 +216,6 @@ def update_norm_bound(config: CoordinatorConfig, layout: Layout) -> float:
     )
 
 
-def _same(layout: Layout) -> Layout:
-    return layout
-
-
 def abort_request(
     control: RoundControl, stop: threading.Event, round_number: int
 ) -> Request | None:
@@ -238,6 +257,7 @@ class Opened:
     number: int
     seed: int
     a_seed: int  # of the frozen LoRA A the round's B updates are merged with
+    carry_a_seed: int | None  # of the previous A, merged with the carried Bs (None: no carry)
     base_version: str
     messages: list[Message]
     started: float
@@ -255,8 +275,9 @@ class Outcome:
 
 class RoundLoop:
     """The state the round loop carries from round to round: the current base (weights,
-    validation loss and reward), the update layout and the strategy, which a policy change
-    staged through the REST API rebuilds."""
+    validation loss and reward), the update layout (the open round's: with the carried Bs in
+    the first round of an epoch of A) and the strategy, which a policy change staged through
+    the REST API rebuilds."""
 
     def __init__(self, co: Coordinator, grid: Grid) -> None:
         self.co, self.grid = co, grid
@@ -275,8 +296,11 @@ class RoundLoop:
         t = self.config.training
         self.spec = for_base(lora_spec(t), self.linear, adapter=t.adapter)
         self.layout = update_layout(self.state, self.spec, t.adapter)
-        self.strategy = self.co.make_strategy(functools.partial(_same, self.layout))
+        self.strategy = self.co.make_strategy(self._round_layout)
         self.reward = validation_reward(self.co.evaluator, self.config.training, self.state)
+
+    def _round_layout(self) -> Layout:
+        return self.layout
 
     def run(self, on_round: Callable[[RoundSummary], None] | None = None) -> None:
         co = self.co
@@ -323,11 +347,16 @@ class RoundLoop:
         started = time.perf_counter()
         co.health.set("waiting")
         seed = round_seed(config.seed, number)
+        carry = carry_a_seed(config.seed, number, t.lora_a_rounds)
+        if t.adapter != "ffa_lora":
+            carry = None
+        self.layout = update_layout(self.state, self.spec, t.adapter, carry=carry is not None)
         task = TaskConfig(
             round=number,
             base_version=self.base.version,
             seed=seed,
             a_seed=a_seed(config.seed, number, t.lora_a_rounds),
+            carry_a_seed=-1 if carry is None else carry,
             deadline_ms=int((time.time() + config.round_timeout_s) * 1000),
             **t.task_fields(),
         )
@@ -362,7 +391,7 @@ class RoundLoop:
             codec=t.codec,
             max_update_norm=update_norm_bound(config, self.layout),
         )
-        return Opened(number, seed, task.a_seed, self.base.version, messages, started)
+        return Opened(number, seed, task.a_seed, carry, self.base.version, messages, started)
 
     def _conclude(
         self, opened: Opened, replies: list[Message]
@@ -393,7 +422,13 @@ class RoundLoop:
                 round_number=opened.number,
                 agg=agg,
                 utility=validation_utility(
-                    co.evaluator, config.training, self.state, self.layout, self.spec, opened.a_seed
+                    co.evaluator,
+                    config.training,
+                    self.state,
+                    self.layout,
+                    self.spec,
+                    opened.a_seed,
+                    opened.carry_a_seed,
                 ),
                 baseline=-loss if reward is None else reward,
             )
@@ -406,6 +441,7 @@ class RoundLoop:
                     adapter=config.training.adapter,
                     spec=self.spec,
                     seed=opened.a_seed,
+                    carry_seed=opened.carry_a_seed,
                 )
             with phase("evaluate", detail):
                 new_loss = co.evaluator.loss(None)

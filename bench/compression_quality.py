@@ -7,9 +7,11 @@ FFA-LoRA clients, FedAvg; same seeds and data shards) with a different client co
 feedback once per `--a-rounds` K (the frozen A stays for K rounds, `lora_a_rounds`). Prints a
 Markdown table of the final validation loss (of the last published version, the mean over
 `--seeds`, which vary the data shards), its ratio to the uncompressed run, the bytes of
-error-feedback residual a client keeps against the float32 bytes of the update it sends, and
+error-feedback residual a client keeps against the float32 bytes of the update it sends,
 what the changes of A dropped (the norm outside the new A's row space, relative to that
-round's update, mean over changes).
+round's update, mean over changes), and the bytes a client uploads in the first round of an
+epoch of A after the first (which also carries the residual for the previous A, a second B per
+module) against the other rounds.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from pathlib import Path
 import torch
 
 from zoo_gym.client.runtime import RoundEvent
+from zoo_gym.coordinator.rounds import carry_a_seed
 from zoo_gym.coordinator.setup import init_home
 from zoo_gym.core.synthetic import make_examples
 from zoo_gym.simulation.inprocess import InProcessFederation
@@ -45,6 +48,8 @@ class Run:
     residual_bytes: int = 0  # largest residual a client kept
     update_bytes: int = 0  # float32 bytes of one update
     dropped: list[float] = field(default_factory=list)  # dropped / update, per change of A
+    carry_upload: list[int] = field(default_factory=list)  # payload bytes, epoch's first rounds
+    other_upload: list[int] = field(default_factory=list)  # payload bytes, the other rounds
 
 
 def run(
@@ -92,7 +97,14 @@ def run(
             result.update_bytes = int(d.get("update_bytes", 0))
             if "dropped_share" in d:
                 result.dropped.append(float(d["dropped_share"]))
+            carries = adapter == "ffa_lora" and carry_a_seed(0, event.round, a_rounds) is not None
+            upload = result.carry_upload if carries else result.other_upload
+            upload.append(int(d.get("payload_bytes", 0)))
     return result
+
+
+def _mean_bytes(values: list[int]) -> str:
+    return f"{statistics.fmean(values):.0f}" if values else "-"
 
 
 def main() -> None:
@@ -153,9 +165,10 @@ def main() -> None:
     print()
     print(
         "| configuration | final loss per seed | mean | vs first row | residual bytes | "
-        "update bytes | dropped at a change of A | wall s |"
+        "update bytes | dropped at a change of A | upload bytes, epoch's first round | "
+        "upload bytes, other rounds | wall s |"
     )
-    print("|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for label, runs in rows:
         mean = statistics.fmean(r.final for r in runs)
         dropped = [d for r in runs for d in r.dropped]
@@ -164,6 +177,8 @@ def main() -> None:
             f"{mean / reference:.4f} | {max(r.residual_bytes for r in runs)} | "
             f"{runs[0].update_bytes} | "
             f"{f'{statistics.fmean(dropped):.1%} ({len(dropped)})' if dropped else '-'} | "
+            f"{_mean_bytes([b for r in runs for b in r.carry_upload])} | "
+            f"{_mean_bytes([b for r in runs for b in r.other_upload])} | "
             f"{sum(r.seconds for r in runs):.0f} |"
         )
 

@@ -14,21 +14,21 @@ larger than the float32 update:
   to: the update is C(B) and, per module, a carried B C(e) (``.lora_B_carry``,
   compressed in the same envelope), which the coordinator merges as
   s·(C(B)·A_new + C(e)·A_old). What that loses is only the carry's own compression
-  error r = e - C(e): it is carried onto the new A by least squares,
+  error q = e - C(e): it is carried onto the new A by least squares,
 
-      B_ls = r · (A_old A_newᵀ) · (A_new A_newᵀ)⁻¹        (out, r)
+      B_ls = q · (A_old A_newᵀ) · (A_new A_newᵀ)⁻¹        (out, r)
 
   formed from r x r Gram matrices, never an (out, in) matrix, and joins the new
   residual (B - C(B)) + B_ls, so the residual stays B-sized (the upload of that round
-  is two B-sized tensors per module). Dropped is s·r·A_old·(I - P_new), the part of r
+  is two B-sized tensors per module). Dropped is s·q·A_old·(I - P_new), the part of q
   outside the new A's row space (P_new projects onto it; for an A drawn independently
-  of r it keeps about r / in of the squared norm). With BitDelta r is about 0.5-0.6 of
-  e in norm, so a change of A drops about half of what carrying e itself by least
-  squares dropped. A residual that belongs to another A (the client took part in
-  no round of the previous epoch, the rank changed, a version 1 file) cannot be sent
-  back: the carried B is zero and e itself is carried by least squares, as it is when
-  A changes outside a first round of an epoch (a policy change of
-  ``lora_a_rounds``). `last_change` reports the norms (`ChangeOfA`).
+  of q it keeps about r / in of the squared norm). With BitDelta q is the 1-bit error
+  of e, about 0.6 of its norm: a change of A drops 0.6-0.7 of what carrying e itself
+  by least squares dropped (bench/README.md). A residual that belongs to another A
+  (the client took part in no round of the previous epoch, the rank changed, a
+  version 1 file) cannot be sent back: the carried B is zero and e itself is carried
+  by least squares, as it is when A changes outside a first round of an epoch (a
+  policy change of ``lora_a_rounds``). `last_change` reports the norms (`ChangeOfA`).
 - Any other key (a dense weight delta such as ``model.layers.0.mlp.up_proj.weight``):
   the plain residual e of its own shape, sent as C(delta + e) with
   e ← delta + e - C(delta + e).
@@ -73,10 +73,10 @@ class ChangeOfA:
     """What a change of A did with the FFA residuals, in weight space.
 
     Norms are Frobenius norms over all modules: `residual` = ||s·e·A_old|| pending at the
-    change; `remainder` = ||s·r·A_old||, the part of it not sent against A_old (r = e - C(e)
+    change; `remainder` = ||s·q·A_old||, the part of it not sent against A_old (q = e - C(e)
     for a residual sent back as the round's carried B, the whole e when the round carries
     nothing back); `carried` = ||s·B_ls·A_new|| of the remainder's least-squares carry onto
-    the new A and `dropped` = ||s·r·A_old·(I - P_new)|| (so remainder² = carried² +
+    the new A and `dropped` = ||s·q·A_old·(I - P_new)|| (so remainder² = carried² +
     dropped²); `update` = ||s·B·A_new|| of the round's own update, before any residual.
     """
 

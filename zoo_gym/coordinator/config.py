@@ -47,8 +47,9 @@ class TrainingPolicy(BaseModel):
         ge=1,
         le=1 << 20,
         description="ffa_lora: rounds one frozen A stays for (an epoch of A); the error-feedback "
-        "residual carries losslessly within an epoch and by least squares across a change of A, "
-        "which drops about one round's compression error (bench/README.md)",
+        "residual carries losslessly within an epoch, and an epoch's first round also uploads it "
+        "for the previous A (a second B per module), losing only its own compression error "
+        "(bench/README.md)",
     )
     target_modules: list[str] = Field(default_factory=lambda: list(DEFAULT_TARGETS))
     steps: int = Field(30, ge=1)

@@ -47,3 +47,35 @@ def test_pack_many_reads_strided_and_half_precision_inputs_as_float32() -> None:
     alone = [bitdelta.pack(x, 64) for x in flat]
     assert all(torch.equal(p, a) for p, (a, _) in zip(packed, alone, strict=True))
     assert torch.equal(scales, torch.cat([s for _, s in alone]))
+
+
+@pytest.mark.parametrize("sizes", [[256, 1024, 128], [100, 3, 0, 257], [2 * 2**18 + 5, 40]])
+def test_pack_concat_holds_each_tensors_bytes_at_its_offset(sizes: list[int]) -> None:
+    # Prepare: whole groups (one flat vector), short tails (padding), a tensor across chunks
+    gen = torch.Generator().manual_seed(len(sizes))
+    xs = [torch.randn(n, generator=gen) for n in sizes]
+
+    # Execute
+    bits, starts, scales = bitdelta.pack_concat(xs, 128)
+
+    # Assert
+    expected = [_reference(x, 128) for x in xs]
+    got = [bits[s : s + (n + 7) // 8].tobytes() for s, n in zip(starts, sizes, strict=True)]
+    assert got == [b for b, _ in expected]
+    assert torch.equal(scales, torch.cat([s for _, s in expected]))
+
+
+def test_pack_concat_reads_shaped_tensors_that_require_grad() -> None:
+    gen = torch.Generator().manual_seed(1)
+    xs = [
+        torch.randn(16, 64, generator=gen, requires_grad=True),
+        torch.randn(3, 5, 7, generator=gen),
+    ]
+
+    bits, starts, scales = bitdelta.pack_concat(xs, 64)
+
+    alone = [bitdelta.pack(x.detach().reshape(-1), 64) for x in xs]
+    assert starts == [0, 16 * 64 // 8]
+    assert bits[:128].tobytes() == alone[0][0].numpy().tobytes()
+    assert bits[128 : 128 + 14].tobytes() == alone[1][0].numpy().tobytes()  # ceil(105 / 8)
+    assert torch.equal(scales, torch.cat([s for _, s in alone]))

@@ -7,6 +7,7 @@ from zoo_gym.compression import (
     CODECS,
     CodecSpec,
     EnvelopeError,
+    bitdelta,
     decode,
     decode_into,
     encode,
@@ -181,6 +182,41 @@ def test_encode_rejects_bad_input() -> None:
         encode({"w": torch.full((4,), 1e6)}, CodecSpec("bitdelta"))
     with pytest.raises(ValueError, match="float"):
         encode({"w": torch.tensor([1, 2])}, CodecSpec())
+
+
+def test_encode_rejects_a_scale_that_overflows_among_others() -> None:
+    delta = {"a": torch.randn(1000), "b": torch.full((300,), 1e6), "c": torch.randn(7)}
+
+    with pytest.raises(ValueError, match="overflows float16"):
+        encode(delta, CodecSpec("bitdelta"))
+
+
+def test_encode_rejects_finite_values_whose_group_sum_overflows_float32() -> None:
+    delta = {"w": torch.full((256,), 3e38)}
+
+    with pytest.raises(ValueError, match="overflows float32"):
+        encode(delta, CodecSpec("bitdelta", scale_dtype="float32"))
+
+
+def test_encode_reads_strided_half_and_grad_tensors_as_their_float32_values() -> None:
+    # Prepare: a transposed slice, a half tensor, a leaf that requires grad, an empty tensor
+    gen = torch.Generator().manual_seed(0)
+    base = torch.randn(70, 40, generator=gen)
+    half = torch.randn(33, 5, generator=gen).half()
+    leaf = torch.randn(300, generator=gen, requires_grad=True)
+    delta = {"a": base.t()[::2], "b": half, "c": leaf, "d": torch.zeros(0, 4)}
+    plain = {"a": base.t()[::2].contiguous(), "b": half, "c": leaf.detach(), "d": torch.zeros(0, 4)}
+    spec = CodecSpec("bitdelta", group_size=64)
+
+    # Execute
+    payload = encode(delta, spec)
+
+    # Assert: strides and autograd change nothing; the half values are packed as float32
+    assert payload == encode(plain, spec)
+    bits, scales = bitdelta.pack(half.float().reshape(-1), 64)
+    expected = torch.empty(half.numel())
+    bitdelta.unpack(bits, scales.half().float(), 64, expected)
+    assert torch.equal(decode(payload, max_elements=10_000)["b"].reshape(-1), expected)
 
 
 @pytest.mark.parametrize(

@@ -35,6 +35,7 @@ _SIGN_TABLE = torch.from_numpy(
     np.unpackbits(np.arange(256, dtype=np.uint8)[:, None], axis=1).astype(np.float32) * 2 - 1
 )  # (256, 8): row p holds +-1 for the eight bits of byte p, most significant first
 _SIGN_TABLE_NP = _SIGN_TABLE.numpy()
+_ZERO = np.float32(0.0)  # compared against without a conversion per call
 
 _Segment = tuple[int, int, int, int]  # (tensor, start, length, padded), see `_segments`
 
@@ -165,15 +166,17 @@ def _aligned(ns: Sequence[int], group: int) -> bool:
     return sum(ns) <= _chunk_len(group) and all(n % unit == 0 for n in ns)
 
 
-def _pack_aligned(xs: Sequence[Tensor], ns: list[int], group: int) -> tuple[list[Tensor], Tensor]:
-    """`pack_many` of a short update whose tensors all hold whole groups and whole bytes:
+def _pack_aligned(
+    xs: Sequence[Tensor], ns: list[int], group: int
+) -> tuple[NDArray[np.uint8], list[int], Tensor]:
+    """`pack_concat` of a short update whose tensors all hold whole groups and whole bytes:
     concatenated, such tensors pack exactly as they do one by one, in a few calls."""
     flat = torch.cat([x.detach().reshape(-1) for x in xs]).float()  # (sum n_i,)
     signs = np.empty(flat.numel(), dtype=np.bool_)
-    np.greater_equal(flat.numpy(), 0, out=signs)
-    bits = torch.from_numpy(np.packbits(signs))
+    np.greater_equal(flat.numpy(), _ZERO, out=signs)
     scales = torch.sum(flat.abs_().view(-1, group), 1).div_(group)
-    return list(torch.split(bits, [n // 8 for n in ns])), scales
+    starts = list(itertools.accumulate((n // 8 for n in ns[:-1]), initial=0))
+    return np.packbits(signs), starts, scales
 
 
 def _buffer_len(ns: Sequence[int], group: int) -> int:
@@ -212,9 +215,10 @@ def _pack_plan(ns: Sequence[int], unit: int, limit: int) -> Iterator[tuple[int, 
 
 
 def _flat_array(x: Tensor) -> NDArray[np.float32]:
-    """The values of a CPU tensor `x` as a flat float32 array (a view when `x` is contiguous)."""
-    t = x.detach()
-    return (t if t.dtype == torch.float32 else t.float()).numpy().reshape(-1)
+    """The values of a CPU tensor `x` as a flat float32 array (a view when `x` is contiguous
+    float32; the cheapest calls, as they run once per tensor)."""
+    t = x.detach() if x.requires_grad else x
+    return (t if t.dtype == torch.float32 else t.float()).numpy().ravel()
 
 
 def _chunk_values(
@@ -238,7 +242,7 @@ def _chunk_values(
         part = flats[i][start:stop]
         end = at + stop - start
         np.abs(part, out=absbuf[at:end])
-        np.greater_equal(part, 0, out=signs[at:end])
+        np.greater_equal(part, _ZERO, out=signs[at:end])
         if pad:
             absbuf[end : end + pad] = 0.0
             signs[end : end + pad] = False
@@ -259,7 +263,7 @@ def _gather_values(
         if pad:
             parts.append(zeros[:pad])
     np.concatenate(parts, out=absbuf)
-    np.greater_equal(absbuf, 0, out=signs)
+    np.greater_equal(absbuf, _ZERO, out=signs)
     np.abs(absbuf, out=absbuf)
     at = 0
     for _, start, stop, pad in pieces:
@@ -269,20 +273,22 @@ def _gather_values(
             at += pad
 
 
-def _pack_chunked(xs: Sequence[Tensor], ns: list[int], group: int) -> tuple[list[Tensor], Tensor]:
-    """`pack_many` on CPU: the padded concatenation of `_pack_plan`, chunk by chunk.
+def _pack_chunked(
+    xs: Sequence[Tensor], ns: list[int], group: int
+) -> tuple[NDArray[np.uint8], list[int], Tensor]:
+    """`pack_concat` on CPU: the padded concatenation of `_pack_plan`, chunk by chunk.
 
     Each chunk's sign bytes and group sums go straight to their place in one byte buffer and
-    one sums buffer laid out like the padded concatenation; tensor i's bytes are a view of
-    the first ceil(n_i / 8) of its padded bytes. Afterwards each sum is divided by its group's
-    real length and the sums of whole-padding groups are left out of the scales.
+    one sums buffer laid out like the padded concatenation; tensor i's bytes are the first
+    ceil(n_i / 8) of its padded bytes. Afterwards each sum is divided by its group's real
+    length and the sums of whole-padding groups are left out of the scales.
     """
     unit = math.lcm(group, 8)
     limit = _chunk_len(group)
     flats = [_flat_array(x) for x in xs]
     padded = [-(-n // unit) * unit for n in ns]
     starts = list(itertools.accumulate(padded, initial=0))
-    total = starts[-1]
+    total = starts.pop()
     bits = np.empty(total // 8, dtype=np.uint8)
     sums = torch.empty(total // group, dtype=torch.float32)
     size = min(limit, total)
@@ -294,14 +300,9 @@ def _pack_chunked(xs: Sequence[Tensor], ns: list[int], group: int) -> tuple[list
         torch.sum(
             absbuf[:size].view(-1, group), 1, out=sums[offset // group : (offset + size) // group]
         )
-    flat_bits = torch.from_numpy(bits)
-    if total == sum(ns):  # no padding: the tensors' bytes lie end to end
-        packed = list(torch.split(flat_bits, [n // 8 for n in ns]))
-    else:
-        packed = [
-            flat_bits[s // 8 : s // 8 + (n + 7) // 8] for s, n in zip(starts, ns, strict=False)
-        ]
-    return packed, _group_means(sums, ns, padded, starts, group)
+    if total == sum(ns):  # no padding: every group is whole
+        return bits, [s // 8 for s in starts], sums.div_(float(group))
+    return bits, [s // 8 for s in starts], _group_means(sums, ns, padded, starts, group)
 
 
 def _group_means(
@@ -335,18 +336,39 @@ def pack_many(xs: Sequence[Tensor], group: int) -> tuple[list[Tensor], Tensor]:
 
     Returns (packed signs per tensor (ceil(n_i / 8),) uint8, the scales of all tensors
     concatenated (sum_i ceil(n_i / group),) float32), each equal to `pack` of that tensor.
-    ``scale_k = mean |x|`` over group k (Liu et al., 2024). On CPU the values stream through
-    cache-sized chunks of the tensors laid end to end, each zero-padded to a multiple of
-    lcm(group, 8) values (a padded zero adds nothing to a group's sum of |x| and its sign bit
-    is cleared), so one ``numpy.packbits`` and one grouped sum serve many tensors and write
-    straight into the result; extra memory is two chunk buffers (~1.3 MiB). The packed
-    tensors are views of one buffer.
+    ``scale_k = mean |x|`` over group k (Liu et al., 2024). On CPU the packed tensors are
+    views of the one buffer of `pack_concat`; elsewhere the torch path packs tensor by tensor.
     """
     if not xs:
         return [], torch.empty(0, dtype=torch.float32)
-    if math.lcm(group, 8) > _CHUNK or any(x.device.type != "cpu" for x in xs):
+    if math.lcm(group, 8) > _CHUNK or any(not x.is_cpu for x in xs):
         return _pack_torch(xs, group)
+    bits, starts, scales = pack_concat(xs, group)
+    flat = torch.from_numpy(bits)
+    sizes = [(x.numel() + 7) // 8 for x in xs]
+    if sum(sizes) == flat.numel():  # no padding: the tensors' bytes lie end to end
+        return list(torch.split(flat, sizes)), scales
+    return [flat[s : s + k] for s, k in zip(starts, sizes, strict=True)], scales
+
+
+def pack_concat(xs: Sequence[Tensor], group: int) -> tuple[NDArray[np.uint8], list[int], Tensor]:
+    """`pack_many` of CPU tensors `xs` (any shape, read flat as float32) into one byte buffer.
+
+    Returns (bytes (B,) uint8, where each tensor's ceil(n_i / 8) bytes begin in it, the
+    scales of all tensors concatenated (sum_i ceil(n_i / group),) float32). The values
+    stream through cache-sized chunks of the tensors laid end to end, each zero-padded to a
+    multiple of lcm(group, 8) values (a padded zero adds nothing to a group's sum of |x| and
+    its sign bit is cleared), so one ``numpy.packbits`` and one grouped sum serve many tensors
+    and write straight into the result; extra memory is two chunk buffers (~1.3 MiB).
+    """
+    if math.lcm(group, 8) > _CHUNK:  # a group larger than a chunk: tensor by tensor
+        packed, scales = _pack_torch([x.detach().reshape(-1).float() for x in xs], group)
+        sizes = [p.numel() for p in packed]
+        bits = torch.cat(packed).numpy() if packed else np.empty(0, dtype=np.uint8)
+        return bits, list(itertools.accumulate(sizes[:-1], initial=0)), scales
     ns = [x.numel() for x in xs]
+    if not ns:
+        return np.empty(0, dtype=np.uint8), [], torch.empty(0, dtype=torch.float32)
     if _aligned(ns, group):
         return _pack_aligned(xs, ns, group)
     return _pack_chunked(xs, ns, group)

@@ -30,12 +30,15 @@ yields float32).
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import math
 import struct
 import sys
 import warnings
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -49,7 +52,7 @@ from zoo_gym.compression.spec import (
     group_length,
     n_groups,
 )
-from zoo_gym.core.delta import Delta, Layout, TensorSpec, layout_of
+from zoo_gym.core.delta import Delta, Layout, TensorSpec
 
 MAGIC = b"ZGDE"
 VERSION = 1
@@ -62,6 +65,7 @@ DTYPE_IDS = {"float32": 0, "float16": 1, "bfloat16": 2, "float64": 3}
 _SCALE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}
 _CODEC_NAMES = {v: k for k, v in CODEC_IDS.items()}
 _DTYPE_NAMES = {v: k for k, v in DTYPE_IDS.items()}
+_TORCH_DTYPE_IDS = {getattr(torch, name): i for name, i in DTYPE_IDS.items()}
 
 
 @dataclass(frozen=True)
@@ -104,21 +108,22 @@ def encode(delta: Delta, spec: CodecSpec) -> bytes:
     """Compress `delta` into one envelope (format in the module docstring).
 
     Tensors may have any floating dtype and live on any device; they are compressed as float32
-    in `layout_of` order. Raises ValueError for non-float or non-finite tensors and for
-    scales that overflow ``spec.scale_dtype``.
+    in `layout_of` order (sorted by name). Raises ValueError for non-float or non-finite
+    tensors and for scales that overflow ``spec.scale_dtype``.
     """
     if sys.byteorder != "little":
         raise RuntimeError("the envelope is written on little-endian hosts only")
-    layout = layout_of(delta)
-    chunks: list[bytes | memoryview] = [_table(layout, spec)]
-    flats = [delta[ts.name].detach().reshape(-1).to(torch.float32).contiguous() for ts in layout]
-    if _packs_together(spec, flats):
-        chunks += _bitdelta_sections(layout, flats, spec)
+    names = sorted(delta)
+    tensors = [delta[name] for name in names]
+    chunks: list[bytes | memoryview] = [_table(names, tensors, spec)]
+    if spec.codec == "bitdelta" and spec.granularity == "group":
+        chunks += _bitdelta_sections(names, tensors, spec)
     else:
-        for ts, x in zip(layout, flats, strict=True):
-            _check_finite(ts.name, x)
+        for name, t in zip(names, tensors, strict=True):
+            x = t.detach().reshape(-1).to(torch.float32).contiguous()
+            _check_finite(name, x)
             scales, data = codecs.encode_tensor(
-                spec.codec, x, group_length(spec, ts.shape), spec.scale_dtype
+                spec.codec, x, group_length(spec, tuple(t.shape)), spec.scale_dtype
             )
             chunks += [_tensor_bytes(scales) if spec.scaled else b"", _tensor_bytes(data)]
     digest = hashlib.sha256()
@@ -128,7 +133,13 @@ def encode(delta: Delta, spec: CodecSpec) -> bytes:
     return b"".join(chunks)
 
 
-def _table(layout: Layout, spec: CodecSpec) -> bytes:
+@functools.cache
+def _entry(name_nbytes: int, ndim: int) -> struct.Struct:
+    """One tensor table entry: name length, name, dtype id, ndim, shape."""
+    return struct.Struct(f"<H{name_nbytes}sBB{ndim}Q")
+
+
+def _table(names: list[str], tensors: list[Tensor], spec: CodecSpec) -> bytes:
     """The header and the tensor table (format in the module docstring), as one piece."""
     parts = [
         _HEAD.pack(
@@ -138,21 +149,21 @@ def _table(layout: Layout, spec: CodecSpec) -> bytes:
             GRANULARITIES.index(spec.granularity),
             spec.group_size,
             SCALE_DTYPES.index(spec.scale_dtype),
-            len(layout),
+            len(names),
         )
     ]
-    for ts in layout:
-        if ts.dtype not in DTYPE_IDS:
-            raise ValueError(f"{ts.name}: dtype {ts.dtype} is not a float type")
-        if len(ts.shape) > MAX_NDIM:
-            raise ValueError(f"{ts.name}: {len(ts.shape)} dimensions, at most {MAX_NDIM}")
-        name = ts.name.encode("utf-8")
-        parts += [
-            _NAME.pack(len(name)),
-            name,
-            _DTYPE_NDIM.pack(DTYPE_IDS[ts.dtype], len(ts.shape)),
-            struct.pack(f"<{len(ts.shape)}Q", *ts.shape),
-        ]
+    for name, t in zip(names, tensors, strict=True):
+        dtype_id = _TORCH_DTYPE_IDS.get(t.dtype)
+        if dtype_id is None:
+            raise ValueError(
+                f"{name}: dtype {str(t.dtype).removeprefix('torch.')} is not a float type"
+            )
+        shape = t.shape
+        if len(shape) > MAX_NDIM:
+            raise ValueError(f"{name}: {len(shape)} dimensions, at most {MAX_NDIM}")
+        encoded = name.encode("utf-8")
+        entry = _entry(len(encoded), len(shape))
+        parts.append(entry.pack(len(encoded), encoded, dtype_id, len(shape), *shape))
     return b"".join(parts)
 
 
@@ -161,47 +172,57 @@ def _check_finite(name: str, x: Tensor) -> None:
         raise ValueError(f"{name}: delta has NaN or Inf values")
 
 
-def _packs_together(spec: CodecSpec, flats: list[Tensor]) -> bool:
-    """Whether all tensors go through one `pack_many` pass (BitDelta, one group size)."""
-    return spec.codec == "bitdelta" and spec.granularity == "group"
-
-
-def pack_many(flats: list[Tensor], group: int) -> tuple[list[Tensor], Tensor]:
-    """Signs and scales of flat float32 tensors, on the CPU, the same bytes on every path.
+def pack_many(tensors: list[Tensor], group: int) -> tuple[list[memoryview], Tensor]:
+    """The sign bytes of each tensor (any shape, read flat as float32) and the scales of all
+    (sum_i G_i,) float32 on the CPU, the same bytes on every path.
 
     The pack kernel runs where `kernels.active_for` says so (CUDA tensors with Triton); it
-    reproduces the CPU path bit for bit. Anywhere else the tensors are packed on the CPU:
-    the torch path on a GPU sums |x| in another order, so its scales could differ from the
-    CPU's in the last bit, and a payload's bytes must not depend on the machine that made it.
+    reproduces the CPU path bit for bit. Anywhere else the tensors are packed on the CPU, into
+    one byte buffer that the returned views share: the torch path on a GPU sums |x| in
+    another order, so its scales could differ from the CPU's in the last bit, and a payload's
+    bytes must not depend on the machine that made it.
     """
-    devices = {x.device for x in flats}
-    if len(devices) == 1 and kernels.can_pack(group) and kernels.active_for(devices.pop()):
-        return kernels.pack_many(flats, group)
-    return bitdelta.pack_many([x.cpu() for x in flats], group)
+    on_cpu = all(t.is_cpu for t in tensors)
+    if not on_cpu or kernels.active_for("cpu"):
+        devices = {t.device for t in tensors}
+        if len(devices) == 1 and kernels.can_pack(group) and kernels.active_for(devices.pop()):
+            flats = [t.detach().reshape(-1).to(torch.float32).contiguous() for t in tensors]
+            packed, scales = kernels.pack_many(flats, group)
+            return [p.numpy().data for p in packed], scales
+    bits, starts, scales = bitdelta.pack_concat(
+        tensors if on_cpu else [t.cpu() for t in tensors], group
+    )
+    view = bits.data
+    signs = [view[s : s + (t.numel() + 7) // 8] for s, t in zip(starts, tensors, strict=True)]
+    return signs, scales
 
 
 def _bitdelta_sections(
-    layout: Layout, flats: list[Tensor], spec: CodecSpec
+    names: list[str], tensors: list[Tensor], spec: CodecSpec
 ) -> list[bytes | memoryview]:
     """Scales and sign bytes of every tensor, in table order, from one `pack_many` pass.
 
     A NaN or Inf value makes its group's mean |x| non-finite, so the float32 scales reveal
-    bad input without a separate pass over the values.
+    bad input without a separate pass over the values (as do finite values whose sum
+    overflows float32). Past that check the scales are finite and not negative, so the
+    largest stored one is infinite exactly when one overflowed the scale dtype.
     """
-    packed, scales = pack_many(flats, spec.group_size)
-    if not bool(torch.isfinite(scales).all()):
-        for ts, x in zip(layout, flats, strict=True):
-            _check_finite(ts.name, x)
+    group = spec.group_size
+    bits, scales = pack_many(tensors, group)
+    if not np.isfinite(scales.numpy()).all():
+        for name, t in zip(names, tensors, strict=True):
+            _check_finite(name, t)
+        raise ValueError("a group's sum of |x| overflows float32; scale the delta down")
     stored = scales.to(codecs.SCALE_TORCH_DTYPES[spec.scale_dtype])
-    if stored.dtype != scales.dtype and not bool(torch.isfinite(stored).all()):
+    if stored.dtype != scales.dtype and stored.numel() and not math.isfinite(float(stored.max())):
         raise ValueError(f"a scale overflows {spec.scale_dtype}; use scale_dtype='float32'")
-    raw = stored.view(torch.uint8).numpy()
+    raw = stored.view(torch.uint8).numpy().data
     width = _SCALE_BYTES[spec.scale_dtype]
     sections: list[bytes | memoryview] = []
     start = 0
-    for x, bits in zip(flats, packed, strict=True):
-        stop = start + width * n_groups(x.numel(), spec.group_size)
-        sections += [raw[start:stop].data, bits.numpy().data]
+    for t, signs in zip(tensors, bits, strict=True):
+        stop = start + width * -(-t.numel() // group)
+        sections += (raw[start:stop], signs)
         start = stop
     return sections
 

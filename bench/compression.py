@@ -20,6 +20,9 @@ host, SHA-256); ``decode_into`` decodes the payload into one CUDA row (one copy 
 scales to the device, kernel). Without CUDA the section says so and is skipped;
 ``--gpu-only`` skips the CPU tables.
 
+``--stages`` prints instead where ``encode`` of the two large workloads spends its time, each
+stage timed alone against the same anchor (see `stage_rows`).
+
 A second table gives, for ``pack`` and ``encode`` of the two large workloads, the peak resident
 memory of one call in a fresh process above what that process held before it (Linux: the peak
 is reset through ``/proc/self/clear_refs``), against the input's size: the chunked encoder
@@ -29,6 +32,7 @@ needs its ~1 MiB chunk buffers plus its output, not a copy of the input.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import re
 import statistics
 import subprocess
@@ -36,9 +40,10 @@ import sys
 import time
 from collections.abc import Callable
 
+import numpy as np
 import torch
 
-from zoo_gym.compression import CODECS, CodecSpec, bitdelta, decode_into, encode, kernels
+from zoo_gym.compression import CODECS, CodecSpec, bitdelta, decode_into, encode, envelope, kernels
 from zoo_gym.core.delta import layout_of, numel
 from zoo_gym.core.lora import LoraSpec, target_weights, update_key
 from zoo_gym.core.tiny import build_tiny_model
@@ -163,6 +168,65 @@ def throughput_rows(name: str, delta: dict[str, torch.Tensor]) -> list[str]:
     return rows
 
 
+def stage_rows(name: str, delta: dict[str, torch.Tensor]) -> list[str]:
+    """Rows timing the stages of `encode` (float32 CPU tensors), each against the copy anchor.
+
+    ``table``, ``pack_concat`` (signs and scales) and ``SHA-256`` (of the payload) are the
+    encoder's own steps. ``abs (reads x)``, ``signs`` and ``group sums`` are the three kinds of pass
+    inside ``pack_concat``, each over as many values as the update holds, in chunks of the
+    encoder's size: ``numpy.abs`` of every tensor into the chunk buffer (the one read of the
+    input), ``numpy.greater_equal`` and ``numpy.packbits`` of a chunk already in cache, and
+    ``torch.sum`` over (-1, group) of a chunk already in cache.
+    """
+    names = sorted(delta)
+    tensors = [delta[k] for k in names]
+    flats = [t.reshape(-1).numpy() for t in tensors]
+    copies = [torch.empty_like(t) for t in tensors]
+    spec = CodecSpec("bitdelta", group_size=GROUP)
+    payload = encode(delta, spec)
+    chunk = bitdelta._chunk_len(GROUP, bitdelta._PACK_CHUNK)
+    absbuf = torch.empty(chunk)
+    signs = np.empty(chunk, dtype=np.bool_)
+    n_chunks = -(-sum(f.size for f in flats) // chunk)
+
+    def copy() -> None:
+        for dst, src in zip(copies, tensors, strict=True):
+            dst.copy_(src)
+
+    def read_abs() -> None:
+        at = 0
+        for x in flats:
+            for start in range(0, x.size, chunk):
+                part = x[start : start + chunk]
+                at = 0 if at + part.size > chunk else at
+                np.abs(part, out=absbuf.numpy()[at : at + part.size])
+                at += part.size
+
+    def signs_pass() -> None:
+        for _ in range(n_chunks):
+            np.greater_equal(absbuf.numpy(), 0, out=signs)
+            np.packbits(signs)
+
+    def sums_pass() -> None:
+        for _ in range(n_chunks):
+            torch.sum(absbuf.view(-1, GROUP), 1)
+
+    stages: dict[str, Callable[[], object]] = {
+        "encode": lambda: encode(delta, spec),
+        "table": lambda: envelope._table(names, tensors, spec),
+        "pack_concat": lambda: bitdelta.pack_concat(tensors, GROUP),
+        "abs (reads x)": read_abs,
+        "signs": signs_pass,
+        "group sums": sums_pass,
+        "SHA-256": lambda: hashlib.sha256(memoryview(payload)[:-32]).digest(),
+    }
+    rows = []
+    for label, fn in stages.items():
+        t_copy, t = ratio_to_copy(fn, copy)
+        rows.append(f"| {name} | {label} | {t * 1e3:.3f} | {t_copy * 1e3:.3f} | {t_copy / t:.2f} |")
+    return rows
+
+
 def _synchronised(fn: Callable[[], object], device: str) -> Callable[[], None]:
     def run() -> None:
         fn()
@@ -268,6 +332,7 @@ def main() -> None:
         "--threads", type=int, default=1, help="torch intra-op threads (anchor too)"
     )
     parser.add_argument("--gpu-only", action="store_true", help="only the GPU table")
+    parser.add_argument("--stages", action="store_true", help="only the encode stage table")
     parser.add_argument("--probe", nargs=2, help=argparse.SUPPRESS)  # workload, op: see memory_rows
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -276,6 +341,15 @@ def main() -> None:
         return
     torch.manual_seed(0)
     workloads = {name: build() for name, build in WORKLOADS.items()}
+    if args.stages:
+        print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, median of {REPEATS}")
+        print()
+        print("| tensors | stage | ms | copy_ ms | copy / stage |")
+        print("|---|---|---|---|---|")
+        for name in ("4096x4096 fp32", "LoRA r16, 24 x hidden 2048"):
+            for row in stage_rows(name, workloads[name]):
+                print(row)
+        return
     if args.gpu_only:
         workloads |= {name: build() for name, build in GPU_ONLY_WORKLOADS.items()}
         print_gpu_section(workloads)

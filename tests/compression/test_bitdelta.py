@@ -21,7 +21,7 @@ def _reference(x: torch.Tensor, group: int) -> tuple[bytes, torch.Tensor]:
 @pytest.mark.parametrize("group", [3, 100, 128, 4096])
 def test_pack_many_across_chunk_boundaries_matches_the_plain_computation(group: int) -> None:
     # Prepare: lengths around the chunk size, so tensors start, end and are cut mid-chunk
-    chunk = bitdelta._chunk_len(group)
+    chunk = bitdelta._chunk_len(group, bitdelta._PACK_CHUNK)
     sizes = [chunk - 5, 17, 2 * chunk + 3, 0, 1000, chunk, 9, 300_001]
     gen = torch.Generator().manual_seed(group)
     xs = [torch.randn(n, generator=gen) for n in sizes]

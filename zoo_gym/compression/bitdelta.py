@@ -30,6 +30,7 @@ from torch import Tensor
 _MAGIC = 0x8040201008040201 - (1 << 64)  # the constant as a signed int64
 _LOW_BITS = 0x0101010101010101
 _CHUNK = 1 << 18  # values per chunk on CPU
+_PACK_CHUNK = 1 << 17  # values per chunk when packing: measured faster than 1 << 16 and 1 << 18
 _SHORT = 8192  # pieces shorter than this on average are gathered before packing
 _SIGN_TABLE = torch.from_numpy(
     np.unpackbits(np.arange(256, dtype=np.uint8)[:, None], axis=1).astype(np.float32) * 2 - 1
@@ -93,10 +94,10 @@ def group_reduce(x: Tensor, group: int, *, ord: float) -> Tensor:
     return (parts[0] if len(parts) == 1 else torch.cat(parts)).float()
 
 
-def _chunk_len(group: int) -> int:
-    """Values per chunk of the CPU path: whole groups and whole bytes, about 1 MiB of float32."""
+def _chunk_len(group: int, chunk: int = _CHUNK) -> int:
+    """Values per chunk of the CPU path: whole groups and whole bytes, about `chunk` values."""
     unit = math.lcm(group, 8)
-    return unit * max(1, _CHUNK // unit)
+    return unit * max(1, chunk // unit)
 
 
 def _use_numpy(t: Tensor, group: int) -> bool:
@@ -284,7 +285,7 @@ def _pack_chunked(
     length and the sums of whole-padding groups are left out of the scales.
     """
     unit = math.lcm(group, 8)
-    limit = _chunk_len(group)
+    limit = _chunk_len(group, _PACK_CHUNK)
     flats = [_flat_array(x) for x in xs]
     padded = [-(-n // unit) * unit for n in ns]
     starts = list(itertools.accumulate(padded, initial=0))
@@ -359,7 +360,7 @@ def pack_concat(xs: Sequence[Tensor], group: int) -> tuple[NDArray[np.uint8], li
     stream through cache-sized chunks of the tensors laid end to end, each zero-padded to a
     multiple of lcm(group, 8) values (a padded zero adds nothing to a group's sum of |x| and
     its sign bit is cleared), so one ``numpy.packbits`` and one grouped sum serve many tensors
-    and write straight into the result; extra memory is two chunk buffers (~1.3 MiB).
+    and write straight into the result; extra memory is two chunk buffers (~0.6 MiB).
     """
     if math.lcm(group, 8) > _CHUNK:  # a group larger than a chunk: tensor by tensor
         packed, scales = _pack_torch([x.detach().reshape(-1).float() for x in xs], group)

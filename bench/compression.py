@@ -73,14 +73,16 @@ def _status_kib(field: str) -> int:
     return int(match.group(1)) if match else 0
 
 
-def peak_rss_above(fn: Callable[[], object]) -> float | None:
-    """MiB by which the peak resident set during `fn` exceeds the resident set before it
-    (None where the peak cannot be reset, i.e. outside Linux)."""
+def peak_rss_above(fn: Callable[[], object]) -> float:
+    """MiB by which the peak resident set during `fn` exceeds the resident set before it;
+    a platform where the peak cannot be reset (outside Linux) is an error, not a blank."""
     try:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")  # reset VmHWM to the current RSS
-    except OSError:
-        return None
+    except OSError as exc:
+        raise SystemExit(
+            f"peak memory needs Linux's /proc/self/clear_refs ({exc}); run this part on Linux"
+        ) from exc
     before = _status_kib("VmRSS")
     fn()
     return (_status_kib("VmHWM") - before) / 1024
@@ -303,7 +305,7 @@ def memory_probe(name: str, op: str) -> None:
         extra = peak_rss_above(lambda: bitdelta.pack_many(tensors, GROUP))
     else:
         extra = peak_rss_above(lambda: encode(delta, CodecSpec("bitdelta", group_size=GROUP)))
-    print("n/a" if extra is None else f"{extra:.2f}")
+    print(f"{extra:.2f}")
 
 
 def memory_rows(name: str, delta: dict[str, torch.Tensor], threads: int) -> list[str]:
@@ -312,7 +314,7 @@ def memory_rows(name: str, delta: dict[str, torch.Tensor], threads: int) -> list
     for op in ("pack", "encode"):
         argv = [sys.executable, __file__, "--threads", str(threads), "--probe", name, op]
         out = subprocess.run(argv, capture_output=True, text=True, check=True).stdout.strip()
-        shown = out if out == "n/a" else f"{float(out):.1f} ({float(out) / mib:.3f}x)"
+        shown = f"{float(out):.1f} ({float(out) / mib:.3f}x)"
         rows.append(f"| {name} | {op} | {mib:.1f} | {shown} |")
     return rows
 

@@ -10,11 +10,14 @@ contributors share 127.0.0.1, as contributors behind one NAT do; each talks thro
 `Link`, which waits and tries again when the coordinator says it is busy.
 
 Measured: every submission's ledger row (decision and reason), the coordinator's memory (VmRSS
-sampled every 20 ms and VmHWM from /proc/PID/status) against the sum of the payloads, and the
+sampled every 20 ms and VmHWM from /proc/PID/status) against the sum of the payloads, the
 latency of REST `/health` polled every 50 ms while the round runs, from a separate process (this
-one holds every simulated contributor's thread).
+one holds every simulated contributor's thread), and intake as the contributors see it: each
+upload's latency (the streamed submission until the coordinator's verdict) and the throughput,
+submissions over the time from the first upload's start to the last verdict.
 
-CI runs N=20, S=1 MB. The full run (N=100, S=10 MB) is marked slow:
+CI runs N=20, S=1 MB and N=100, S=32 KiB (rank 8, what a tiny-model round sends). Marked slow:
+N=100, S=10 MB and the round of N=1,000 contributors, S=32 KiB:
 
     .venv/bin/pytest -m slow tests/e2e/test_load.py -s
 """
@@ -124,9 +127,13 @@ def coordinator_factory(tiny_home: Path) -> Iterator[object]:
         text = re.sub(r"(?ms)^\[training\].*", "", text)
         text += (
             f'listen = "127.0.0.1:{port}"\nrest_listen = "127.0.0.1:{rest}"\nrounds = 1\nmin_clients = {n}\n'
-            f"wait_for_clients_s = 120\nround_timeout_s = 600\nmax_upload_bytes = {rank * LAYOUT_ROWS * 4 + MIB}\n"
-            # every contributor registers from 127.0.0.1 within a second: room for all of them
-            f"registration_burst = {n + 8}\nregistration_burst_per_address = {n + 8}\n\n"
+            f"wait_for_clients_s = {120 + n // 2}\nround_timeout_s = 600\nmax_upload_bytes = {rank * LAYOUT_ROWS * 4 + MIB}\n"
+            # every contributor registers from 127.0.0.1 within a second: room for all of them,
+            # and for each one's open long poll and upload from that one address (a NAT of n)
+            f"registration_burst = {n + 8}\nregistration_burst_per_address = {n + 8}\n"
+            f"max_concurrent_per_peer = {max(512, 2 * n + 16)}\ngrpc_burst = {max(400, 4 * n)}\n"
+            f"grpc_rate_per_s = {max(100, n)}\n"
+            f"grpc_max_unauthenticated_per_peer = {max(64, n + 8)}\n\n"
             f'[training]\ncodec = "none"\nlora_rank = {rank}\n\n[rewards]\nmethod = "none"\n'
         )
         config.write_text(text)
@@ -158,18 +165,27 @@ def coordinator_factory(tiny_home: Path) -> Iterator[object]:
                 proc.wait()
 
 
+@dataclass(frozen=True)
+class Upload:
+    """When one contributor's upload started and got its verdict (perf_counter seconds)."""
+
+    started: float
+    ended: float
+
+
 def contribute(
     address: str,
     shapes: dict[str, tuple[int, int]],
     results: dict[str, SubmitResult | str],
     barrier: threading.Barrier,
+    uploads: dict[str, Upload],
 ) -> None:
     me = Identity.generate()
     client = FederationClient(address, me, timeout_s=120)
     link = Link(client, me.contributor_id[:8], reconnect_for_s=120, say=lambda _: None)
     try:
         link.register()
-        barrier.wait()
+        barrier.wait(timeout=600)
         task = None
         while task is None:
             task = link.call(lambda: client.poll(10.0))
@@ -179,7 +195,9 @@ def contribute(
         payload = encode(delta, CodecSpec("none", 128))
         del delta
         reply = signed_reply(me, task.message, config, payload, {"num_examples": 1.0})
+        started = time.perf_counter()
         results[me.contributor_id] = link.submit(task, reply) or "stopped"
+        uploads[me.contributor_id] = Upload(started, time.perf_counter())
     except Exception as exc:  # recorded and asserted on below
         results[me.contributor_id] = f"{type(exc).__name__}: {exc}"
     finally:
@@ -212,10 +230,12 @@ def run_load(start: object, tiny_home: Path, *, n: int, size_bytes: int) -> dict
     probe = Probe(proc.pid, rest, tiny_home)
     threads = probe.run()
     results: dict[str, SubmitResult | str] = {}
-    barrier = threading.Barrier(n)
+    uploads: dict[str, Upload] = {}
+    registered: list[float] = []  # when the last contributor had registered
+    barrier = threading.Barrier(n, action=lambda: registered.append(time.perf_counter()))
     shapes = round_shapes(tiny_home, rank)
     workers = [
-        threading.Thread(target=contribute, args=(address, shapes, results, barrier))
+        threading.Thread(target=contribute, args=(address, shapes, results, barrier, uploads))
         for _ in range(n)
     ]
     started = time.perf_counter()
@@ -247,6 +267,8 @@ def run_load(start: object, tiny_home: Path, *, n: int, size_bytes: int) -> dict
     payload_sum = sum(r.payload_bytes for r in sent)
     health = sorted(probe.health_ms)
     p99 = health[min(len(health) - 1, int(0.99 * len(health)))]
+    latencies = sorted(u.ended - u.started for u in uploads.values())
+    intake_s = max(u.ended for u in uploads.values()) - min(u.started for u in uploads.values())
     figures = {
         "contributors": n,
         "payload_mib": sent[0].payload_bytes / MIB,
@@ -259,11 +281,15 @@ def run_load(start: object, tiny_home: Path, *, n: int, size_bytes: int) -> dict
         "health_max_ms": health[-1],
         "health_samples": len(health),
         "health_failures": probe.health_failures,
+        "register_all_s": registered[0] - started,
+        "intake_per_s": len(uploads) / intake_s,
+        "intake_p50_s": latencies[len(latencies) // 2],
+        "intake_p99_s": latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))],
         "wall_s": wall,
     }
     print(
         "\nload figures:",
-        {k: round(v, 1) if isinstance(v, float) else v for k, v in figures.items()},
+        {k: round(v, 3) if isinstance(v, float) else v for k, v in figures.items()},
     )
     return figures
 
@@ -275,6 +301,19 @@ def test_load_20_contributors_1_mib(coordinator_factory: object, tiny_home: Path
     # 2 x the payload sum for float32 envelopes: the bound leaves room above that, plus overhead
     assert f["peak_over_idle_mib"] < 3 * f["payload_sum_mib"] + 256
     assert f["health_failures"] == 0 and f["health_p99_ms"] < 1000
+
+
+def test_a_round_of_100_contributors(coordinator_factory: object, tiny_home: Path) -> None:
+    f = run_load(coordinator_factory, tiny_home, n=100, size_bytes=32 * 1024)
+    assert f["accepted"] == 100
+    assert f["health_failures"] == 0
+
+
+@pytest.mark.slow
+def test_a_round_of_1000_contributors(coordinator_factory: object, tiny_home: Path) -> None:
+    f = run_load(coordinator_factory, tiny_home, n=1000, size_bytes=32 * 1024)
+    assert f["accepted"] == 1000
+    assert f["health_failures"] == 0
 
 
 @pytest.mark.slow

@@ -148,6 +148,10 @@ class FederationClient:
             # gRPC's default backoff grows to 120 s between connection attempts: a coordinator
             # that restarted would see its contributors only minutes later
             ("grpc.max_reconnect_backoff_ms", RECONNECT_BACKOFF_MAX_MS),
+            # a connection of its own: gRPC otherwise shares one between the channels of a
+            # process, and the coordinator takes 100 calls at once per connection (many
+            # contributors simulated in one process were refused with RST_STREAM)
+            ("grpc.use_local_subchannel_pool", 1),
         ]
         if plaintext is None:
             plaintext = root_certificates is None and is_loopback(target)

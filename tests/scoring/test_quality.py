@@ -122,7 +122,13 @@ def test_a_base_without_a_finite_utility_is_refused() -> None:
 
 
 def test_score_contributions_dispatches_by_name() -> None:
-    assert set(METHODS) == {"individual", "leave_one_out", "gtg_shapley", "exact_shapley"}
+    assert set(METHODS) == {
+        "individual",
+        "leave_one_out",
+        "gtg_shapley",
+        "exact_shapley",
+        "first_order",
+    }
     assert score_contributions(UPDATES, utility=linear).scores == (1.0, 2.0, -3.0)
     loo = score_contributions(UPDATES, utility=linear, method="leave_one_out", aggregate_fn=mean)
     assert loo.scores == (0.5, 1.0, -1.5)

@@ -10,6 +10,15 @@ subset of the `(n, d)` updates. Methods:
 - `leave_one_out`: q_i = U(agg(all)) - U(agg(all \\ {i})); n + 1 evaluations and aggregations.
 - `gtg_shapley`: Shapley values of v(C) = U(agg(C)) by guided, truncated Monte Carlo
   [Liu et al., 2022]; `exact_shapley` enumerates all 2^n coalitions for small n.
+- `first_order`: q_i = grad U(0) . x_i, the first-order estimate of `individual`; one
+  backward pass at the base for all n (`gradient`; `update_gradient` maps the gradient
+  with respect to the base's weights to the update's coordinates, FFA-LoRA's B included).
+
+Cost bounds (`budget`): `validation_subset` picks the fixed, seeded records a round's
+evaluations use; `score_contributions(..., seconds=...)` stops a method whose evaluations
+outrun the time budget and scores the whole round by `first_order` instead, saying so in
+`Quality.fallback_from` and `Quality.note`. Every `Quality` reports its cost: evaluations,
+aggregations, backward passes and seconds.
 
 Rewards (`split_rewards`): the round's pool is split in proportion to positive quality among
 accepted contributions above a minimum, in exact decimal units that sum to the pool; every
@@ -20,7 +29,8 @@ average of each round's normalised outcome (`round_outcomes`); `selection_weight
 from zero as its reputation grows.
 """
 
-from ._core import AggregateFn, Quality, Utility
+from ._core import AggregateFn, Gradient, Quality, Utility
+from .budget import validation_subset
 from .dispatch import METHODS, score_contributions
 from .payout import Contribution, Payout, RewardPolicy, RewardSplit, split_rewards
 from .quality import individual, leave_one_out
@@ -33,17 +43,20 @@ from .reputation import (
     update_reputations,
 )
 from .shapley import exact_shapley, gtg_shapley
+from .taylor import first_order, update_gradient
 
 __all__ = [
     "METHODS",
     "AggregateFn",
     "Contribution",
+    "Gradient",
     "Payout",
     "Quality",
     "RewardPolicy",
     "RewardSplit",
     "Utility",
     "exact_shapley",
+    "first_order",
     "gtg_shapley",
     "individual",
     "influence_weights",
@@ -54,5 +67,7 @@ __all__ = [
     "selection_weights",
     "split_rewards",
     "trust",
+    "update_gradient",
     "update_reputations",
+    "validation_subset",
 ]

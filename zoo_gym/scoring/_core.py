@@ -5,7 +5,9 @@ A *utility* `U` maps a flat `(d,)` update to a float: the coordinator merges the
 the base model and evaluates it on its private validation set (minus validation loss for
 SFT, mean reward for GRPO). `U(0)` is the utility of the base itself. An *aggregate_fn*
 applies the round's aggregation rule to a subset of rows `(k, d)` and returns the `(d,)`
-aggregate, so every coalition is merged exactly the way the round merged everyone.
+aggregate, so every coalition is merged exactly the way the round merged everyone. A
+*gradient* returns grad U(0), the gradient of the utility at the base with respect to the
+update's own coordinates `(d,)`; computing it costs the coordinator one backward pass.
 """
 
 from __future__ import annotations
@@ -17,12 +19,14 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-__all__ = ["AggregateFn", "Quality", "Utility"]
+__all__ = ["AggregateFn", "Gradient", "Quality", "Utility"]
 
 #: evaluates a flat `(d,)` update applied to the base; higher is better
 Utility = Callable[[Tensor], float]
 #: the round's aggregation rule applied to a subset of rows: `(k, d)` -> `(d,)`
 AggregateFn = Callable[[Tensor], Tensor]
+#: grad U(0) in the update's coordinates `(d,)`: one forward and backward pass at the base
+Gradient = Callable[[], Tensor]
 
 
 @dataclass(frozen=True)
@@ -32,9 +36,13 @@ class Quality:
     `scores` holds one value per row of the updates, in input order, in utility units
     (a positive score means the update helped). `baseline` is `U(0)` and `aggregate_utility`
     is `U(agg(all rows))`, each None where the method did not need it. `utility_calls` and
-    `aggregations` count the evaluations actually made (cached coalitions count once).
-    `permutations` and `converged` describe the Monte Carlo methods; `note` says in one line
-    anything a reader of the ledger should know (for example a truncated round).
+    `aggregations` count the evaluations actually made (cached coalitions count once, and
+    evaluations spent before a time budget ran out count too); `backward_passes` the
+    gradients computed (`first_order`: one, whatever n); `seconds` the wall time of the whole
+    scoring (set by `score_contributions`). `permutations` and `converged` describe the Monte
+    Carlo methods. `fallback_from` names the method that ran out of its time budget when the
+    scores come from the fallback (`method` is then "first_order"), else "". `note` says in
+    one line anything a reader of the ledger should know (a truncated round, a fallback).
     """
 
     method: str
@@ -46,6 +54,9 @@ class Quality:
     permutations: int = 0
     converged: bool = True
     note: str = ""
+    backward_passes: int = 0
+    seconds: float = 0.0
+    fallback_from: str = ""
 
 
 def check_updates(updates: Tensor, method: str) -> tuple[int, int]:

@@ -8,7 +8,7 @@ import torch
 from torch import Tensor, nn
 
 from zoo_gym.core.delta import TensorSpec, flatten
-from zoo_gym.core.lora import LoraSpec, frozen_a, merge_ffa, update_key
+from zoo_gym.core.lora import LoraSpec, carry_key, frozen_a, merge_ffa, update_key
 from zoo_gym.scoring import (
     METHODS,
     first_order,
@@ -176,3 +176,26 @@ def test_update_gradient_names_the_missing_weight() -> None:
         update_gradient(
             {"proj.weight": torch.zeros(6, 7)}, layout, adapter="ffa_lora", spec=SPEC, seed=SEED
         )
+
+
+def test_a_carried_b_goes_with_the_previous_epochs_a() -> None:
+    # W + s (B A_new + B_carry A_old): g . (B, B_carry) equals grad_W . the dense delta
+    gen = torch.Generator().manual_seed(4)
+    b, b_carry = torch.randn(5, 3, generator=gen), torch.randn(5, 3, generator=gen)
+    grad_w = torch.randn(5, 7, generator=gen)
+    layout = (
+        TensorSpec(update_key("proj"), (5, 3)),
+        TensorSpec(carry_key("proj"), (5, 3)),
+    )
+    dense = SPEC.scaling * (b @ frozen_a(SEED, "proj", 7, 3) + b_carry @ frozen_a(5, "proj", 7, 3))
+
+    g = update_gradient(
+        {"proj.weight": grad_w}, layout, adapter="ffa_lora", spec=SPEC, seed=SEED, carry_seed=5
+    )
+    [score] = first_order(
+        torch.cat([b.reshape(-1), b_carry.reshape(-1)])[None], gradient=lambda: g
+    ).scores
+
+    assert score == pytest.approx(float((grad_w * dense).sum()), rel=1e-5)
+    with pytest.raises(ValueError, match="is a carried B; pass carry_seed"):
+        update_gradient({"proj.weight": grad_w}, layout, adapter="ffa_lora", spec=SPEC, seed=SEED)

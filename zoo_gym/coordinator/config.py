@@ -111,7 +111,21 @@ class RewardSettings(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
     method: str = Field(
-        "individual", description="individual, leave_one_out, gtg_shapley, exact_shapley, or none"
+        "individual",
+        description="individual, leave_one_out, gtg_shapley, exact_shapley, first_order "
+        "(one backward pass for all contributions), or none",
+    )
+    scoring_examples: int = Field(
+        256,
+        ge=1,
+        description="validation records each scoring evaluation uses: a fixed sample drawn "
+        "from the round's seed (the whole set when it is smaller)",
+    )
+    scoring_seconds: float = Field(
+        600.0,
+        ge=0,
+        description="time budget for scoring one round; once spent, no evaluation starts and "
+        "every contribution of the round is scored by first_order instead; 0 = no limit",
     )
     pool: Decimal = Field(Decimal(100), ge=0, description="paid per round, split by quality")
     min_quality: float = Field(
@@ -331,7 +345,8 @@ class CoordinatorConfig(HomeConfig):
     # -- the rest --
     device: str = Field(
         "auto",
-        description="where accepted updates are decoded and aggregated: auto (the first CUDA "
+        description="where accepted updates are decoded and aggregated, and where contributions "
+        "are merged and evaluated for scoring and the quality gate: auto (the first CUDA "
         "device when present, else the CPU), cpu, cuda or cuda:N; on CUDA BitDelta envelopes "
         "are decoded by the Triton kernels",
     )

@@ -5,11 +5,14 @@ round costs a forward pass over the validation set, not a model load. `editing` 
 out that model's own weights with a state loaded, for an update to be merged into
 them in place: a candidate is evaluated without a second copy of the model. Utility is
 minus the validation loss for SFT and the mean reward of greedy completions for
-GRPO / GSPO (DESIGN "Quality and rewards").
+GRPO / GSPO (DESIGN "Quality and rewards"). The model lives on the coordinator's `device`
+(CUDA when it has one); `subset` restricts the records a round's scoring evaluates on and
+`loss_gradient` is the one backward pass of first-order scoring.
 """
 
 from __future__ import annotations
 
+import copy
 import functools
 import json
 import threading
@@ -23,20 +26,32 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from zoo_gym.core.chat import (
     Prompt,
+    collate,
     completion_mask,
+    completion_nll,
+    encode_conversation,
     encode_prompt,
     left_pad,
     pad_id_of,
     prompts_from_conversations,
     to_conversation,
 )
-from zoo_gym.core.evaluate import validation_loss
+from zoo_gym.core.evaluate import rows_per_batch, validation_loss
 from zoo_gym.core.reward_functions import BUILTIN
 
 
 class Evaluator:
-    def __init__(self, model_dir: Path, validation_data: Path, *, max_length: int = 96) -> None:
-        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    def __init__(
+        self,
+        model_dir: Path,
+        validation_data: Path,
+        *,
+        max_length: int = 96,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        self.device = torch.device(device)
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        self.model = model.to(self.device)  # type: ignore[arg-type]
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         try:
             lines = validation_data.read_text().splitlines()
@@ -49,6 +64,20 @@ class Evaluator:
             )
         self.max_length = max_length
         self.lock = threading.RLock()
+
+    def subset(self, indices: Sequence[int]) -> Evaluator:
+        """This evaluator on the records at `indices` only: the same model, tokenizer and lock
+        (one model in memory), its own prompts."""
+        view = copy.copy(self)
+        view.records = [self.records[i] for i in indices]
+        for cached in ("prompts", "_encoded_prompts"):
+            view.__dict__.pop(cached, None)
+        return view
+
+    def load(self, state_dict: dict[str, torch.Tensor]) -> None:
+        """Load `state_dict` (some or all of the weights) into the model."""
+        with self.lock:
+            self._load(state_dict)
 
     @contextmanager
     def editing(self, state_dict: dict[str, torch.Tensor]) -> Iterator[dict[str, torch.Tensor]]:
@@ -70,6 +99,68 @@ class Evaluator:
             return validation_loss(
                 self.model, self.tokenizer, self.records, max_length=self.max_length
             )
+
+    def loss_gradient(
+        self,
+        state_dict: dict[str, torch.Tensor],
+        names: Sequence[str],
+        *,
+        batch_size: int | None = None,
+    ) -> tuple[float, dict[str, torch.Tensor]]:
+        """`loss` of the model with `state_dict` loaded and its gradient with respect to the
+        weights `names` (state-dict names; each gradient has its weight's stored shape and lies
+        on the evaluator's device).
+
+        One forward and backward pass over the records in batches of `batch_size` (by default
+        as many as `rows_per_batch` allows), in eval mode; only the named weights track
+        gradients. The model's `requires_grad` flags and mode are restored and no gradient is
+        left on it.
+        """
+        with self.lock:
+            self._load(state_dict)
+            tensors = self.model.state_dict(keep_vars=True)
+            unknown = [name for name in names if name not in tensors]
+            if unknown:
+                raise ValueError(f"loss_gradient: {unknown[0]} is not a weight of the model")
+            wanted = {name: tensors[name] for name in names}
+            tracked = {id(w) for w in wanted.values()}
+            flags = {p: p.requires_grad for p in self.model.parameters()}
+            was_training = self.model.training
+            try:
+                for p in self.model.parameters():
+                    p.requires_grad_(id(p) in tracked)
+                    p.grad = None
+                self.model.eval()
+                total, count = self._backward(batch_size)
+                grads = {
+                    name: torch.zeros_like(w) if w.grad is None else w.grad.detach() / count
+                    for name, w in wanted.items()
+                }
+            finally:
+                for p, flag in flags.items():
+                    p.grad = None
+                    p.requires_grad_(flag)
+                self.model.train(was_training)
+        return total / count, grads
+
+    def _backward(self, batch_size: int | None) -> tuple[float, int]:
+        """Backpropagate the summed completion NLL of every record; (sum, completion tokens)."""
+        pad_id = pad_id_of(self.tokenizer)
+        examples = [
+            encode_conversation(self.tokenizer, r, max_length=self.max_length) for r in self.records
+        ]
+        if batch_size is None:
+            batch_size = rows_per_batch(self.model, max(len(ids) for ids, _ in examples))
+        total, count = 0.0, 0
+        for start in range(0, len(examples), batch_size):
+            batch = collate(examples[start : start + batch_size], pad_id=pad_id)
+            nll, n = completion_nll(self.model, batch.to(self.device))
+            nll.backward()  # type: ignore[no-untyped-call]
+            total += float(nll.detach())
+            count += n
+        if count == 0:
+            raise ValueError(f"no completion tokens left within max_length={self.max_length}")
+        return total, count
 
     def mean_reward(
         self,
@@ -146,6 +237,7 @@ class Evaluator:
             model.eval()
             for start in range(0, len(encoded), batch_size):
                 ids, mask = left_pad(encoded[start : start + batch_size], pad_id)
+                ids, mask = ids.to(self.device), mask.to(self.device)
                 width = ids.shape[1]
                 out = model.generate(
                     input_ids=ids,

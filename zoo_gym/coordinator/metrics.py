@@ -12,6 +12,10 @@ and never drift from the ledger.
     zoo_gym_submissions_accepted_total          counter    observe_submission
     zoo_gym_submissions_rejected_total{reason}  counter    observe_submission
     zoo_gym_aggregation_seconds                 histogram  observe_aggregation
+    zoo_gym_scoring_seconds                     histogram  observe_scoring
+    zoo_gym_scoring_evaluations_total           counter    observe_scoring
+    zoo_gym_scoring_backward_passes_total       counter    observe_scoring
+    zoo_gym_scoring_fallbacks_total             counter    observe_scoring
     zoo_gym_ledger_entries                      gauge      scrape: Merkle log size
     zoo_gym_ledger_checkpoint_size              gauge      scrape: size of the latest checkpoint
     zoo_gym_ledger_rounds                       gauge      scrape: rounds in the ledger
@@ -188,6 +192,27 @@ class CoordinatorMetrics:
             buckets=AGGREGATION_BUCKETS,
             registry=r,
         )
+        self.scoring_seconds = Histogram(
+            "zoo_gym_scoring_seconds",
+            "time to score a round's contributions",
+            buckets=ROUND_BUCKETS,
+            registry=r,
+        )
+        self.scoring_evaluations = Counter(
+            "zoo_gym_scoring_evaluations",
+            "validation evaluations spent scoring contributions",
+            registry=r,
+        )
+        self.scoring_backward_passes = Counter(
+            "zoo_gym_scoring_backward_passes",
+            "backward passes at the base spent scoring contributions (first_order)",
+            registry=r,
+        )
+        self.scoring_fallbacks = Counter(
+            "zoo_gym_scoring_fallbacks",
+            "rounds whose scoring ran out of scoring_seconds and fell back to first_order",
+            registry=r,
+        )
         self.tls_expiry = Gauge(
             "zoo_gym_tls_certificate_expiry_timestamp_seconds",
             "when the served TLS certificate expires (Unix time; 0 without TLS)",
@@ -218,6 +243,17 @@ class CoordinatorMetrics:
     def observe_aggregation(self, seconds: float) -> None:
         """A round's decode-and-aggregate step took `seconds`."""
         self.aggregation_seconds.observe(seconds)
+
+    def observe_scoring(
+        self, seconds: float, *, evaluations: int, backward_passes: int, fell_back: bool
+    ) -> None:
+        """Scoring a round's contributions took `seconds`, `evaluations` validation evaluations
+        and `backward_passes` backward passes; `fell_back` when its time budget ran out."""
+        self.scoring_seconds.observe(seconds)
+        self.scoring_evaluations.inc(evaluations)
+        self.scoring_backward_passes.inc(backward_passes)
+        if fell_back:
+            self.scoring_fallbacks.inc()
 
     # -- read at scrape time ----------------------------------------------------------------------
 

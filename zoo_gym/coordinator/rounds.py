@@ -22,6 +22,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from typing import Any
 
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, RecordDict
@@ -34,10 +35,10 @@ from zoo_gym.coordinator.control import Request, RoundControl
 from zoo_gym.coordinator.evaluation import Evaluator
 from zoo_gym.coordinator.intake import OpenRound
 from zoo_gym.coordinator.liveness import LoopHealth
-from zoo_gym.coordinator.payout import pay_round
+from zoo_gym.coordinator.payout import RoundScorer, pay_round
 from zoo_gym.coordinator.service import Coordinator
 from zoo_gym.coordinator.strategy import RoundAggregate
-from zoo_gym.core.delta import Layout, TensorSpec, unflatten
+from zoo_gym.core.delta import Layout, TensorSpec
 from zoo_gym.core.lora import (
     LoraSpec,
     for_base,
@@ -49,6 +50,7 @@ from zoo_gym.core.lora import (
 from zoo_gym.core.phases import phase
 from zoo_gym.core.protocol import POLICY_OBJECTIVES, TASK_CONFIG, TaskConfig
 from zoo_gym.ledger import Engine, Session
+from zoo_gym.scoring import Quality
 from zoo_gym.transport.flower_internals import set_task_identity
 
 log = logging.getLogger(__name__)
@@ -73,6 +75,12 @@ class RoundSummary:
     seconds: float
     reward_before: float | None = None  # GRPO / GSPO: mean validation reward of the base
     mean_reward: float | None = None  # GRPO / GSPO: mean validation reward of the candidate
+    # what scoring the contributions cost ("" and 0 when the round was not scored)
+    scoring_method: str = ""  # the method whose scores were paid
+    scoring_fallback_from: str = ""  # the method that ran out of scoring_seconds, if one did
+    scoring_evaluations: int = 0
+    scoring_backward_passes: int = 0
+    scoring_seconds: float = 0.0
 
 
 def round_seed(run_seed: int, round_number: int) -> int:
@@ -114,36 +122,6 @@ def update_layout(
     lora / dora / qlora, every floating weight for full."""
     shapes = update_shapes(state, adapter=adapter, spec=spec, carry=carry)
     return tuple(TensorSpec(name, shape) for name, shape in sorted(shapes.items()))
-
-
-def validation_utility(
-    evaluator: Evaluator,
-    t: TrainingPolicy,
-    state: dict[str, torch.Tensor],
-    layout: Layout,
-    spec: LoraSpec,
-    seed: int,
-    carry_seed: int | None = None,
-) -> Callable[[torch.Tensor], float]:
-    """U(v) of the base with the flat `(d,)` update v merged in: minus the validation loss
-    (SFT), or the mean validation reward (GRPO / GSPO)."""
-
-    def utility(vector: torch.Tensor) -> float:
-        update = unflatten(vector.float(), layout)
-        with evaluator.editing(state) as weights:
-            merge_candidate(
-                weights,
-                state,
-                update,
-                adapter=t.adapter,
-                spec=spec,
-                seed=seed,
-                carry_seed=carry_seed,
-            )
-            reward = validation_reward(evaluator, t, None)
-            return -evaluator.loss(None) if reward is None else reward
-
-    return utility
 
 
 def merge_candidate(
@@ -271,6 +249,7 @@ class Outcome:
     loss: float
     reward: float | None
     published: str = ""
+    scoring: Quality | None = None  # the contributions' quality and what it cost
 
 
 class RoundLoop:
@@ -416,22 +395,7 @@ class RoundLoop:
         loss, reward = self.loss, self.reward
         detail = f"round {opened.number}"
         with phase("score", detail):
-            pay_round(
-                co.engine,
-                config,
-                round_number=opened.number,
-                agg=agg,
-                utility=validation_utility(
-                    co.evaluator,
-                    config.training,
-                    self.state,
-                    self.layout,
-                    self.spec,
-                    opened.a_seed,
-                    opened.carry_a_seed,
-                ),
-                baseline=-loss if reward is None else reward,
-            )
+            scoring = self._score(opened, agg)
         with co.evaluator.editing(self.state) as weights:  # the candidate: no copy of the model
             with phase("merge", detail):
                 names = merge_candidate(
@@ -447,7 +411,7 @@ class RoundLoop:
                 new_loss = co.evaluator.loss(None)
                 new_reward = validation_reward(co.evaluator, config.training, None)
             if not self._passes(new_loss, new_reward):
-                return Outcome("rolled_back", new_loss, new_reward)
+                return Outcome("rolled_back", new_loss, new_reward, scoring=scoring)
             with torch.no_grad():  # the base becomes the candidate
                 for name in names:
                     self.state[name].copy_(weights[name])
@@ -456,7 +420,35 @@ class RoundLoop:
             metrics.update(mean_reward=new_reward, parent_mean_reward=reward)
         with phase("publish", detail):
             published = self._publish(opened.number, agg.contributors, metrics)
-        return Outcome("published", new_loss, new_reward, published)
+        return Outcome("published", new_loss, new_reward, published, scoring)
+
+    def _score(self, opened: Opened, agg: RoundAggregate) -> Quality | None:
+        """Score and pay the contributions (`pay_round`) on the round's validation subset,
+        within its time budget; the quality and its cost, counted in the metrics."""
+        co, config = self.co, self.config
+        scorer = RoundScorer(
+            co.evaluator,
+            config.training,
+            self.state,
+            self.layout,
+            self.spec,
+            seed=opened.a_seed,
+            carry_seed=opened.carry_a_seed,
+            subset_seed=opened.seed,
+            examples=config.rewards.scoring_examples,
+            baseline=-self.loss if self.reward is None else self.reward,
+        )
+        paid = pay_round(co.engine, config, round_number=opened.number, agg=agg, scorer=scorer)
+        if paid is None:
+            return None
+        quality = paid[1]
+        co.metrics.observe_scoring(
+            quality.seconds,
+            evaluations=quality.utility_calls,
+            backward_passes=quality.backward_passes,
+            fell_back=bool(quality.fallback_from),
+        )
+        return quality
 
     def _passes(self, new_loss: float, new_reward: float | None) -> bool:
         """The quality gate: the candidate is no worse than the base by more than the tolerance."""
@@ -522,6 +514,7 @@ class RoundLoop:
             seconds=time.perf_counter() - opened.started,
             reward_before=self.reward,
             mean_reward=outcome.reward,
+            **scoring_cost(outcome.scoring),
         )
         closing: dict[str, object] = dict(asdict(summary))
         if abort:
@@ -554,6 +547,19 @@ class RoundLoop:
             f", published {outcome.published}" if outcome.published else "",
         )
         return summary
+
+
+def scoring_cost(quality: Quality | None) -> dict[str, Any]:
+    """The `RoundSummary` fields that say what scoring a round cost (none when not scored)."""
+    if quality is None:
+        return {}
+    return {
+        "scoring_method": quality.method,
+        "scoring_fallback_from": quality.fallback_from,
+        "scoring_evaluations": quality.utility_calls,
+        "scoring_backward_passes": quality.backward_passes,
+        "scoring_seconds": quality.seconds,
+    }
 
 
 def first_round(engine: Engine) -> int:

@@ -22,7 +22,7 @@ from zoo_gym.coordinator.evaluation import Evaluator
 from zoo_gym.coordinator.liveness import LoopHealth
 from zoo_gym.coordinator.metrics import CoordinatorMetrics
 from zoo_gym.coordinator.registry import ModelRegistry
-from zoo_gym.coordinator.strategy import ZooStrategy
+from zoo_gym.coordinator.strategy import ZooStrategy, resolve_device
 from zoo_gym.core.delta import Layout
 from zoo_gym.core.identity import Identity
 from zoo_gym.core.phases import phase
@@ -71,6 +71,7 @@ class Coordinator:
                 self.registry.latest().directory,
                 config.path(config.validation_data),
                 max_length=config.training.max_length,
+                device=resolve_device(config.device),  # scoring and the quality gate run there
             )
         self.stop = threading.Event()
         self.health = LoopHealth()  # what the round loop is doing, for /health and metrics

@@ -16,7 +16,9 @@ update's own coordinates:
 - ``ffa_lora`` (the update is B `(out, r)`, merged as W + s B A with the round's frozen A
   `(r, in)` and s = alpha / r): dU/dB = s (dU/dW) A^T, one `(out, in)` by `(in, r)` product
   per module for all n updates, so g . B_i = (dU/dW) . (s B_i A) without forming any
-  `(out, in)` delta. A ``Conv1D`` weight stored `(in, out)` has its gradient transposed first.
+  `(out, in)` delta. A carried B (``"<module>.lora_B_carry"``, the first round of an epoch
+  of A) goes with the previous epoch's A the same way. A ``Conv1D`` weight stored `(in, out)`
+  has its gradient transposed first.
 - dense adapters (``lora``, ``dora``, ``qlora``, ``full``: the update is the weight delta in
   the weight's stored shape): g is dU/dW itself.
 """
@@ -31,7 +33,7 @@ import torch
 from torch import Tensor
 
 from zoo_gym.core.delta import Layout, numel
-from zoo_gym.core.lora import LoraSpec, frozen_a, module_of
+from zoo_gym.core.lora import LoraSpec, frozen_a, is_carry, module_of
 
 from ._core import AggregateFn, Gradient, Quality, Utility, check_updates
 
@@ -107,13 +109,15 @@ def update_gradient(
     adapter: str,
     spec: LoraSpec,
     seed: int,
+    carry_seed: int | None = None,
 ) -> Tensor:
     """g = grad U(0) in the coordinates of an update with `layout`, float32 `(d,)`.
 
     `weight_gradient` maps a base weight's name to dU/dW in the weight's stored shape (for
     ``ffa_lora`` the ``"<module>.weight"`` of every module in the layout; for the dense
     adapters every name of the layout). ``ffa_lora``: each ``"<module>.lora_B"`` entry is
-    s (dU/dW) A^T `(out, r)`, with A the round's frozen A for `seed` (see the module
+    s (dU/dW) A^T `(out, r)`, with A the round's frozen A for `seed`, and each
+    ``"<module>.lora_B_carry"`` the same with the A of `carry_seed` (see the module
     docstring); dense adapters: dU/dW as it is. The result is on the gradients' device.
     """
     parts = []
@@ -122,7 +126,9 @@ def update_gradient(
             module = module_of(entry.name)
             grad = _weight_gradient(weight_gradient, module + ".weight", entry.name)
             grad = grad.T if module in spec.fan_in_fan_out else grad  # (out, in)
-            a = frozen_a(seed, module, int(grad.shape[1]), spec.rank)  # (r, in)
+            a = frozen_a(
+                _a_seed(entry.name, seed, carry_seed), module, int(grad.shape[1]), spec.rank
+            )
             part = spec.scaling * (grad.float() @ a.to(grad.device).T)  # (out, r)
         else:
             part = _weight_gradient(weight_gradient, entry.name, entry.name).float()
@@ -135,6 +141,17 @@ def update_gradient(
     g = torch.cat(parts) if parts else torch.zeros(0)  # (d,)
     assert g.numel() == numel(layout)
     return g
+
+
+def _a_seed(key: str, seed: int, carry_seed: int | None) -> int:
+    """The seed of the A that update entry `key` is merged with."""
+    if not is_carry(key):
+        return seed
+    if carry_seed is None:
+        raise ValueError(
+            f"update_gradient: {key} is a carried B; pass carry_seed, the seed of the previous epoch's A"
+        )
+    return carry_seed
 
 
 def _weight_gradient(weight_gradient: Mapping[str, Tensor], name: str, entry: str) -> Tensor:

@@ -1,4 +1,6 @@
 import hashlib
+import struct
+import zlib
 
 import pytest
 import torch
@@ -50,11 +52,38 @@ GOLDEN_SHA256 = {
 }
 
 
+HEAD = 20  # magic to tensor count
+
+
+def as_version_1(payload: bytes) -> bytes:
+    """The version 1 envelope with the same content as version 2 `payload`: the table
+    inflated in place, the version field 1, the SHA-256 recomputed."""
+    assert payload[4:6] == b"\x02\x00"
+    (length,) = struct.unpack_from("<I", payload, HEAD)
+    table = zlib.decompress(payload[HEAD + 4 : HEAD + 4 + length])
+    body = payload[:4] + b"\x01\x00" + payload[6:HEAD] + table + payload[HEAD + 4 + length : -32]
+    return body + hashlib.sha256(body).digest()
+
+
 def test_hand_computed_bitdelta_bytes_and_values() -> None:
     payload = encode(HAND, CodecSpec("bitdelta", group_size=4))
 
-    assert payload.hex() == HAND_HEX
+    # version 2: version 1's bytes with the table deflated (the stream itself is zlib's)
+    assert payload[:HEAD].hex() == HAND_HEX[:8] + "0200" + HAND_HEX[12:40]
+    (length,) = struct.unpack_from("<I", payload, HEAD)
+    assert zlib.decompress(payload[HEAD + 4 : HEAD + 4 + length]).hex() == HAND_HEX[40:66]
+    assert payload[HEAD + 4 + length :].hex()[:6] == "003da0"
     assert payload[-32:] == hashlib.sha256(payload[:-32]).digest()
+    assert as_version_1(payload).hex() == HAND_HEX
+    assert decode(payload, max_elements=4)["w"].tolist() == [1.25, -1.25, 1.25, -1.25]
+
+
+def test_version_1_envelopes_still_decode() -> None:
+    payload = bytes.fromhex(HAND_HEX)
+
+    header = inspect_envelope(payload, max_elements=4)
+
+    assert header.version == 1 and header.header_nbytes == HEAD + 13
     assert decode(payload, max_elements=4)["w"].tolist() == [1.25, -1.25, 1.25, -1.25]
 
 
@@ -62,7 +91,50 @@ def test_hand_computed_bitdelta_bytes_and_values() -> None:
 def test_bytes_pinned(codec: str) -> None:
     payload = encode(SMALL, CodecSpec(codec, group_size=4))
 
-    assert hashlib.sha256(payload).hexdigest() == GOLDEN_SHA256[codec]
+    assert hashlib.sha256(as_version_1(payload)).hexdigest() == GOLDEN_SHA256[codec]
+    old, new = decode(as_version_1(payload), max_elements=11), decode(payload, max_elements=11)
+    assert old.keys() == new.keys() and all(torch.equal(old[k], new[k]) for k in old)
+
+
+def test_a_tensor_table_of_repeated_prefixes_deflates() -> None:
+    # Prepare: the B matrices of a 24-layer model with 7 target modules
+    modules = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    delta = {
+        f"model.layers.{i}.{'mlp' if m.endswith(('gate_proj', 'up_proj', 'down_proj')) else 'self_attn'}.{m}.lora_B": torch.ones(
+            8, 8
+        )
+        for i in range(24)
+        for m in modules
+    }
+
+    # Execute
+    payload = encode(delta, CodecSpec("bitdelta", group_size=64))
+    header = inspect_envelope(payload, max_elements=10**6)
+
+    # Assert: the inline table would be 168 x (2 + name + 2 + 16) bytes; deflated, a fraction
+    inline = sum(2 + len(name) + 2 + 16 for name in delta)
+    assert header.header_nbytes - HEAD - 4 < inline / 4
+    assert len(as_version_1(payload)) - len(payload) == inline - (header.header_nbytes - HEAD)
+
+
+@pytest.mark.parametrize(
+    ("damage", "message"),
+    [
+        (lambda t: t[:-2], "does not inflate"),
+        (lambda t: zlib.compress(zlib.decompress(t) + b"x"), "bytes after its last entry"),
+        (lambda t: zlib.compress(zlib.decompress(t)) + b"\0", "one zlib stream"),
+    ],
+)
+def test_a_broken_deflated_table_is_refused_in_one_line(damage: object, message: str) -> None:
+    # Prepare: rebuild a valid envelope around a damaged table (fresh SHA-256)
+    payload = encode(SMALL, CodecSpec("bitdelta", group_size=4))
+    (length,) = struct.unpack_from("<I", payload, HEAD)
+    table = damage(payload[HEAD + 4 : HEAD + 4 + length])  # type: ignore[operator]
+    body = payload[:HEAD] + struct.pack("<I", len(table)) + table + payload[HEAD + 4 + length : -32]
+
+    # Execute / Assert
+    with pytest.raises(EnvelopeError, match=message):
+        inspect_envelope(body + hashlib.sha256(body).digest(), max_elements=11)
 
 
 @pytest.mark.parametrize("codec", CODECS)
@@ -124,7 +196,7 @@ def test_inspect_reports_header() -> None:
     [
         (lambda p: p[:10], "truncated"),
         (lambda p: b"XXXX" + p[4:], "bad magic"),
-        (lambda p: p[:4] + b"\x02\x00" + p[6:], "version"),
+        (lambda p: p[:4] + b"\x03\x00" + p[6:], "version"),
         (lambda p: p[:6] + b"\x63" + p[7:], "unknown codec"),
         (lambda p: p[:-1] + bytes([p[-1] ^ 1]), "SHA-256"),
         (lambda p: p[:-33] + p[-32:], "SHA-256"),
@@ -150,7 +222,7 @@ def test_over_max_elements_rejected_before_decoding() -> None:
 
 
 def test_huge_declared_shape_with_valid_hash_is_rejected() -> None:
-    body = bytearray(encode(HAND, CodecSpec("bitdelta", group_size=4))[:-32])
+    body = bytearray(as_version_1(encode(HAND, CodecSpec("bitdelta", group_size=4)))[:-32])
     body[25:33] = (2**40).to_bytes(8, "little")  # shape of "w"
 
     with pytest.raises(EnvelopeError, match="max_elements"):
@@ -160,7 +232,7 @@ def test_huge_declared_shape_with_valid_hash_is_rejected() -> None:
 
 
 def test_nan_scale_with_valid_hash_is_rejected() -> None:
-    body = bytearray(encode(HAND, CodecSpec("bitdelta", group_size=4))[:-32])
+    body = bytearray(as_version_1(encode(HAND, CodecSpec("bitdelta", group_size=4)))[:-32])
     body[33:35] = bytes.fromhex("007e")  # fp16 NaN
 
     with pytest.raises(EnvelopeError, match="NaN"):
@@ -168,7 +240,7 @@ def test_nan_scale_with_valid_hash_is_rejected() -> None:
 
 
 def test_nonzero_padding_is_rejected() -> None:
-    body = bytearray(encode(HAND, CodecSpec("bitdelta", group_size=4))[:-32])
+    body = bytearray(as_version_1(encode(HAND, CodecSpec("bitdelta", group_size=4)))[:-32])
     body[35] |= 0x01
 
     with pytest.raises(EnvelopeError, match="padding"):

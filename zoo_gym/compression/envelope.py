@@ -1,6 +1,7 @@
 """The versioned envelope that carries one compressed delta.
 
-All integers are little-endian (`struct` format in brackets). Version 1:
+All integers are little-endian (`struct` format in brackets). `encode` writes version 2;
+readers take versions 1 and 2. Version 1:
 
 ==========  ==================================================================================
 bytes       field
@@ -21,6 +22,13 @@ per tensor  scales (G values of the scale dtype, G = ceil(n / group length)), th
 32          SHA-256 of every byte before it
 ==========  ==================================================================================
 
+Version 2 is version 1 with the per-tensor table deflated: after the tensor count, 4 [I] bytes
+give the length L of a zlib stream (RFC 1950) holding exactly version 1's per-tensor table, and
+the L bytes follow; the rest is unchanged. A table of LoRA modules repeats its names' prefixes
+(``model.layers.11.mlp.down_proj.lora_B``): 168 entries of a 24-layer model take about 11 KB
+inline and about 1.5 KB deflated, which is the difference between 13.8x and 14.2x smaller than
+bf16 for the rank-8 update of a 0.5B model. A reader inflates at most `MAX_TABLE_BYTES`.
+
 The group length of a tensor of n values is the group size (granularity ``group``),
 ``n / shape[0]`` (``row``) or ``n`` (``matrix``); the codecs without scales store none. Every
 size follows from the table, so a reader checks the declared sizes against the byte length
@@ -36,6 +44,7 @@ import math
 import struct
 import sys
 import warnings
+import zlib
 from dataclasses import dataclass
 
 import numpy as np
@@ -55,7 +64,10 @@ from zoo_gym.compression.spec import (
 from zoo_gym.core.delta import Delta, Layout, TensorSpec
 
 MAGIC = b"ZGDE"
-VERSION = 1
+VERSION = 2  # what `encode` writes
+VERSIONS = (1, 2)  # what `inspect_envelope` reads
+MAX_TABLE_BYTES = 16 << 20  # an inflated version 2 table larger than this is refused
+_TABLE_LENGTH = struct.Struct("<I")
 MAX_NDIM = 8
 _HEAD = struct.Struct("<4sHBBIB3xI")
 _NAME = struct.Struct("<H")
@@ -140,18 +152,23 @@ def _entry(name_nbytes: int, ndim: int) -> struct.Struct:
 
 
 def _table(names: list[str], tensors: list[Tensor], spec: CodecSpec) -> bytes:
-    """The header and the tensor table (format in the module docstring), as one piece."""
-    parts = [
-        _HEAD.pack(
-            MAGIC,
-            VERSION,
-            CODEC_IDS[spec.codec],
-            GRANULARITIES.index(spec.granularity),
-            spec.group_size,
-            SCALE_DTYPES.index(spec.scale_dtype),
-            len(names),
-        )
-    ]
+    """The header and the deflated tensor table (version 2, module docstring), as one piece."""
+    head = _HEAD.pack(
+        MAGIC,
+        VERSION,
+        CODEC_IDS[spec.codec],
+        GRANULARITIES.index(spec.granularity),
+        spec.group_size,
+        SCALE_DTYPES.index(spec.scale_dtype),
+        len(names),
+    )
+    table = zlib.compress(_entries(names, tensors), 9)
+    return head + _TABLE_LENGTH.pack(len(table)) + table
+
+
+def _entries(names: list[str], tensors: list[Tensor]) -> bytes:
+    """Version 1's per-tensor table: name, dtype id, ndim and shape of each tensor."""
+    parts = []
     for name, t in zip(names, tensors, strict=True):
         dtype_id = _TORCH_DTYPE_IDS.get(t.dtype)
         if dtype_id is None:
@@ -233,8 +250,10 @@ def _parse_spec(payload: bytes) -> tuple[int, CodecSpec, int]:
     magic, version, codec_id, gran_id, group_size, scale_id, count = _HEAD.unpack_from(payload)
     if magic != MAGIC:
         raise EnvelopeError(f"bad magic {magic!r}, expected {MAGIC!r}: not a zoo-gym delta")
-    if version != VERSION:
-        raise EnvelopeError(f"unsupported envelope version {version}, this reader knows {VERSION}")
+    if version not in VERSIONS:
+        raise EnvelopeError(
+            f"unsupported envelope version {version}, this reader knows {', '.join(map(str, VERSIONS))}"
+        )
     if codec_id not in _CODEC_NAMES:
         raise EnvelopeError(f"unknown codec id {codec_id}")
     if gran_id >= len(GRANULARITIES) or scale_id >= len(SCALE_DTYPES):
@@ -255,8 +274,31 @@ def _parse_spec(payload: bytes) -> tuple[int, CodecSpec, int]:
     return version, spec, count
 
 
-def _parse_table(payload: bytes, count: int, end: int) -> tuple[Layout, int]:
-    offset = _HEAD.size
+def _inflated_table(payload: bytes, end: int) -> tuple[bytes, int]:
+    """A version 2 envelope's per-tensor table, inflated (at most `MAX_TABLE_BYTES`), and
+    where the sections start in `payload`."""
+    start = _HEAD.size + _TABLE_LENGTH.size
+    if start > end:
+        raise EnvelopeError("truncated envelope: no room for the tensor table's length")
+    (length,) = _TABLE_LENGTH.unpack_from(payload, _HEAD.size)
+    if start + length > end:
+        raise EnvelopeError("truncated envelope: the deflated tensor table runs past the end")
+    inflater = zlib.decompressobj()
+    try:
+        table = inflater.decompress(payload[start : start + length], MAX_TABLE_BYTES)
+    except zlib.error as exc:
+        raise EnvelopeError(f"the tensor table does not inflate: {exc}") from exc
+    if not inflater.eof or inflater.unconsumed_tail or inflater.unused_data:
+        raise EnvelopeError(
+            f"the tensor table does not inflate to one zlib stream of at most {MAX_TABLE_BYTES} bytes"
+        )
+    return table, start + length
+
+
+def _parse_table(
+    payload: bytes, count: int, end: int, start: int = _HEAD.size
+) -> tuple[Layout, int]:
+    offset = start
     if count > (end - offset) // (_NAME.size + _DTYPE_NDIM.size):
         raise EnvelopeError(f"tensor count {count} does not fit in {len(payload)} bytes")
     layout: list[TensorSpec] = []
@@ -298,7 +340,13 @@ def inspect_envelope(payload: bytes, *, max_elements: int) -> EnvelopeHeader:
     payload = bytes(payload)
     version, spec, count = _parse_spec(payload)
     end = len(payload) - _DIGEST
-    layout, offset = _parse_table(payload, count, end)
+    if version == 1:
+        layout, offset = _parse_table(payload, count, end)
+    else:
+        table, offset = _inflated_table(payload, end)
+        layout, used = _parse_table(table, count, len(table), start=0)
+        if used != len(table):
+            raise EnvelopeError("the inflated tensor table has bytes after its last entry")
     total = sum(ts.numel for ts in layout)
     if total > max_elements:
         raise EnvelopeError(

@@ -109,7 +109,8 @@ def test_aggregate_fn_of_the_wrong_shape_is_refused() -> None:
 
 def test_updates_must_be_one_matrix() -> None:
     with pytest.raises(
-        ValueError, match=r"individual: updates must be one \(n, d\) tensor, got \(2,\)"
+        ValueError,
+        match=r"individual: updates must be one \(n, d\) tensor or column source, got \(2,\)",
     ):
         individual(torch.zeros(2), utility=linear)
     with pytest.raises(ValueError, match="floating point"):

@@ -23,6 +23,8 @@ from zoo_gym.core.settings import HomeConfig, load_toml
 from zoo_gym.core.weights import DEFAULT_SHARD_SIZE, parse_size
 from zoo_gym.scoring import METHODS
 
+DEFAULT_AGGREGATION_MEMORY = 2 << 30  # bytes; see `aggregation_memory`
+
 AGGREGATORS = tuple(RULES)
 Admission = Literal["open", "approval", "invite"]
 
@@ -189,6 +191,13 @@ class CoordinatorConfig(HomeConfig):
         description="largest weights file of a published version, in bytes or with a unit "
         '("2GB", "512MiB"); larger weights are written as shards with an index, as Hugging '
         "Face does",
+    )
+    aggregation_memory: int = Field(
+        DEFAULT_AGGREGATION_MEMORY,
+        ge=1 << 16,
+        description="bytes the decoded updates may take while a round is aggregated, in bytes "
+        'or with a unit ("2GiB"); when n x d float32 values need more, the payloads stay '
+        "compressed and every rule reads column chunks of all n updates within this budget",
     )
     # -- admission and intake (who may take part; what a submission must satisfy) --
     max_upload_bytes: int = Field(64 << 20, ge=1024)
@@ -368,7 +377,7 @@ class CoordinatorConfig(HomeConfig):
     training: TrainingPolicy = Field(default_factory=lambda: TrainingPolicy.model_validate({}))
     rewards: RewardSettings = Field(default_factory=lambda: RewardSettings.model_validate({}))
 
-    @field_validator("shard_size", mode="before")
+    @field_validator("shard_size", "aggregation_memory", mode="before")
     @classmethod
     def _size(cls, value: Any) -> Any:
         return parse_size(value) if isinstance(value, str) else value

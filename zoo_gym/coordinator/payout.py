@@ -50,6 +50,7 @@ from zoo_gym.scoring import (
     update_reputations,
     validation_subset,
 )
+from zoo_gym.scoring.rows import Updates
 
 log = logging.getLogger(__name__)
 
@@ -221,11 +222,12 @@ def pay_round(
     return split, quality
 
 
-def coalition_rule(config: CoordinatorConfig) -> Callable[[torch.Tensor], torch.Tensor]:
-    """The round's rule with its parameters, unweighted: (k, d) rows -> (d,) aggregate."""
+def coalition_rule(config: CoordinatorConfig) -> Callable[[Updates], torch.Tensor]:
+    """The round's rule with its parameters, unweighted: (k, d) rows (a tensor, or a view of
+    a column source) -> (d,) aggregate."""
     params: dict[str, Any] = dict(config.aggregator_params)
 
-    def aggregate_fn(rows: torch.Tensor) -> torch.Tensor:
+    def aggregate_fn(rows: Updates) -> torch.Tensor:
         return aggregate(
             config.aggregator, rows, f=config.byzantine_f, pre=config.pre, **params
         ).vector

@@ -103,4 +103,5 @@ class Coordinator:
             trusted_reputation=c.trusted_reputation,
             fresh_weight=c.fresh_weight,
             device=c.device,
+            memory=c.aggregation_memory,
         )

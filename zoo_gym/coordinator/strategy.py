@@ -3,9 +3,15 @@
 Node sampling is ours (uniform, or
 weighted by reputation, `sample`), and so is the rest of what must be ours: the
 task carries a round config and a model *version* (contributors fetch
-weights once per version, not per message), and aggregation decodes accepted
-envelopes straight into one preallocated `(n, d)` buffer and runs the
-configured robust rule, whose per-update decisions go to the ledger.
+weights once per version, not per message), and aggregation runs the configured
+robust rule over the accepted envelopes, whose per-update decisions go to the ledger.
+
+Aggregation memory is bounded by `memory` (the `aggregation_memory` setting): when the
+decoded `(n, d)` float32 updates fit in a third of it (a rule over a tensor may make up to two
+working copies of it: sorted values, a Gram pass), the envelopes are decoded straight into one
+preallocated buffer; when they do not, the payloads stay compressed in memory and the rule
+reads column chunks of all n updates decoded at a time (`PayloadColumns`, chunks within
+that budget), so n x d never has to fit.
 
 Decoding and aggregation run on the coordinator's `device` ("auto": the first CUDA device when
 PyTorch sees one, else the CPU). On CUDA the envelopes are decoded (and, for fused FedAvg,
@@ -31,9 +37,12 @@ from flwr.serverapp.strategy import FedAvg
 
 from zoo_gym import ledger
 from zoo_gym.aggregation import WEIGHTED_RULES, Aggregate, Decision, aggregate, min_clients
+from zoo_gym.aggregation.columns import Columns
 from zoo_gym.aggregation.fedavg import fedavg_decisions
 from zoo_gym.compression import EnvelopeError, decode_accumulate, decode_into
+from zoo_gym.compression.columns import PayloadColumns
 from zoo_gym.coordinator.backend import CoordinatorBackend
+from zoo_gym.coordinator.config import DEFAULT_AGGREGATION_MEMORY
 from zoo_gym.core.delta import Layout, numel, unflatten
 from zoo_gym.core.identity import node_id
 from zoo_gym.core.phases import phase
@@ -42,6 +51,8 @@ from zoo_gym.ledger import Session
 from zoo_gym.scoring import influence_weights, sample_contributors
 
 log = logging.getLogger(__name__)
+
+RAW_CODECS = frozenset({"none", "fp16", "bf16"})  # values sent as they are: may be NaN or Inf
 
 
 @dataclass
@@ -52,7 +63,7 @@ class RoundAggregate:
     contributors: tuple[str, ...]  # whose updates the rule used
     received: int
     accepted: int
-    rows: torch.Tensor | None = None  # (n, d): the decoded updates the rule saw
+    rows: torch.Tensor | Columns | None = None  # (n, d): the updates the rule saw
     row_contributors: tuple[str, ...] = ()  # contributor of each row
     decisions: tuple[Decision, ...] = ()  # the rule's decision about each row
 
@@ -77,6 +88,7 @@ class ZooStrategy(FedAvg):
         trusted_reputation: float = 0.0,
         fresh_weight: float = 1.0,
         device: str = "auto",
+        memory: int = DEFAULT_AGGREGATION_MEMORY,
     ) -> None:
         super().__init__(
             fraction_train=1.0,
@@ -102,6 +114,7 @@ class ZooStrategy(FedAvg):
         self.trusted_reputation = trusted_reputation
         self.fresh_weight = fresh_weight
         self.device = resolve_device(device)
+        self.memory = memory  # bytes the decoded updates may take at a time
 
     def wait_for_nodes(self, grid: Grid) -> list[int]:
         deadline = time.monotonic() + self.wait_for_clients_s
@@ -172,8 +185,13 @@ class ZooStrategy(FedAvg):
                     "round %d: %d updates averaged in one fused pass", server_round, len(accepted)
                 )
                 return fused
-        with phase("decode", f"round {server_round}, {len(accepted)} updates"):
-            updates, rows = self._decoded(accepted, layout)
+        # the updates as the rule reads them: decoded into one (n, d) buffer when three of
+        # those fit in `memory`, else column chunks of the compressed payloads
+        in_memory = 3 * len(accepted) * numel(layout) * 4 <= self.memory
+        how = "decoded in memory" if in_memory else "payload columns"
+        with phase("decode", f"round {server_round}, {len(accepted)} updates, {how}"):
+            decode = self._decoded_in_memory if in_memory else self._payload_columns
+            updates, rows = decode(accepted, layout)
         needed = max(self.quorum, min_clients(self.rule, self.f))
         if len(rows) < needed:
             log.warning(
@@ -196,12 +214,39 @@ class ZooStrategy(FedAvg):
                 updates, rows, layout, received=len(replies), accepted=len(accepted)
             )
 
-    def _decoded(
+    def _payload_columns(
+        self, accepted: list[Message], layout: Layout
+    ) -> tuple[Columns, list[Message]]:
+        """A column source over the accepted payloads (compressed, in memory) that decode
+        within `memory` per chunk; each payload is checked on its own first (envelope, layout,
+        scales; the values themselves for the raw codecs)."""
+        d = numel(layout)
+        payloads: list[bytes] = []
+        rows: list[Message] = []
+        for reply in accepted:
+            intake = _intake(reply)
+            data = self.backend.payload_path(intake.payload_sha256).read_bytes()
+            try:
+                one = PayloadColumns([data], layout, max_elements=d, budget=self.memory)
+                finite = one.headers[0].codec not in RAW_CODECS or _all_finite(one, self.memory)
+            except EnvelopeError as exc:
+                self._decide(intake, selected=False, reason=f"could not be decoded: {exc}")
+                continue
+            if not finite:
+                self._decide(intake, selected=False, reason="update contains NaN or Inf values")
+                continue
+            payloads.append(data)
+            rows.append(reply)
+        source = PayloadColumns(
+            payloads, layout, max_elements=d, budget=self.memory, device=self.device
+        )
+        return source, rows
+
+    def _decoded_in_memory(
         self, accepted: list[Message], layout: Layout
     ) -> tuple[torch.Tensor, list[Message]]:
         """The accepted updates decoded into one `(n, d)` float32 buffer, row by row straight
-        from the envelopes, and the replies of the rows; one that does not decode to finite
-        values is recorded as not selected and left out."""
+        from the envelopes, and the replies of the rows."""
         updates = torch.empty(
             (len(accepted), numel(layout)), dtype=torch.float32, device=self.device
         )
@@ -222,7 +267,7 @@ class ZooStrategy(FedAvg):
 
     def _robust(
         self,
-        updates: torch.Tensor,
+        updates: torch.Tensor | Columns,
         rows: list[Message],
         layout: Layout,
         *,
@@ -252,7 +297,7 @@ class ZooStrategy(FedAvg):
             tuple(contributors),
             received=received,
             accepted=accepted,
-            rows=updates.cpu(),
+            rows=updates.cpu() if isinstance(updates, torch.Tensor) else updates,
             row_contributors=_senders(rows),
             decisions=result.decisions,
         )
@@ -345,6 +390,15 @@ def resolve_device(name: str) -> torch.device:
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f'device = "{name}", but PyTorch sees no CUDA device here; use "auto"')
     return device
+
+
+def _all_finite(source: Columns, budget: int) -> bool:
+    """Whether every value of a one-row source is finite, read in chunks of `budget` bytes."""
+    width = max(1, budget // 4)
+    return all(
+        bool(torch.isfinite(source.columns(start, min(start + width, source.d))).all())
+        for start in range(0, source.d, width)
+    )
 
 
 def _intake(reply: Message) -> IntakeResult:

@@ -19,12 +19,15 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from .rows import ColumnSource, Updates, select_rows, shape_of
+
 __all__ = ["AggregateFn", "Gradient", "Quality", "Utility"]
 
 #: evaluates a flat `(d,)` update applied to the base; higher is better
 Utility = Callable[[Tensor], float]
-#: the round's aggregation rule applied to a subset of rows: `(k, d)` -> `(d,)`
-AggregateFn = Callable[[Tensor], Tensor]
+#: the round's aggregation rule applied to a subset of rows (a tensor or a view of a source):
+#: `(k, d)` -> `(d,)`
+AggregateFn = Callable[[Updates], Tensor]
 #: grad U(0) in the update's coordinates `(d,)`: one forward and backward pass at the base
 Gradient = Callable[[], Tensor]
 
@@ -59,17 +62,20 @@ class Quality:
     fallback_from: str = ""
 
 
-def check_updates(updates: Tensor, method: str) -> tuple[int, int]:
-    """Return `(n, d)` of a floating `(n, d)` tensor with n, d >= 1, or raise ValueError."""
-    if not isinstance(updates, Tensor) or updates.dim() != 2:
+def check_updates(updates: Updates, method: str) -> tuple[int, int]:
+    """Return `(n, d)` of floating updates (an `(n, d)` tensor or a column source) with
+    n, d >= 1, or raise ValueError."""
+    if (isinstance(updates, Tensor) and updates.dim() != 2) or not isinstance(
+        updates, Tensor | ColumnSource
+    ):
         shape = tuple(updates.shape) if isinstance(updates, Tensor) else type(updates).__name__
         raise ValueError(
-            f"{method}: updates must be one (n, d) tensor, got {shape}; "
+            f"{method}: updates must be one (n, d) tensor or column source, got {shape}; "
             "flatten each update and stack them"
         )
-    if not updates.is_floating_point():
+    if not updates.dtype.is_floating_point:
         raise ValueError(f"{method}: updates must be floating point, got {updates.dtype}")
-    n, d = updates.shape
+    n, d = shape_of(updates)
     if n < 1 or d < 1:
         raise ValueError(f"{method}: need at least one update of at least one coordinate")
     return int(n), int(d)
@@ -95,7 +101,7 @@ class Game:
 
     def __init__(
         self,
-        updates: Tensor,  # (n, d)
+        updates: Updates,  # (n, d)
         *,
         utility: Utility,
         aggregate_fn: AggregateFn | None,
@@ -104,7 +110,7 @@ class Game:
         baseline: float | None = None,
     ) -> None:
         self.updates = updates
-        self.n, self.d = updates.shape
+        self.n, self.d = shape_of(updates)
         self.utility = utility
         self.aggregate_fn = aggregate_fn
         self.method = method
@@ -131,10 +137,9 @@ class Game:
     def aggregate(self, rows: frozenset[int]) -> Tensor:
         """agg(updates[rows]) `(d,)`, with the rule's refusal turned into one clear error."""
         fn = require_aggregate_fn(self.aggregate_fn, self.method)
-        index = torch.tensor(sorted(rows), dtype=torch.long, device=self.updates.device)
         self.aggregations += 1
         try:
-            vector = fn(self.updates.index_select(0, index))  # (k, d) -> (d,)
+            vector = fn(select_rows(self.updates, sorted(rows)))  # (k, d) -> (d,)
         except ValueError as exc:
             raise ValueError(
                 f"{self.method}: the aggregation rule cannot aggregate a coalition of "

@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from ._core import AggregateFn, Utility
+from .rows import Updates
 
 __all__ = ["Budget", "OutOfTime", "validation_subset"]
 
@@ -56,7 +57,7 @@ class Budget:
             return None
         fn = aggregate_fn
 
-        def counted(rows: Tensor) -> Tensor:
+        def counted(rows: Updates) -> Tensor:
             self.aggregations += 1
             return fn(rows)
 

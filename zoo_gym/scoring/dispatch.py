@@ -23,11 +23,10 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
-from torch import Tensor
-
 from ._core import AggregateFn, Gradient, Quality, Utility
 from .budget import Budget, OutOfTime
 from .quality import individual, leave_one_out
+from .rows import Updates
 from .shapley import exact_shapley, gtg_shapley
 from .taylor import first_order
 
@@ -43,7 +42,7 @@ METHODS: dict[str, Callable[..., Quality]] = {
 
 
 def score_contributions(
-    updates: Tensor,
+    updates: Updates,
     *,
     utility: Utility,
     method: str = "individual",
@@ -84,7 +83,7 @@ def score_contributions(
 
 
 def _bounded(
-    updates: Tensor,
+    updates: Updates,
     method: str,
     budget: Budget,
     utility: Utility,

@@ -11,15 +11,14 @@ from __future__ import annotations
 import logging
 import math
 
-from torch import Tensor
-
 from ._core import AggregateFn, Game, Quality, Utility, check_updates, require_aggregate_fn
+from .rows import Updates, row_of
 
 log = logging.getLogger(__name__)
 
 
 def individual(
-    updates: Tensor,
+    updates: Updates,
     *,
     utility: Utility,
     aggregate_fn: AggregateFn | None = None,
@@ -41,7 +40,7 @@ def individual(
     u0 = game.baseline()
     scores = []
     for i in range(n):
-        u = game.evaluate(updates[i])
+        u = game.evaluate(row_of(updates, i))
         scores.append(u - u0 if math.isfinite(u) else -math.inf)
     log.debug("individual quality of %d updates: %d utility calls", n, game.utility_calls)
     return Quality(
@@ -55,7 +54,7 @@ def individual(
 
 
 def leave_one_out(
-    updates: Tensor,
+    updates: Updates,
     *,
     utility: Utility,
     aggregate_fn: AggregateFn | None = None,

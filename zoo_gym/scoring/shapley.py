@@ -44,9 +44,9 @@ import math
 from dataclasses import dataclass
 
 import torch
-from torch import Tensor
 
 from ._core import AggregateFn, Game, Quality, Utility, check_updates, require_aggregate_fn
+from .rows import Updates
 
 log = logging.getLogger(__name__)
 
@@ -94,7 +94,7 @@ class _Estimate:
 
 
 def gtg_shapley(
-    updates: Tensor,
+    updates: Updates,
     *,
     utility: Utility,
     aggregate_fn: AggregateFn | None = None,
@@ -209,7 +209,7 @@ def _sample_permutations(
 
 
 def exact_shapley(
-    updates: Tensor,
+    updates: Updates,
     *,
     utility: Utility,
     aggregate_fn: AggregateFn | None = None,

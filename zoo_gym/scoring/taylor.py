@@ -36,6 +36,7 @@ from zoo_gym.core.delta import Layout, numel
 from zoo_gym.core.lora import LoraSpec, frozen_a, is_carry, module_of
 
 from ._core import AggregateFn, Gradient, Quality, Utility, check_updates
+from .rows import Updates, column_chunks, shape_of
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +45,7 @@ CHUNK_VALUES = 1 << 22
 
 
 def first_order(
-    updates: Tensor,
+    updates: Updates,
     *,
     utility: Utility | None = None,
     aggregate_fn: AggregateFn | None = None,
@@ -90,15 +91,20 @@ def first_order(
     )
 
 
-def row_dots(updates: Tensor, g: Tensor) -> tuple[float, ...]:
+def row_dots(updates: Updates, g: Tensor) -> tuple[float, ...]:
     """x_i . g for every row of `updates` `(n, d)` and `g` `(d,)`, accumulated in float64 over
-    column chunks of at most `CHUNK_VALUES` values; on the device of `updates`."""
-    n, d = updates.shape
+    column chunks (of at most `CHUNK_VALUES` values of a tensor; within a source's budget);
+    on the device of `updates`."""
+    n, d = shape_of(updates)
     g = g.to(device=updates.device, dtype=torch.float64)  # (d,)
     total = torch.zeros(n, dtype=torch.float64, device=updates.device)  # (n,)
-    step = max(1, CHUNK_VALUES // max(n, 1))
-    for start in range(0, d, step):
-        total += updates[:, start : start + step].double() @ g[start : start + step]
+    if isinstance(updates, Tensor):
+        step = max(1, CHUNK_VALUES // max(n, 1))
+        for start in range(0, d, step):
+            total += updates[:, start : start + step].double() @ g[start : start + step]
+    else:
+        for start, chunk in column_chunks(updates):
+            total += chunk.double() @ g[start : start + chunk.shape[1]]
     return tuple(float(x) for x in total.cpu())
 
 

@@ -1,0 +1,95 @@
+"""`aggregation_memory`: a round whose decoded updates do not fit aggregates from the payloads.
+
+The same round (same clients, data and seeds) runs twice: with the default budget (2 GiB: the
+tiny model's updates are decoded into one (n, d) buffer) and with 64 KiB, less than the
+three copies of the (n, d) float32 updates the in-memory path needs, so the rule reads
+column chunks decoded from the compressed payloads (`PayloadColumns`), and so does scoring
+(each row decoded on its own for `individual`, coalitions as views for `leave_one_out`,
+chunks for `first_order`). The published weights, every decision and every reward recorded
+in the ledger must be the same.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from sqlmodel import Session
+
+from zoo_gym import ledger
+from zoo_gym.core.synthetic import make_examples
+from zoo_gym.core.weights import load_weights
+from zoo_gym.simulation.inprocess import InProcessFederation
+
+SMALL = 1 << 16  # bytes: 6 updates of 8,192 float32 values take 192 KiB; three copies 576 KiB
+
+
+def one_round(
+    home: Path, rule: str, f: int, memory: int | None, scoring: str
+) -> tuple[dict, list, list]:
+    """Published weights, the ledger's (decision, weight) and (quality, amount) of one round,
+    each sorted (contributor ids differ between homes)."""
+    overrides: dict[str, object] = {
+        "rounds": 1,
+        "min_clients": 6,
+        "aggregator": rule,
+        "byzantine_f": f,
+        "quality_gate_tolerance": 100.0,
+        "rewards": {"method": scoring},
+        "training": {"steps": 3, "codec": "bitdelta"},
+    }
+    if memory is not None:
+        overrides["aggregation_memory"] = memory
+    shards = [make_examples(16, seed=10 + i) for i in range(6)]
+    fed = InProcessFederation.build(home, shards, overrides=overrides, byzantine=[5], attack="ipm")
+    (summary,) = fed.run()
+    assert summary.status == "published", summary
+    with Session(fed.coordinator.engine) as session:
+        rows = sorted(
+            (s.decision, round(s.weight, 12))
+            for s in ledger.list_submissions(session, round_number=1)
+        )
+        paid = sorted(
+            (round(r.quality or 0.0, 5), r.amount)
+            for r in ledger.list_rewards(session, round_number=1)
+        )
+    weights = load_weights(fed.coordinator.registry.directory(summary.published_version))
+    return weights, rows, paid
+
+
+@pytest.mark.parametrize(
+    ("rule", "f", "scoring"),
+    [
+        ("median", 1, "individual"),
+        ("multikrum", 1, "leave_one_out"),
+        ("trimmed_mean", 1, "first_order"),
+        ("geometric_median", 1, "individual"),
+    ],
+)
+def test_a_round_over_the_budget_publishes_and_pays_what_the_in_memory_round_does(
+    tiny_home: Path,
+    tmp_path: Path,
+    rule: str,
+    f: int,
+    scoring: str,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # Prepare: two copies of one coordinator home, so both rounds start from the same state
+    other = tmp_path / "other"
+    shutil.copytree(tiny_home, other)
+    caplog.set_level(logging.INFO, logger="zoo_gym.core.phases")
+
+    # Execute
+    in_memory, decided, paid = one_round(tiny_home, rule, f, None, scoring)
+    streamed, decided_streamed, paid_streamed = one_round(other, rule, f, SMALL, scoring)
+
+    # Assert: same decisions, same rewards, same published weights
+    assert decided == decided_streamed
+    assert paid == paid_streamed and len(paid) == 6
+    assert set(in_memory) == set(streamed)
+    for name, tensor in in_memory.items():
+        torch.testing.assert_close(streamed[name], tensor, rtol=1e-5, atol=1e-7, msg=name)
+    assert any("payload columns" in r.getMessage() for r in caplog.records)

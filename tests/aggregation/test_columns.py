@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from zoo_gym.aggregation import RULES, Aggregate, aggregate, clip_updates, min_clients, nnm
-from zoo_gym.aggregation.columns import Columns, TensorColumns
+from zoo_gym.aggregation.columns import Columns, TensorColumns, cached
 
 PARAMS: dict[str, dict[str, Any]] = {"centered_clipping": {"tau": 1.0}}
 #: rules whose vector is bit-equal whatever the chunk width (given the same selection)
@@ -169,3 +169,55 @@ def test_a_source_is_checked_like_a_tensor() -> None:
     with pytest.raises(ValueError, match="floating point"):
         aggregate("median", TensorColumns(torch.ones(3, 4, dtype=torch.int64)))
     assert min_clients("bulyan", 1) == 7
+
+
+@pytest.mark.parametrize("rule", ["krum", "multikrum", "bulyan", "geometric_median"])
+def test_a_multi_pass_rule_reads_a_source_that_fits_once(rule: str) -> None:
+    x = draw(6, 11, 400)
+    whole = 11 * 400 * 4
+    fits = Counting(TensorColumns(x, budget=2 * whole))  # a source that decodes, say
+    a = aggregate(rule, x, f=2)
+    b = aggregate(rule, fits, f=2)
+    assert fits.shapes == [(11, 400)]  # read once, whole
+    assert_same(a, b, exact=rule in EXACT)
+    tight = Counting(TensorColumns(x, budget=2 * whole - 1))  # the copy would pass half
+    assert_same(a, aggregate(rule, tight, f=2), exact=rule in EXACT)
+    assert len(tight.shapes) > 1
+
+
+def test_cached_keeps_sources_in_memory_or_too_large_as_they_are() -> None:
+    x = draw(7, 5, 100)
+    plain, small = TensorColumns(x), TensorColumns(x, budget=10)
+    assert cached(plain) is plain and cached(small) is small
+    counting = Counting(TensorColumns(x, budget=5 * 100 * 4 * 2 + 100))
+    held = cached(counting)
+    assert isinstance(held, TensorColumns) and held.budget == 5 * 100 * 4 + 100
+    assert torch.equal(held.columns(10, 20, [4, 0]), x[[4, 0], 10:20])
+    assert counting.shapes == [(5, 100)]
+    assert cached(Counting(TensorColumns(x, budget=5 * 100 * 4 * 2 - 1))).budget is not None
+
+
+# Krum's Gram products are split differently by thread count (scores move by a rounding)
+@pytest.mark.parametrize("rule", sorted(set(RULES) - {"krum", "multikrum"}))
+def test_rules_give_the_same_numbers_on_one_thread_and_two(rule: str) -> None:
+    x = draw(8, 13, 300_001)  # several ranges of the CPU row passes
+    params = PARAMS.get(rule, {})
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        a = aggregate(rule, x, f=2, **params)
+        torch.set_num_threads(2)
+        b = aggregate(rule, x, f=2, **params)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(a.vector, b.vector)
+    assert [astuple(d) for d in a.decisions] == [astuple(d) for d in b.decisions]
+
+
+@pytest.mark.parametrize("rule", ["geometric_median", "centered_clipping", "fedavg"])
+def test_half_precision_updates_match_their_float32_values(rule: str) -> None:
+    x = draw(9, 7, 70_000).to(torch.bfloat16)
+    a = aggregate(rule, x, f=1)
+    b = aggregate(rule, x.float(), f=1)
+    assert torch.equal(a.vector, b.vector)
+    assert [astuple(d) for d in a.decisions] == [astuple(d) for d in b.decisions]

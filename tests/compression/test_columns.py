@@ -88,11 +88,13 @@ def test_payloads_of_different_group_sizes_decode_one_by_one() -> None:
     assert torch.equal(source.columns(3, 101), decoded(mixed, layout)[:, 3:101])
 
 
+# 4000 bytes: chunks of a few columns; 1 MiB: multi-pass rules decode everything once
+@pytest.mark.parametrize("budget", [4000, 1 << 20])
 @pytest.mark.parametrize("rule", sorted(RULES))
-def test_every_rule_from_payloads_equals_the_decoded_tensor(rule: str) -> None:
+def test_every_rule_from_payloads_equals_the_decoded_tensor(rule: str, budget: int) -> None:
     blobs, layout = payloads(11, CodecSpec("bitdelta", 8))
     x = decoded(blobs, layout)
-    source = PayloadColumns(blobs, layout, max_elements=MAX, budget=4000)
+    source = PayloadColumns(blobs, layout, max_elements=MAX, budget=budget)
     a = aggregate(rule, x, f=2, **PARAMS.get(rule, {}))
     b = aggregate(rule, source, f=2, **PARAMS.get(rule, {}))
     if rule in EXACT:

@@ -13,15 +13,21 @@ accumulators are float64; per-chunk products and selections run in the working d
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import TypeVar
 
+import numpy as np
 import torch
+from numpy.typing import NDArray
 from torch import Tensor
 
 from .columns import Columns, TensorColumns, Updates
 
 __all__ = ["Aggregate", "Decision"]
+
+_T = TypeVar("_T")
 
 _MIN_BUDGET = 1 << 20  # bytes of chunk temporaries, at least
 _MAX_BUDGET = 32 << 20  # and at most
@@ -278,10 +284,10 @@ def squared_distances(updates: Updates) -> Tensor:
 def weighted_sum(updates: Updates, weights: Tensor) -> Tensor:
     """`sum_i weights[i] * updates[i]` as `(d,)` float32, accumulated in float64; one pass.
 
-    Rows with weight zero are skipped (a source is asked for the others only); the others
-    are added one at a time into a float64 accumulator of a few columns, so no `(n, d)`
-    copy is ever made. Each coordinate's sum runs over the rows in order, so the result
-    does not depend on the chunk widths.
+    Rows with weight zero are skipped (a source that decodes is asked for the others only);
+    the others are added one at a time into a float64 accumulator of a few columns, so no
+    `(n, d)` copy is ever made. Each coordinate's sum runs over the rows in order, so the
+    result does not depend on the chunk widths.
     """
     vector, _ = combine(as_columns(updates, "weighted_sum"), weights, distances=False)
     return vector
@@ -299,40 +305,18 @@ def combine(
     `distances`, ||x_i - z|| `(n,)` float64 of every update to it.
 
     z's sum is accumulated in float64 over the rows in order, rounded to float32, then the
-    `base` `(d,)` term added in float32; each chunk's distances are formed in float64 from
-    the chunk and the finished part of z, so iterative rules (geometric median, centered
-    clipping) read the updates once per step. A tensor without a budget is read as one view
-    for the sum alone, or in the chunks of `distances_to` with distances.
+    `base` `(d,)` term added in float32; each span's distances are formed in float64 from
+    the updates and the finished span of z, so iterative rules (geometric median, centered
+    clipping) read the updates once per step. On CPU the column ranges are shared out among
+    `torch.get_num_threads()` threads (see `_rows_pass`); elsewhere each chunk is one
+    kernel per row.
     """
-    n, d, device = source.n, source.d, source.device
     w = weights.detach().to("cpu", torch.float64).reshape(-1).tolist()
     pairs = [(i, wi) for i, wi in enumerate(w) if wi != 0.0]
-    subset = None if distances or len(pairs) == n else [i for i, _ in pairs]
-    if subset is not None:
-        pairs = [(j, wi) for j, (_, wi) in enumerate(pairs)]  # rows of the subset chunk
-    if distances:
-        width = chunk_width(source, 16)
-    elif source.budget is None:
-        width = d  # a view of the whole tensor
-    else:
-        width = chunk_width(source, 0)
-    inner = _SUM_WIDTH if device.type == "cpu" else _SUM_WIDTH_ACCELERATOR
-    out = torch.empty(d, dtype=torch.float32, device=device)
-    acc = torch.empty(min(d, inner, width), dtype=torch.float64, device=device)
-    dist = torch.zeros(n, dtype=torch.float64, device=device) if distances else None
-    b = None if base is None else base.detach().to(device, torch.float32)
-    for start, stop, chunk in chunks(source, width, subset):
-        for s0, s1 in spans(stop - start, inner):
-            a = acc[: s1 - s0]
-            a.zero_()
-            for i, wi in pairs:
-                a.add_(chunk[i, s0:s1], alpha=wi)
-            out[start + s0 : start + s1] = a
-        if b is not None:
-            out[start:stop] = out[start:stop] + base_weight * b[start:stop]
-        if dist is not None:
-            diff = chunk.to(torch.float64) - out[start:stop].to(torch.float64)
-            dist += diff.square().sum(dim=1)
+    b = None if base is None else base.detach().to(source.device, torch.float32)
+    out = torch.empty(source.d, dtype=torch.float32, device=source.device)
+    plan = _Pass(pairs=pairs, out=out, base=b, base_weight=base_weight, center=None)
+    dist = _rows_pass(source, plan, distances)
     return out, None if dist is None else dist.sqrt()
 
 
@@ -348,21 +332,149 @@ def mean_of_rows(updates: Updates, rows: list[int]) -> Tensor:
 def distances_to(updates: Updates, center: Tensor) -> Tensor:
     """Euclidean distances `(n,)` float64 from each update to `center` `(d,)`; one pass."""
     source = as_columns(updates, "distances_to")
-    acc = torch.zeros(source.n, dtype=torch.float64, device=source.device)
     c = center.detach().to(source.device)
-    for start, stop, chunk in chunks(source, chunk_width(source, 16)):
-        diff = chunk.to(torch.float64) - c[start:stop].to(torch.float64)
-        acc += diff.square().sum(dim=1)
-    return acc.sqrt()
+    dist = _rows_pass(source, _Pass(pairs=[], out=None, center=c), True)
+    assert dist is not None
+    return dist.sqrt()
 
 
 def row_norms(updates: Updates) -> Tensor:
     """L2 norm `(n,)` float64 of each update; one pass."""
     source = as_columns(updates, "row_norms")
-    acc = torch.zeros(source.n, dtype=torch.float64, device=source.device)
-    for _, _, chunk in chunks(source, chunk_width(source, 8)):
-        acc += chunk.to(torch.float64).square().sum(dim=1)
-    return acc.sqrt()
+    dist = _rows_pass(source, _Pass(pairs=[], out=None, center=None), True)
+    assert dist is not None
+    return dist.sqrt()
+
+
+@dataclass
+class _Pass:
+    """What one pass over the rows computes: `out` = sum of `pairs` (row, weight) (+
+    base_weight * base), and the squared distances of every row to `center`, or to `out`
+    when there is an `out` and no `center`, or to zero when there is neither."""
+
+    pairs: list[tuple[int, float]]
+    out: Tensor | None  # (d,) float32
+    center: Tensor | None  # (d,)
+    base: Tensor | None = None  # (d,) float32
+    base_weight: float = 0.0
+
+
+def _rows_pass(source: Columns, plan: _Pass, distances: bool) -> Tensor | None:
+    """Run `plan` over the source in one pass; the squared distances `(n,)` float64 (on the
+    source's device) when `distances`, else None.
+
+    Only rows with a weight are read when no distances are wanted (a subset chunk). On CPU,
+    column ranges go to `torch.get_num_threads()` threads, each working through spans of
+    `_SUM_WIDTH` columns with one small kernel per row (below torch's parallel grain size,
+    so no kernel waits on a barrier of all threads, which stalls on a busy machine), each
+    range's distances summed apart and the ranges added in order: the result does not
+    depend on which thread ran what. A tensor without a budget is read as views of 2^17
+    columns; a source with one in chunks of its budget shared among the threads.
+    """
+    n, d, device = source.n, source.d, source.device
+    subset = None
+    if not distances and len(plan.pairs) < n and not _is_view_source(source):
+        subset = [i for i, _ in plan.pairs]
+        plan.pairs = [(j, wi) for j, (_, wi) in enumerate(plan.pairs)]  # rows of the subset
+    if device.type != "cpu":
+        return _rows_pass_accelerator(source, plan, distances, subset)
+    threads = torch.get_num_threads()
+    if source.budget is None:
+        width = min(d, _SUM_WIDTH * 4)
+    else:
+        width = chunk_width(source, 0, parallel=threads)
+    m = n if subset is None else len(subset)
+
+    def run(span: tuple[int, int]) -> NDArray[np.float64]:
+        chunk = source.columns(span[0], span[1], subset)
+        return _rows_range(chunk, span[0], plan, m if distances else 0)
+
+    parts = run_threaded(run, list(spans(d, width)), threads)
+    if not distances:
+        return None
+    total = np.zeros(m, dtype=np.float64)
+    for part in parts:
+        total += part
+    return torch.from_numpy(total)
+
+
+def _is_view_source(source: Columns) -> bool:
+    """Whether the source's column ranges are views (an in-memory tensor), so reading a
+    subset of rows would copy them for nothing."""
+    return isinstance(source, TensorColumns)
+
+
+def _rows_range(chunk: Tensor, start: int, plan: _Pass, rows: int) -> NDArray[np.float64]:
+    """`plan` over one chunk `(m, c)` of columns from `start`, in spans of `_SUM_WIDTH`
+    columns; the squared distances `(rows,)` of its rows (none when rows is 0)."""
+    c = chunk.shape[1]
+    width = min(c, _SUM_WIDTH)
+    acc = torch.empty(width, dtype=torch.float64)
+    ref = torch.zeros(width, dtype=torch.float64)  # the span of the centre, in float64
+    diff = torch.empty(width, dtype=torch.float64)
+    dist = [0.0] * rows
+    centre = plan.center if plan.center is not None else plan.out
+    for s0, s1 in spans(c, width):
+        a, r, t = acc[: s1 - s0], ref[: s1 - s0], diff[: s1 - s0]
+        if plan.out is not None:
+            o = plan.out[start + s0 : start + s1]
+            a.zero_()
+            for i, wi in plan.pairs:
+                a.add_(chunk[i, s0:s1], alpha=wi)
+            o.copy_(a)
+            if plan.base is not None:
+                o.copy_(o + plan.base_weight * plan.base[start + s0 : start + s1])
+        if rows == 0:
+            continue
+        if centre is not None:
+            r.copy_(centre[start + s0 : start + s1])
+        for i in range(rows):
+            # no torch.dot: BLAS threads its dot products, and their barriers stall
+            torch.sub(chunk[i, s0:s1], r, out=t)
+            dist[i] += float(t.square_().sum())
+    return np.asarray(dist, dtype=np.float64)
+
+
+def _rows_pass_accelerator(
+    source: Columns, plan: _Pass, distances: bool, subset: list[int] | None
+) -> Tensor | None:
+    """`_rows_pass` off the CPU: chunks of the budget, one kernel per row for the sum and
+    one per chunk for the distances."""
+    n, device = source.n, source.device
+    width = chunk_width(source, 16 if distances else 0)
+    acc = torch.empty(min(source.d, _SUM_WIDTH_ACCELERATOR, width), dtype=torch.float64)
+    acc = acc.to(device)
+    dist = torch.zeros(n, dtype=torch.float64, device=device) if distances else None
+    for start, stop, chunk in chunks(source, width, subset):
+        if plan.out is not None:
+            for s0, s1 in spans(stop - start, _SUM_WIDTH_ACCELERATOR):
+                a = acc[: s1 - s0]
+                a.zero_()
+                for i, wi in plan.pairs:
+                    a.add_(chunk[i, s0:s1], alpha=wi)
+                plan.out[start + s0 : start + s1] = a
+            if plan.base is not None:
+                o = plan.out[start:stop]
+                o.copy_(o + plan.base_weight * plan.base[start:stop])
+        if dist is not None:
+            centre = plan.center if plan.center is not None else plan.out
+            diff = chunk.to(torch.float64)
+            if centre is not None:
+                diff = diff - centre[start:stop].to(torch.float64)
+            dist += diff.square().sum(dim=1)
+    return dist
+
+
+def run_threaded(
+    fn: Callable[[tuple[int, int]], _T], items: list[tuple[int, int]], threads: int
+) -> list[_T]:
+    """`[fn(item) for item in items]`, the items handed out to up to `threads` threads as
+    they finish the previous one (NumPy and small torch kernels release the GIL)."""
+    workers = max(1, min(threads, len(items)))
+    if workers == 1:
+        return [fn(item) for item in items]
+    with ThreadPoolExecutor(workers) as pool:
+        return list(pool.map(fn, items))
 
 
 def pct(share: float) -> str:

@@ -255,6 +255,34 @@ def _np_trimmed(
     return dropped
 
 
+def np_closest_to_median(v: NDArray[np.float64], beta: int) -> tuple[Array, Array]:
+    """NumPy twin of `closest_to_median` on `v` `(theta, c)` float64: the mean `(c,)`
+    float64 and each row's share `(theta,)` float64.
+
+    Where no distance ties at the beta-th place, the kept values are those at most the
+    beta-th smallest distance from the median, each wholly; the tied columns go through
+    `window_shares`."""
+    theta, c = v.shape
+    s = np.sort(v.T, axis=1)  # (c, theta)
+    med = 0.5 * (s[:, (theta - 1) // 2] + s[:, theta // 2])  # (c,)
+    gap = np.abs(v - med)  # (theta, c)
+    g = np.sort(gap.T, axis=1)  # (c, theta)
+    last = g[:, beta - 1]
+    keep = gap <= last  # (theta, c)
+    kept = np.where(keep, v, 0.0)
+    mean = kept.sum(axis=0)
+    used = np.count_nonzero(keep, axis=1).astype(np.float64)
+    tie = g[:, beta] == last if beta < theta else np.zeros(c, dtype=np.bool_)
+    if tie.any():
+        cols = np.flatnonzero(tie)
+        keys = torch.from_numpy(np.ascontiguousarray(gap[:, cols]))
+        first = torch.from_numpy(np.ascontiguousarray(g[cols, 0]))
+        share = window_shares(keys, 0, beta, first, torch.from_numpy(last[cols])).numpy()
+        used += share.sum(axis=1) - np.count_nonzero(keep[:, cols], axis=1)
+        mean[cols] = (share * v[:, cols]).sum(axis=0)
+    return mean / beta, used
+
+
 def coordinatewise(
     updates: Updates, kind: str, f: int, width: int, engine: str | None = None
 ) -> tuple[Tensor, Tensor]:

@@ -17,7 +17,9 @@ for the Gram matrix, one reading the theta selected rows.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
+from numpy.typing import NDArray
 from torch import Tensor
 
 from ._core import (
@@ -29,12 +31,14 @@ from ._core import (
     chunks,
     pct,
     require,
+    run_threaded,
     sort_budget,
+    spans,
     squared_distances,
     work_dtype,
 )
-from ._select import closest_to_median
-from .columns import Updates
+from ._select import closest_to_median, np_closest_to_median
+from .columns import Columns, Updates, cached
 from .krum import krum_scores, lowest
 
 _EPS = 1e-9  # coordinates; shares of tied runs are fractions
@@ -53,23 +57,50 @@ def recursive_krum(dist: Tensor, f: int, theta: int) -> list[int]:
     return chosen
 
 
+def _closest_to_median_pass(source: Columns, chosen: list[int], beta: int, out: Tensor) -> Tensor:
+    """Step 2 over the chosen rows, one pass: write the `(d,)` aggregate to `out` and return
+    each chosen row's number `(theta,)` float64 of coordinates it was kept in.
+
+    On CPU the column ranges go to `torch.get_num_threads()` threads, each sorting its
+    chunks with NumPy (see `_select`); elsewhere the torch kernel, chunk by chunk."""
+    theta, device = len(chosen), source.device
+    dtype = work_dtype(source)
+    threads = torch.get_num_threads() if device.type == "cpu" else 1
+    width = chunk_width(source, 48, sort_budget(source), threads)  # rows, gaps, shares
+    if device.type != "cpu":
+        used = torch.zeros(theta, dtype=torch.float64, device=device)
+        for start, stop, rows in chunks(source, width, chosen):  # rows (theta, c)
+            mean, share = closest_to_median(rows.to(dtype), beta)
+            out[start:stop] = mean
+            used += share
+        return used
+    out_np = out.numpy()
+
+    def run(span: tuple[int, int]) -> NDArray[np.float64]:
+        rows = source.columns(span[0], span[1], chosen)  # (theta, c), chosen order
+        v = rows.to(dtype).numpy().astype(np.float64)
+        mean, share = np_closest_to_median(v, beta)
+        out_np[span[0] : span[1]] = mean
+        return share
+
+    parts = run_threaded(run, list(spans(source.d, width)), threads)
+    total = np.zeros(theta, dtype=np.float64)
+    for part in parts:
+        total += part
+    return torch.from_numpy(total)
+
+
 def bulyan(updates: Updates, *, f: int) -> Aggregate:
     """Bulyan over the `(n, d)` updates: recursive Krum, then a trimmed mean around the median."""
-    source = as_columns(updates, "bulyan")
+    source = cached(as_columns(updates, "bulyan"))  # read more than once
     n, d, device = source.n, source.d, source.device
     check_f(f, "bulyan")
     require(n, 4 * f + 3, f"bulyan with f={f}", "n >= 4f + 3")
     theta, beta = n - 2 * f, n - 4 * f
     dist = squared_distances(source)
     chosen = recursive_krum(dist, f, theta)
-    dtype = work_dtype(source)
-    width = chunk_width(source, 48, sort_budget(source))  # gathered rows, gaps, shares
     out = torch.empty(d, dtype=torch.float32, device=device)
-    used = torch.zeros(theta, dtype=torch.float64, device=device)  # coordinates
-    for start, stop, rows in chunks(source, width, chosen):  # rows (theta, c), chosen order
-        mean, share = closest_to_median(rows.to(dtype), beta)
-        out[start:stop] = mean
-        used += share
+    used = _closest_to_median_pass(source, chosen, beta, out)  # (theta,) coordinates
     per_update = dict(zip(chosen, used.cpu().tolist(), strict=True))
     decisions = []
     for i in range(n):

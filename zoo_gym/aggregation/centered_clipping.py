@@ -46,7 +46,7 @@ from ._core import (
     distances_to,
     pct,
 )
-from .columns import Updates
+from .columns import Updates, cached
 
 
 def centered_clipping(
@@ -61,7 +61,7 @@ def centered_clipping(
     `tau`: clipping radius > 0, or None for the median distance to the centre at each
     step. `iters`: number of clipping steps (>= 1).
     """
-    source = as_columns(updates, "centered_clipping")
+    source = cached(as_columns(updates, "centered_clipping"))  # read more than once
     n, d, device = source.n, source.d, source.device
     if tau is not None and (isinstance(tau, bool) or not float(tau) > 0.0):
         raise ValueError(f"centered_clipping: tau must be > 0 or None (adaptive), got {tau!r}")

@@ -22,7 +22,7 @@ from typing import Protocol, runtime_checkable
 import torch
 from torch import Tensor
 
-__all__ = ["Columns", "MixedColumns", "ScaledColumns", "TensorColumns", "Updates"]
+__all__ = ["Columns", "MixedColumns", "ScaledColumns", "TensorColumns", "Updates", "cached"]
 
 
 @runtime_checkable
@@ -95,6 +95,21 @@ class TensorColumns:
         if rows is None:
             return view
         return view.index_select(0, torch.as_tensor(list(rows), device=view.device))
+
+
+def cached(source: Columns) -> Columns:
+    """A source for a rule that reads its updates more than once: `source` itself, or, when
+    all of it `(n, d)` fits in half the source's budget, all of it read once into memory
+    (a `TensorColumns` of views whose budget is what is left for chunk temporaries), so
+    later passes do not decode it again. A source without a budget, or already in memory,
+    is returned as it is."""
+    budget = source.budget
+    if budget is None or isinstance(source, TensorColumns):
+        return source
+    size = source.n * source.d * (torch.finfo(source.dtype).bits // 8)
+    if size > budget // 2:
+        return source
+    return TensorColumns(source.columns(0, source.d), budget=budget - size)
 
 
 class _Derived:

@@ -25,7 +25,7 @@ from ._core import (
     combine,
     pct,
 )
-from .columns import Columns, Updates
+from .columns import Columns, Updates, cached
 
 
 def geometric_median(
@@ -37,7 +37,7 @@ def geometric_median(
     tol: float = 1e-7,
 ) -> Aggregate:
     """Smoothed Weiszfeld (RFA) geometric median of the `(n, d)` updates; `weights` `(n,)` >= 0."""
-    source = as_columns(updates, "geometric_median")
+    source = cached(as_columns(updates, "geometric_median"))  # read more than once
     n = source.n
     iters = check_count(iters, "iters", "geometric_median")
     if not eps > 0.0 or not tol >= 0.0:

@@ -32,7 +32,7 @@ from ._core import (
     require,
     squared_distances,
 )
-from .columns import Updates
+from .columns import Updates, cached
 
 
 def krum_scores(dist: Tensor, f: int) -> Tensor:
@@ -70,7 +70,7 @@ def krum(updates: Updates, *, f: int, m: int = 1) -> Aggregate:
     `updates` is (n, d); distances come from one float64 Gram matrix. Requires n >= 2f + 3
     and 1 <= m <= n. Every update's decision carries its score.
     """
-    source = as_columns(updates, "krum")
+    source = cached(as_columns(updates, "krum"))  # read more than once
     n = source.n
     check_f(f, "krum")
     require(n, 2 * f + 3, f"krum with f={f}", "n >= 2f + 3")

@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from ._core import as_columns, check_f, column_chunks, require, squared_distances
-from .columns import Columns, MixedColumns, TensorColumns, Updates
+from .columns import Columns, MixedColumns, TensorColumns, Updates, cached
 
 
 @overload
@@ -34,7 +34,7 @@ def nnm(updates: Updates, *, f: int) -> Tensor | Columns:
     n x d is formed: one pass for the Gram matrix here, and each read of the result reads
     the source once more.
     """
-    source = as_columns(updates, "nnm")
+    source = cached(as_columns(updates, "nnm"))  # read more than once
     n = source.n
     check_f(f, "nnm")
     require(n, 2 * f + 1, f"nnm with f={f}", "n > 2f")

@@ -28,6 +28,7 @@ from .columns import Columns, TensorColumns, Updates
 __all__ = ["Aggregate", "Decision"]
 
 _T = TypeVar("_T")
+_I = TypeVar("_I")
 
 _MIN_BUDGET = 1 << 20  # bytes of chunk temporaries, at least
 _MAX_BUDGET = 32 << 20  # and at most
@@ -207,23 +208,42 @@ def gram(updates: Updates) -> Tensor:
     when all updates share a large common component (full weights instead of deltas).
     x_i - x_r is exact when the two are within a factor 2 (Sterbenz), and small integer
     inputs give exact distances. Only the lower block triangle is multiplied, in blocks of
-    rows: 128 each from n = 256 on (about 56% of the flops for n = 1000); below that, from
-    n = 16 and on one thread only, two blocks below n = 40 (75%) or four (62%): such thin
-    products do not spread over threads, one whole product per chunk does. On a GPU the
+    rows: 128 each from n = 256 on (about 56% of the flops for n = 1000); below that, on
+    CPU from n = 16, two blocks below n = 40 (75%) or four (62%). On CPU the column ranges
+    are dealt out among `torch.get_num_threads()` threads in turn (range k to thread k mod
+    T), each accumulating its own Gram matrix with its own references and each GEMM on its
+    own thread: a multi-threaded GEMM per chunk waits on a barrier of all threads, which
+    stalls when another process holds a core. The partial matrices are added in thread
+    order, so the result depends on the thread count but not on timing. On a GPU the
     GEMM follows torch's float32 matmul precision: keep it at "highest" (the default),
     TF32 keeps 10 bits.
     """
     source = as_columns(updates, "gram")
     n, dtype, device = source.n, work_dtype(source), source.device
+    threads = torch.get_num_threads() if device.type == "cpu" else 1
+    width = chunk_width(source, torch.finfo(dtype).bits // 8, parallel=threads)
+    triangular = n >= 2 * _GRAM_BLOCK or (n >= _GRAM_TRIANGULAR_FROM and device.type == "cpu")
+    ranges = list(spans(source.d, width))
+    groups = [ranges[t::threads] for t in range(min(threads, len(ranges)))]
+    parts = run_threaded(lambda group: _gram_part(source, group, triangular), groups, threads)
+    g = parts[0]
+    for part in parts[1:]:
+        g += part
+    return _symmetric(g, triangular)
+
+
+def _gram_part(source: Columns, ranges: list[tuple[int, int]], triangular: bool) -> Tensor:
+    """The shifted Gram matrix `(n, n)` float64 of the column `ranges` of the source (only
+    the lower block triangle when `triangular`), each range shifted by the medoid of the
+    distances accumulated so far (see `gram`)."""
+    n, dtype, device = source.n, work_dtype(source), source.device
     g = torch.zeros((n, n), dtype=torch.float64, device=device)
     part = torch.zeros((n, n), dtype=dtype, device=device)  # one chunk's product
-    width = chunk_width(source, torch.finfo(dtype).bits // 8)
+    width = max(stop - start for start, stop in ranges)
     buf = torch.empty((n, width), dtype=dtype, device=device)  # shifted chunk, reused
-    triangular = n >= 2 * _GRAM_BLOCK or (
-        n >= _GRAM_TRIANGULAR_FROM and torch.get_num_threads() == 1
-    )
     ref = -1
-    for k, (start, stop, chunk) in enumerate(chunks(source, width)):  # chunk (n, c)
+    for k, (start, stop) in enumerate(ranges):
+        chunk = source.columns(start, stop)  # (n, c)
         x = buf[:, : stop - start]  # (n, c)
         if k == 0:  # probe a few columns, shifted by update 0, for the first medoid
             probe = min(stop - start, _PROBE_WIDTH)
@@ -232,8 +252,17 @@ def gram(updates: Updates) -> Tensor:
         elif k & (k - 1) == 0:  # k a power of two
             ref = _medoid(_symmetric(g, triangular))
         for rows, cols in _shifted_product(chunk, ref, x, part, triangular):
-            g[rows, cols] += part[rows, cols]  # only the blocks that were computed
-    return _symmetric(g, triangular)
+            _accumulate(g[rows, cols], part[rows, cols])  # only the blocks computed
+    return g
+
+
+def _accumulate(acc: Tensor, x: Tensor) -> None:
+    """acc += x, through NumPy on CPU (one thread, no barrier)."""
+    if acc.device.type == "cpu":
+        acc_np = acc.numpy()
+        np.add(acc_np, x.numpy(), out=acc_np)
+    else:
+        acc += x
 
 
 def _shifted_product(
@@ -243,7 +272,16 @@ def _shifted_product(
     returns the (rows, cols) blocks of `part` written: all of it, or with `triangular` the
     lower block triangle."""
     n = chunk.shape[0]
-    if chunk.dtype == x.dtype:
+    if x.device.type == "cpu":  # NumPy: one thread, no barrier
+        x_np = x.numpy()
+        if chunk.dtype != x.dtype:
+            for i in range(n):  # a row at a time, below torch's parallel grain size
+                x[i].copy_(chunk[i])
+            np.subtract(x_np, x_np[ref].copy(), out=x_np)
+        else:
+            c = chunk.detach().numpy()
+            np.subtract(c, c[ref], out=x_np)
+    elif chunk.dtype == x.dtype:
         torch.sub(chunk, chunk[ref], out=x)
     else:
         x.copy_(chunk)
@@ -465,9 +503,7 @@ def _rows_pass_accelerator(
     return dist
 
 
-def run_threaded(
-    fn: Callable[[tuple[int, int]], _T], items: list[tuple[int, int]], threads: int
-) -> list[_T]:
+def run_threaded(fn: Callable[[_I], _T], items: list[_I], threads: int) -> list[_T]:
     """`[fn(item) for item in items]`, the items handed out to up to `threads` threads as
     they finish the previous one (NumPy and small torch kernels release the GIL)."""
     workers = max(1, min(threads, len(items)))

@@ -221,3 +221,13 @@ def test_half_precision_updates_match_their_float32_values(rule: str) -> None:
     b = aggregate(rule, x.float(), f=1)
     assert torch.equal(a.vector, b.vector)
     assert [astuple(d) for d in a.decisions] == [astuple(d) for d in b.decisions]
+
+
+@pytest.mark.parametrize("rule", ["median", "trimmed_mean", "bulyan"])
+def test_wide_chunks_are_sorted_in_spans_of_the_sort_budget(rule: str) -> None:
+    x = draw(10, 11, 60_001)  # a 2 MiB sort budget holds 23,831 columns of 11 updates
+    source = Counting(TensorColumns(x, budget=1 << 30))
+    a = aggregate(rule, x, f=2)
+    b = aggregate(rule, source, f=2)
+    assert max(width for _, width in source.shapes) > 30_000  # read in wide chunks
+    assert_same(a, b, exact=True)

@@ -16,7 +16,10 @@ so memory is the source's `budget` plus O(n^2) and the `(d,)` output, whatever n
 Passes over the updates: FedAvg, median and trimmed mean one; Krum, Multi-Krum and Bulyan
 two (the Gram matrix, then the selected rows); NNM one for its Gram matrix, then it is a
 source mixed chunk by chunk; geometric median one per step plus one; centered clipping
-iters + 1.
+iters + 1. The rules that read their updates more than once read a source whose whole
+`(n, d)` fits in half its budget only once (`columns.cached`). On CPU every pass shares
+its column ranges among `torch.get_num_threads()` threads, each running single-threaded
+kernels (no per-kernel barrier of all threads, which stalls a busy machine).
 """
 
 from ._core import Aggregate, Decision

@@ -8,7 +8,9 @@ of the input, between 1 MiB and 32 MiB), so that the extra memory of a rule is t
 output plus a few percent of the input, never an `(n, d)` copy; for a source with a
 `budget`, from that budget. Sums and
 accumulators are float64; per-chunk products and selections run in the working dtype
-(float32, or float64 when the updates are float64).
+(float32, or float64 when the updates are float64). On CPU the passes share their column
+ranges among `torch.get_num_threads()` threads (`run_threaded`), each running small or
+NumPy kernels on its own, so that no kernel waits on a barrier of all threads.
 """
 
 from __future__ import annotations

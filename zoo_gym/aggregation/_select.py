@@ -17,7 +17,6 @@ stalling the rule. On other devices: the same steps in torch.
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -25,7 +24,7 @@ import torch
 from numpy.typing import NDArray
 from torch import Tensor
 
-from ._core import as_columns, spans
+from ._core import as_columns, run_threaded, sort_budget, spans
 from .columns import Updates
 
 Array = NDArray[Any]  # a NumPy array of the working dtype
@@ -290,21 +289,26 @@ def coordinatewise(
     columns, one pass: the `(d,)` float32 result and the per-row sums `(n,)` float64
     (middle positions held, or values dropped). `engine` "numpy" (CPU only) or "torch"; by
     default NumPy on CPU and torch elsewhere. The NumPy engine reads chunks from
-    `torch.get_num_threads()` threads at once."""
+    `torch.get_num_threads()` threads at once. A chunk wider than the sort budget (from a
+    source with a budget, which decodes wide chunks) is sorted in spans of that budget,
+    so the kernel's data stays in cache."""
     source = as_columns(updates, "coordinatewise")
     n, d, device = source.n, source.d, source.device
     engine = engine or ("numpy" if device.type == "cpu" else "torch")
     out = torch.empty(d, dtype=torch.float32, device=device)
     dtype = torch.float64 if source.dtype == torch.float64 else torch.float32
+    inner = min(width, max(1, sort_budget(source) // (n * 8)))  # kernel columns
     if engine == "torch":
-        scratch = Scratch(n, width, dtype, device)
+        scratch = Scratch(n, inner, dtype, device)
         rows = torch.zeros(n, dtype=torch.float64, device=device)
         for start, stop in spans(d, width):
-            x = source.columns(start, stop)
-            if kind == "median":
-                rows += median_columns(x, scratch, out[start:stop])
-            else:
-                rows += trimmed_columns(x, f, scratch, out[start:stop])
+            chunk = source.columns(start, stop)
+            for a, b in spans(stop - start, inner):
+                o = out[start + a : start + b]
+                if kind == "median":
+                    rows += median_columns(chunk[:, a:b], scratch, o)
+                else:
+                    rows += trimmed_columns(chunk[:, a:b], f, scratch, o)
         return out, rows
     out_np = out.numpy()
     np_dtype = np.float64 if dtype == torch.float64 else np.float32
@@ -313,20 +317,17 @@ def coordinatewise(
         return _np_median(x, scratch, o) if kind == "median" else _np_trimmed(x, f, scratch, o)
 
     def run(group: list[tuple[int, int]]) -> NDArray[np.float64]:
-        scratch = _NpScratch(n, width, np_dtype)
+        scratch = _NpScratch(n, inner, np_dtype)
         total = np.zeros(n, dtype=np.float64)
         for start, stop in group:
             chunk = source.columns(start, stop).detach()
             x = chunk.numpy() if chunk.dtype == dtype else chunk.to(dtype).numpy()
-            total += kernel(x, scratch, out_np[start:stop])
+            for a, b in spans(stop - start, inner):
+                total += kernel(x[:, a:b], scratch, out_np[start + a : start + b])
         return total
 
     ranges = list(spans(d, width))
     workers = max(1, min(torch.get_num_threads(), len(ranges)))
     groups = [ranges[i::workers] for i in range(workers)]
-    if workers == 1:
-        totals = [run(groups[0])]
-    else:
-        with ThreadPoolExecutor(workers) as pool:
-            totals = list(pool.map(run, groups))
+    totals = run_threaded(run, groups, workers)
     return out, torch.from_numpy(np.sum(totals, axis=0))

@@ -62,7 +62,8 @@ def _closest_to_median_pass(source: Columns, chosen: list[int], beta: int, out: 
     each chosen row's number `(theta,)` float64 of coordinates it was kept in.
 
     On CPU the column ranges go to `torch.get_num_threads()` threads, each sorting its
-    chunks with NumPy (see `_select`); elsewhere the torch kernel, chunk by chunk."""
+    chunks with NumPy (see `_select`) in spans that fit the sort budget; elsewhere the
+    torch kernel, chunk by chunk."""
     theta, device = len(chosen), source.device
     dtype = work_dtype(source)
     threads = torch.get_num_threads() if device.type == "cpu" else 1
@@ -76,12 +77,17 @@ def _closest_to_median_pass(source: Columns, chosen: list[int], beta: int, out: 
         return used
     out_np = out.numpy()
 
+    inner = min(width, max(1, sort_budget(source) // (theta * 48)))  # kernel columns
+
     def run(span: tuple[int, int]) -> NDArray[np.float64]:
         rows = source.columns(span[0], span[1], chosen)  # (theta, c), chosen order
-        v = rows.to(dtype).numpy().astype(np.float64)
-        mean, share = np_closest_to_median(v, beta)
-        out_np[span[0] : span[1]] = mean
-        return share
+        total = np.zeros(theta, dtype=np.float64)
+        for a, b in spans(span[1] - span[0], inner):  # in cache-sized spans
+            v = rows[:, a:b].to(dtype).numpy().astype(np.float64)
+            mean, share = np_closest_to_median(v, beta)
+            out_np[span[0] + a : span[0] + b] = mean
+            total += share
+        return total
 
     parts = run_threaded(run, list(spans(source.d, width)), threads)
     total = np.zeros(theta, dtype=np.float64)

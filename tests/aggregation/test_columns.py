@@ -231,3 +231,10 @@ def test_wide_chunks_are_sorted_in_spans_of_the_sort_budget(rule: str) -> None:
     b = aggregate(rule, source, f=2)
     assert max(width for _, width in source.shapes) > 30_000  # read in wide chunks
     assert_same(a, b, exact=True)
+
+
+def test_chunks_from_a_source_are_whole_multiples_of_1024_columns() -> None:
+    x = draw(11, 3, 100_000)
+    source = Counting(TensorColumns(x, budget=3 * 4 * 5000))  # 5,000 columns fit
+    aggregate("fedavg", source)
+    assert {width for _, width in source.shapes} == {4096, 100_000 - 24 * 4096}

@@ -40,6 +40,7 @@ _BUDGET_SHARE = 100  # 1% of the input
 # afresh each time, and faulting in fresh pages costs more than decoding them (about 7 ns
 # per value for 400 MiB chunks of n = 1000 BitDelta rows against 2.5 ns for 32 MiB)
 _SOURCE_CHUNK = 32 << 20
+_SOURCE_ALIGN = 1024  # columns; wider chunks from a source are a multiple of it
 # columns per float64 accumulator chunk on CPU: stays in L2, and is below torch's parallel
 # grain size (32768), so each row added runs on the calling thread; the sum is memory-bound
 # anyway, and a thread barrier per row stalls on a busy machine
@@ -161,13 +162,16 @@ def chunk_width(
     A source without a budget (the in-memory tensor): 1% of the input, clamped to [1 MiB,
     `max_budget`] (32 MiB by default). A source with one: its budget shared among
     `parallel` chunks at a time, each also holding the chunk the source returns, and
-    that chunk at most 32 MiB.
+    that chunk at most 32 MiB and, when wider than 1024 columns, a multiple of 1024 (so
+    that ranges decoded from packed payloads start on whole bytes and groups).
     """
     n, d = source.n, source.d
     itemsize = torch.finfo(source.dtype).bits // 8
     if source.budget is not None:
         per_column = n * (bytes_per_value + itemsize) * max(1, parallel)
         width = min(source.budget // per_column, _SOURCE_CHUNK // (n * itemsize))
+        if width > _SOURCE_ALIGN:  # whole bytes and groups of a decoded range
+            width -= width % _SOURCE_ALIGN
         return max(1, min(d, width))
     input_bytes = n * d * itemsize
     budget = min(max(input_bytes // _BUDGET_SHARE, _MIN_BUDGET), max(_MIN_BUDGET, max_budget))

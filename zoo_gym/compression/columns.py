@@ -254,7 +254,12 @@ class _SignColumns:
         g0, g1 = v0 // group, -(-v1 // group)
         raw = self._gather(tensor.scales, rows, g0, g1 - g0, tensor.n_groups, self._scale_bytes)
         scales = torch.from_numpy(raw).view(self._scale_dtype).float()  # (m, g1 - g0)
-        bitdelta.sign_values_into(signs, target.view(m, -1, 8).numpy())
+        values = target.view(m, -1, 8).numpy()  # (m, bytes, 8)
+        if values.flags.c_contiguous:
+            bitdelta.sign_values_into(signs, values)
+        else:  # a part of the chunk's rows: NumPy would take into a copy and write it back
+            for j in range(m):
+                bitdelta.sign_values_into(signs[j], values[j])
         head = min(v1, (g0 + 1) * group) - v0  # the values of group g0
         target[:, :head].mul_(scales[:, :1])
         if g1 - g0 > 1:

@@ -250,14 +250,14 @@ def _measure_size(n: int, d: int, rule: str, argv: list[str], threads: int) -> d
             flush=True,
         )
     if rule == "multikrum":
-        need = _flower_bytes(n, d) + n * d  # and the payloads
+        need = _flower_bytes(n, d) + n * d // 7  # and the payloads, 1.125 bits a value
         free = _available_bytes()
         if need < free:
             result |= _subprocess([*argv, "--mode", "flower"], threads)
         else:
             print(
-                f"n={n} d={d}: Flower's Multi-Krum skipped, it holds 4 x (n, d) float32 = "
-                f"{_gib(need)}, {_gib(free)} available",
+                f"n={n} d={d}: Flower's Multi-Krum skipped, it holds 4 x (n, d) float32 "
+                f"and the payloads = {_gib(need)}, {_gib(free)} available",
                 flush=True,
             )
     return result

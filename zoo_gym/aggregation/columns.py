@@ -17,44 +17,13 @@ before), which is what a plain tensor argument means.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol, runtime_checkable
 
 import torch
 from torch import Tensor
 
+from zoo_gym.core.columns import Columns, Updates
+
 __all__ = ["Columns", "MixedColumns", "ScaledColumns", "TensorColumns", "Updates", "cached"]
-
-
-@runtime_checkable
-class Columns(Protocol):
-    """n updates of d coordinates, read by column range."""
-
-    @property
-    def n(self) -> int: ...
-
-    @property
-    def d(self) -> int: ...
-
-    @property
-    def dtype(self) -> torch.dtype: ...
-
-    @property
-    def device(self) -> torch.device: ...
-
-    @property
-    def budget(self) -> int | None:
-        """Bytes a rule may spend on one column range and its temporaries; None for the
-        in-memory defaults."""
-        ...
-
-    def columns(self, start: int, stop: int, rows: Sequence[int] | None = None) -> Tensor:
-        """Columns [start, stop) of the given rows (all when None), `(len(rows), stop -
-        start)`, row j being update `rows[j]`. Safe to call from several threads."""
-        ...
-
-
-Updates = Tensor | Columns
-"""What a rule accepts: the `(n, d)` tensor or a column source."""
 
 
 class TensorColumns:

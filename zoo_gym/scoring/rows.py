@@ -1,48 +1,35 @@
 """The updates a quality method scores: one `(n, d)` tensor, or a source of column chunks.
 
 A round whose decoded updates do not fit the coordinator's aggregation memory keeps its
-payloads compressed and hands scoring a column source (the shape of
-`zoo_gym.aggregation.columns.Columns`, e.g. `zoo_gym.compression.columns.PayloadColumns`:
-`n`, `d`, `dtype`, `device`, `budget` and `columns(start, stop, rows)`), which this package
-reads without importing either. A method reads one row at a time (`row_of`), a coalition as a
-view of some rows (`select_rows`: a tensor for a tensor, a `RowSubset` for a source, which the
-aggregation rules take as they are) or columns a chunk at a time (`column_chunks`).
+payloads compressed and hands scoring a column source (`zoo_gym.core.columns.Columns`,
+e.g. `zoo_gym.compression.columns.PayloadColumns`). A method reads one row at a time
+(`row_of`), a coalition as a view of some rows (`select_rows`: a tensor for a tensor, a
+`RowSubset` for a source, which the aggregation rules take as they are) or columns a chunk
+at a time (`column_chunks`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from typing import Protocol, runtime_checkable
 
 import torch
 from torch import Tensor
 
+from zoo_gym.core.columns import Columns as ColumnSource
+from zoo_gym.core.columns import Updates
+
+__all__ = [
+    "CHUNK_BYTES",
+    "ColumnSource",
+    "RowSubset",
+    "Updates",
+    "column_chunks",
+    "row_of",
+    "select_rows",
+    "shape_of",
+]
+
 CHUNK_BYTES = 64 << 20  # a chunk of all n rows when the source names no budget
-
-
-@runtime_checkable
-class ColumnSource(Protocol):
-    """Read-only `(n, d)` updates, read as column ranges of some or all rows."""
-
-    @property
-    def n(self) -> int: ...
-
-    @property
-    def d(self) -> int: ...
-
-    @property
-    def dtype(self) -> torch.dtype: ...
-
-    @property
-    def device(self) -> torch.device: ...
-
-    @property
-    def budget(self) -> int | None: ...
-
-    def columns(self, start: int, stop: int, rows: Sequence[int] | None = None) -> Tensor: ...
-
-
-Updates = Tensor | ColumnSource
 
 
 def shape_of(updates: Updates) -> tuple[int, int]:

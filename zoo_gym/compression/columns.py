@@ -72,18 +72,23 @@ class PayloadColumns:
         max_elements: int,
         budget: int,
         device: torch.device | str | None = None,
+        headers: Sequence[EnvelopeHeader] | None = None,
     ) -> None:
         if budget < 1:
             raise ValueError(f"budget must be a positive number of bytes, got {budget}")
         self.payloads = [bytes(p) if not isinstance(p, bytes) else p for p in payloads]
-        self.headers = [self._check(p, layout, max_elements) for p in self.payloads]
+        if headers is None:
+            headers = [self.check(p, layout, max_elements) for p in self.payloads]
+        self.headers = list(headers)
         self._budget = budget
         self._device = torch.device("cpu" if device is None else device)
         self._starts = list(itertools.accumulate((ts.numel for ts in layout), initial=0))
         self._signs = _SignColumns.of(self.payloads, self.headers, self._starts)
 
     @staticmethod
-    def _check(payload: bytes, layout: Layout, max_elements: int) -> EnvelopeHeader:
+    def check(payload: bytes, layout: Layout, max_elements: int) -> EnvelopeHeader:
+        """`payload`'s header, validated as the constructor validates each payload (pass the
+        headers of payloads checked this way as `headers` to skip checking them again)."""
         header = inspect_envelope(payload, max_elements=max_elements)
         check_layout(header, layout)
         for section in header.sections:

@@ -39,7 +39,7 @@ from zoo_gym import ledger
 from zoo_gym.aggregation import WEIGHTED_RULES, Aggregate, Decision, aggregate, min_clients
 from zoo_gym.aggregation.columns import Columns
 from zoo_gym.aggregation.fedavg import fedavg_decisions
-from zoo_gym.compression import EnvelopeError, decode_accumulate, decode_into
+from zoo_gym.compression import EnvelopeError, EnvelopeHeader, decode_accumulate, decode_into
 from zoo_gym.compression.columns import PayloadColumns
 from zoo_gym.coordinator.backend import CoordinatorBackend
 from zoo_gym.coordinator.config import DEFAULT_AGGREGATION_MEMORY
@@ -219,16 +219,22 @@ class ZooStrategy(FedAvg):
     ) -> tuple[Columns, list[Message]]:
         """A column source over the accepted payloads (compressed, in memory) that decode
         within `memory` per chunk; each payload is checked on its own first (envelope, layout,
-        scales; the values themselves for the raw codecs)."""
+        scales; the values themselves for the raw codecs), once."""
         d = numel(layout)
         payloads: list[bytes] = []
+        headers: list[EnvelopeHeader] = []
         rows: list[Message] = []
         for reply in accepted:
             intake = _intake(reply)
             data = self.backend.payload_path(intake.payload_sha256).read_bytes()
             try:
-                one = PayloadColumns([data], layout, max_elements=d, budget=self.memory)
-                finite = one.headers[0].codec not in RAW_CODECS or _all_finite(one, self.memory)
+                header = PayloadColumns.check(data, layout, d)
+                finite = header.codec not in RAW_CODECS or _all_finite(
+                    PayloadColumns(
+                        [data], layout, max_elements=d, budget=self.memory, headers=[header]
+                    ),
+                    self.memory,
+                )
             except EnvelopeError as exc:
                 self._decide(intake, selected=False, reason=f"could not be decoded: {exc}")
                 continue
@@ -236,9 +242,15 @@ class ZooStrategy(FedAvg):
                 self._decide(intake, selected=False, reason="update contains NaN or Inf values")
                 continue
             payloads.append(data)
+            headers.append(header)
             rows.append(reply)
         source = PayloadColumns(
-            payloads, layout, max_elements=d, budget=self.memory, device=self.device
+            payloads,
+            layout,
+            max_elements=d,
+            budget=self.memory,
+            device=self.device,
+            headers=headers,
         )
         return source, rows
 

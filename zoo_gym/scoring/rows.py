@@ -19,7 +19,6 @@ from zoo_gym.core.columns import Columns as ColumnSource
 from zoo_gym.core.columns import Updates
 
 __all__ = [
-    "CHUNK_BYTES",
     "ColumnSource",
     "RowSubset",
     "Updates",
@@ -28,8 +27,6 @@ __all__ = [
     "select_rows",
     "shape_of",
 ]
-
-CHUNK_BYTES = 64 << 20  # a chunk of all n rows when the source names no budget
 
 
 def shape_of(updates: Updates) -> tuple[int, int]:
@@ -55,12 +52,12 @@ def select_rows(updates: Updates, rows: Sequence[int]) -> Tensor | RowSubset:
     return RowSubset(updates, rows)
 
 
-def column_chunks(updates: Updates) -> Iterator[tuple[int, Tensor]]:
-    """(start, `(n, width)` columns from `start`) over all d columns, each chunk within the
-    source's budget (or `CHUNK_BYTES`); a tensor is read in chunks of its own columns."""
+def column_chunks(updates: Updates, max_values: int) -> Iterator[tuple[int, Tensor]]:
+    """(start, `(n, width)` columns from `start`) over all d columns: chunks of at most
+    `max_values` values of a tensor (views of its columns), or within a source's budget."""
     n, d = shape_of(updates)
     budget = None if isinstance(updates, Tensor) else updates.budget
-    width = max(1, (budget or CHUNK_BYTES) // (4 * max(n, 1)))
+    width = max(1, budget // (4 * max(n, 1)) if budget else max_values // max(n, 1))
     for start in range(0, d, width):
         stop = min(start + width, d)
         if isinstance(updates, Tensor):

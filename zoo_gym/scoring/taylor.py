@@ -95,16 +95,11 @@ def row_dots(updates: Updates, g: Tensor) -> tuple[float, ...]:
     """x_i . g for every row of `updates` `(n, d)` and `g` `(d,)`, accumulated in float64 over
     column chunks (of at most `CHUNK_VALUES` values of a tensor; within a source's budget);
     on the device of `updates`."""
-    n, d = shape_of(updates)
+    n, _ = shape_of(updates)
     g = g.to(device=updates.device, dtype=torch.float64)  # (d,)
     total = torch.zeros(n, dtype=torch.float64, device=updates.device)  # (n,)
-    if isinstance(updates, Tensor):
-        step = max(1, CHUNK_VALUES // max(n, 1))
-        for start in range(0, d, step):
-            total += updates[:, start : start + step].double() @ g[start : start + step]
-    else:
-        for start, chunk in column_chunks(updates):
-            total += chunk.double() @ g[start : start + chunk.shape[1]]
+    for start, chunk in column_chunks(updates, CHUNK_VALUES):
+        total += chunk.double() @ g[start : start + chunk.shape[1]]
     return tuple(float(x) for x in total.cpu())
 
 

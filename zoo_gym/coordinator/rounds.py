@@ -124,6 +124,14 @@ def update_layout(
     return tuple(TensorSpec(name, shape) for name, shape in sorted(shapes.items()))
 
 
+def touched_weights(update: dict[str, torch.Tensor], adapter: str) -> list[str]:
+    """The base weights merging `update` changes: each B's module weight for ffa_lora, the
+    update's own names otherwise."""
+    if adapter == "ffa_lora":
+        return sorted({module_of(key) + ".weight" for key in update})
+    return sorted(update)
+
+
 def merge_candidate(
     weights: dict[str, torch.Tensor],
     state: dict[str, torch.Tensor],
@@ -138,10 +146,7 @@ def merge_candidate(
     `merge_update` would merge it into `state` (carried Bs with the A of `carry_seed`): each
     changed weight rounded to its stored dtype. Returns the names of the changed weights."""
     merge_update(weights, update, adapter=adapter, spec=spec, seed=seed, carry_seed=carry_seed)
-    if adapter == "ffa_lora":
-        names = sorted({module_of(key) + ".weight" for key in update})
-    else:
-        names = sorted(update)
+    names = touched_weights(update, adapter)
     with torch.no_grad():
         for name in names:
             if state[name].dtype != weights[name].dtype:
@@ -396,7 +401,10 @@ class RoundLoop:
         detail = f"round {opened.number}"
         with phase("score", detail):
             scoring = self._score(opened, agg)
-        with co.evaluator.editing(self.state) as weights:  # the candidate: no copy of the model
+        # the candidate, in the evaluation model's weights: the ones the update touches are
+        # loaded from the base (the others hold it already; a rolled-back candidate is undone)
+        touched = touched_weights(agg.update, config.training.adapter)
+        with co.evaluator.editing({n: self.state[n] for n in touched}) as weights:
             with phase("merge", detail):
                 names = merge_candidate(
                     weights,
@@ -411,6 +419,9 @@ class RoundLoop:
                 new_loss = co.evaluator.loss(None)
                 new_reward = validation_reward(co.evaluator, config.training, None)
             if not self._passes(new_loss, new_reward):
+                with torch.no_grad():
+                    for name in names:
+                        weights[name].copy_(self.state[name])
                 return Outcome("rolled_back", new_loss, new_reward, scoring=scoring)
             with torch.no_grad():  # the base becomes the candidate
                 for name in names:

@@ -5,7 +5,7 @@ shards, a coordinator and two contributors on 127.0.0.1, FFA-LoRA SFT with BitDe
 checks what it measured against the goals: each contributor's peak RSS at most 2.5x the
 model's float32 bytes, the coordinator's at most 3x, the upload at least 14x smaller than
 the bf16 update, and a published version written in shards that its signed manifest lists.
-About 2 minutes and 9 GB of memory on 2 cores.
+About 2 minutes on 2 cores; the three processes peak at about 11 GiB together.
 """
 
 from __future__ import annotations

@@ -10,8 +10,9 @@ With n updates of which at most f are Byzantine (n >= 4f + 3):
    beta-th place, the tied values share the remaining places equally (so the result does
    not depend on the order of the updates).
 
-Distances come from the chunked Gram matrix of `_core.gram` (float64 accumulation); step 2
-sorts column chunks of the selected updates in float64. Two passes over the updates: one
+Distances come from the chunked Gram matrix of `_core.gram` (float64 accumulation); step 1
+sorts each row of distances once (see `recursive_krum`); step 2 sorts column chunks of the
+selected updates in float64. Two passes over the updates: one
 for the Gram matrix, one reading the theta selected rows.
 """
 
@@ -39,22 +40,123 @@ from ._core import (
 )
 from ._select import closest_to_median, np_closest_to_median
 from .columns import Columns, Updates, cached
-from .krum import krum_scores, lowest
+from .krum import lowest
 
 _EPS = 1e-9  # coordinates; shares of tied runs are fractions
 
 
 def recursive_krum(dist: Tensor, f: int, theta: int) -> list[int]:
-    """Indices of the theta updates chosen one at a time by Krum on what remains."""
-    remaining = list(range(dist.shape[0]))
+    """Indices of the theta updates chosen one at a time by Krum on what remains.
+
+    Each pick is `krum.lowest` of `krum.krum_scores` on the remaining updates, without
+    re-scoring them all: every row's distances are sorted once, and each row keeps a pointer
+    to the last of its k nearest remaining neighbours and the sum up to it, moved as
+    updates leave and k shrinks (O(n^2 log n) in all instead of O(n^3 log n)). The running
+    sums, within a bound on their rounding, only shortlist the rows that may score lowest;
+    those are scored again exactly as `krum_scores` does and ties broken as `lowest` does,
+    so the picks are the same as re-scoring the remainder each time.
+    """
+    n = dist.shape[0]
+    if theta <= 0:
+        return []
+    full = dist.detach().to("cpu", torch.float64)
+    walk = _SortedRows(full.numpy())
+    alive = np.ones(n, dtype=np.bool_)
     chosen: list[int] = []
-    while len(chosen) < theta:
-        idx = torch.tensor(remaining, device=dist.device)
-        sub = dist[idx][:, idx]
-        best = remaining[lowest(krum_scores(sub, f), 1, sub)[0]]
+    for size in range(n, n - theta, -1):  # size: updates remaining before this pick
+        k = min(max(size - f - 2, 1), size - 1)
+        walk.fit(k, alive)
+        best = _pick(full, walk, alive, k)
         chosen.append(best)
-        remaining.remove(best)
+        alive[best] = False
+        walk.drop(best, alive)
     return chosen
+
+
+class _SortedRows:
+    """Each row's distances to the others in ascending order (own distance last), with a
+    pointer `last` to its k-th nearest remaining neighbour, `count` such neighbours up to
+    and including it, `total` the running sum of their distances and `mass` the sum of every
+    distance ever added to it (which bounds its rounding: `error`)."""
+
+    def __init__(self, dist: NDArray[np.float64]) -> None:
+        n = dist.shape[0]
+        off = dist.copy()
+        np.fill_diagonal(off, np.inf)
+        self.order = np.argsort(off, axis=1, kind="stable")  # (n, n)
+        self.sorted = np.take_along_axis(off, self.order, axis=1)  # (n, n)
+        self.rank = np.empty_like(self.order)  # rank[i, j]: position of j in row i
+        np.put_along_axis(self.rank, self.order, np.arange(n)[None, :].repeat(n, 0), axis=1)
+        self.last = np.full(n, -1, dtype=np.int64)
+        self.count = np.zeros(n, dtype=np.int64)
+        self.total = np.zeros(n, dtype=np.float64)
+        self.mass = np.zeros(n, dtype=np.float64)
+        self.rows = np.arange(n)
+
+    def error(self, rows: NDArray[np.int64]) -> NDArray[np.float64]:
+        """A bound on the rounding of `total` for `rows`: each of at most 2n additions and
+        subtractions is off by at most half an ulp of the largest sum it saw."""
+        return (4 * self.rows.size * np.finfo(np.float64).eps) * self.mass[rows]
+
+    def drop(self, r: int, alive: NDArray[np.bool_]) -> None:
+        """Update r has left: rows that counted it lose it from their sums."""
+        inside = alive & (self.rank[:, r] <= self.last)
+        self.total[inside] -= self.sorted[inside, self.rank[inside, r]]
+        self.count[inside] -= 1
+        moved = inside & (self.rank[:, r] == self.last)  # r was the last: step back
+        self._step(moved, alive, -1, add=False)
+
+    def fit(self, k: int, alive: NDArray[np.bool_]) -> None:
+        """Move every remaining row's pointer until it counts its k nearest neighbours."""
+        while True:
+            fewer = alive & (self.count < k)
+            more = alive & (self.count > k)
+            if not fewer.any() and not more.any():
+                return
+            if more.any():
+                self.total[more] -= self.sorted[more, self.last[more]]
+                self.count[more] -= 1
+                self._step(more, alive, -1, add=False)
+            if fewer.any():
+                self._step(fewer, alive, 1, add=True)
+                self.count[fewer] += 1
+
+    def _step(self, rows: NDArray[np.bool_], alive: NDArray[np.bool_], way: int, add: bool) -> None:
+        """Move the pointers of `rows` by `way` to the next remaining neighbour (or to -1);
+        with `add`, add its distance to the sums."""
+        idx = self.rows[rows]
+        pos = self.last[idx] + way
+        while idx.size:
+            ok = pos < 0
+            ok |= alive[self.order[idx, np.clip(pos, 0, None)]]
+            done, pos_done = idx[ok], pos[ok]
+            self.last[done] = pos_done
+            if add:
+                value = self.sorted[done, pos_done]
+                self.total[done] += value
+                self.mass[done] += value
+            idx, pos = idx[~ok], pos[~ok] + way
+
+
+def _pick(full: Tensor, walk: _SortedRows, alive: NDArray[np.bool_], k: int) -> int:
+    """The remaining update with the lowest Krum score, as `lowest(krum_scores(...), 1)`
+    on the remainder picks it: exact scores, ties to the smaller total distance to the
+    remaining updates, then to the lower index."""
+    remaining = np.flatnonzero(alive)
+    if k == 0 or remaining.size == 1:
+        return int(remaining[0])  # all scores are 0: the tie-break decides, see below
+    total, error = walk.total[remaining], walk.error(remaining)
+    near = remaining[total - error <= (total + error).min()]  # surely holds the lowest
+    if near.size == 1:
+        return int(near[0])
+    exact = []
+    for i in near:  # the k smallest remaining distances, in ascending order
+        upto = walk.order[i, : walk.last[i] + 1]
+        values = walk.sorted[i, : walk.last[i] + 1][alive[upto]]
+        exact.append(torch.from_numpy(np.ascontiguousarray(values)))
+    scores = torch.stack(exact).sum(dim=1)  # as krum_scores sums its (n, k) top-k
+    sub = full[torch.from_numpy(near)][:, torch.from_numpy(remaining)]
+    return int(near[lowest(scores, 1, sub)[0]])
 
 
 def _closest_to_median_pass(source: Columns, chosen: list[int], beta: int, out: Tensor) -> Tensor:

@@ -10,22 +10,35 @@ the value is ``>= 0`` (so 0 and -0.0 decode to ``+scale``) and 0 when it is nega
 tensor of n values takes ``ceil(n / 8)`` bytes; unused low bits of the last byte are 0.
 Groups are ``group`` consecutive values of the flattened tensor; the last may be partial.
 
-Packing avoids per-bit passes with two 64-bit multiplications: eight 0/1 bytes read as one
-little-endian int64 ``v`` gather into the top byte of ``v * 0x8040201008040201``, and a byte
-``p`` spreads back into eight 0/1 bytes as ``((p * 0x8040201008040201) >> 7) & 0x01..01``
+CPU packing (`pack_concat`). For a group that is a multiple of 8 up to MAX_PACK_GROUP, one
+compiled pass (the C extension `zoo_gym.compression._bitpack`, built from `_bitpack.c` where a
+C compiler was present) reads each tensor once, setting each value's sign bit and adding |x|
+into its group's float32 sum in exactly the order of ``torch.sum`` over a contiguous float32
+row (see `zoo_gym.compression.kernels`), so its bytes are those of the numpy path below.
+Where the extension was not built, for any other group, or after ``use_compiled(False)``, the
+numpy path packs: chunks of the padded concatenation with ``numpy.abs``,
+``numpy.greater_equal`` and ``numpy.packbits``, and the sums with one grouped ``torch.sum``.
+
+The torch path avoids per-bit passes with two 64-bit multiplications: eight 0/1 bytes read as
+one little-endian int64 ``v`` gather into the top byte of ``v * 0x8040201008040201``, and a
+byte ``p`` spreads back into eight 0/1 bytes as ``((p * 0x8040201008040201) >> 7) & 0x01..01``
 (the shifted copies of the operand never overlap, so no carries disturb the bits).
 """
 
 from __future__ import annotations
 
+import importlib
 import itertools
 import math
 from collections.abc import Iterator, Sequence
+from types import ModuleType
 
 import numpy as np
 import torch
 from numpy.typing import NDArray
 from torch import Tensor
+
+from zoo_gym.compression.kernels import MAX_PACK_GROUP
 
 _MAGIC = 0x8040201008040201 - (1 << 64)  # the constant as a signed int64
 _LOW_BITS = 0x0101010101010101
@@ -39,6 +52,38 @@ _SIGN_TABLE_NP = _SIGN_TABLE.numpy()
 _ZERO = np.float32(0.0)  # compared against without a conversion per call
 
 _Segment = tuple[int, int, int, int]  # (tensor, start, length, padded), see `_segments`
+
+
+def _load_compiled() -> ModuleType | None:
+    """The compiled pack (`_bitpack.c`), or None where the package was built without it."""
+    try:
+        return importlib.import_module("zoo_gym.compression._bitpack")
+    except ImportError:
+        return None
+
+
+_COMPILED = _load_compiled()
+_use_compiled = _COMPILED is not None
+
+
+def compiled_available() -> bool:
+    """Whether the compiled pack (`zoo_gym/compression/_bitpack.c`) was built and imports."""
+    return _COMPILED is not None
+
+
+def use_compiled(enabled: bool) -> bool:
+    """Pack on the CPU through the compiled pass when `enabled` (and it was built), through the
+    numpy path otherwise; both give the same bytes. Returns the previous setting."""
+    global _use_compiled
+    previous = _use_compiled
+    _use_compiled = enabled and _COMPILED is not None
+    return previous
+
+
+def _compiled_for(group: int) -> bool:
+    """Whether `pack_concat` runs the compiled pass for `group`: a multiple of 8 up to
+    MAX_PACK_GROUP, the groups the Triton pack kernel takes."""
+    return _use_compiled and group % 8 == 0 and group <= MAX_PACK_GROUP
 
 
 def pack_signs(x: Tensor) -> Tensor:
@@ -306,6 +351,31 @@ def _pack_chunked(
     return bits, [s // 8 for s in starts], _group_means(sums, ns, padded, starts, group)
 
 
+def _pack_fused(
+    xs: Sequence[Tensor], ns: list[int], group: int
+) -> tuple[NDArray[np.uint8], list[int], Tensor]:
+    """`pack_concat` through the compiled pass, tensor by tensor: one read of each tensor's
+    values writes its sign bytes and its group sums of |x| straight into the one byte buffer
+    (tensors' bytes end to end) and the one sums buffer; then each sum is divided by its
+    group's length."""
+    assert _COMPILED is not None
+    pack = _COMPILED.pack
+    starts = list(itertools.accumulate(((n + 7) // 8 for n in ns), initial=0))
+    firsts = list(itertools.accumulate((-(-n // group) for n in ns), initial=0))
+    bits = np.empty(starts[-1], dtype=np.uint8)
+    sums = torch.empty(firsts[-1], dtype=torch.float32)
+    sums_np = sums.numpy()
+    for x, start, first in zip(xs, starts, firsts, strict=False):
+        pack(_flat_array(x), group, bits, start, sums_np, first)
+    starts.pop()
+    tails = [(first - 1, n % group) for first, n in zip(firsts[1:], ns, strict=True) if n % group]
+    if not tails:
+        return bits, starts, sums.div_(float(group))
+    counts = torch.full_like(sums, float(group))
+    counts[[k for k, _ in tails]] = torch.tensor([float(t) for _, t in tails])
+    return bits, starts, sums.div_(counts)
+
+
 def _group_means(
     sums: Tensor, ns: Sequence[int], padded: Sequence[int], starts: Sequence[int], group: int
 ) -> Tensor:
@@ -356,11 +426,15 @@ def pack_concat(xs: Sequence[Tensor], group: int) -> tuple[NDArray[np.uint8], li
     """`pack_many` of CPU tensors `xs` (any shape, read flat as float32) into one byte buffer.
 
     Returns (bytes (B,) uint8, where each tensor's ceil(n_i / 8) bytes begin in it, the
-    scales of all tensors concatenated (sum_i ceil(n_i / group),) float32). The values
-    stream through cache-sized chunks of the tensors laid end to end, each zero-padded to a
-    multiple of lcm(group, 8) values (a padded zero adds nothing to a group's sum of |x| and
-    its sign bit is cleared), so one ``numpy.packbits`` and one grouped sum serve many tensors
-    and write straight into the result; extra memory is two chunk buffers (~0.6 MiB).
+    scales of all tensors concatenated (sum_i ceil(n_i / group),) float32).
+
+    With the compiled pass (see the module docstring) each tensor is read once and its bytes
+    and group sums are written straight into the result, tensor after tensor; a partial last
+    group is summed as if zero-padded. On the numpy path the values stream through cache-sized
+    chunks of the tensors laid end to end, each zero-padded to a multiple of lcm(group, 8)
+    values (a padded zero adds nothing to a group's sum of |x| and its sign bit is cleared),
+    so one ``numpy.packbits`` and one grouped sum serve many tensors and write straight into
+    the result; extra memory is two chunk buffers (~0.6 MiB). Both give the same bytes.
     """
     if math.lcm(group, 8) > _CHUNK:  # a group larger than a chunk: tensor by tensor
         packed, scales = _pack_torch([x.detach().reshape(-1).float() for x in xs], group)
@@ -370,6 +444,8 @@ def pack_concat(xs: Sequence[Tensor], group: int) -> tuple[NDArray[np.uint8], li
     ns = [x.numel() for x in xs]
     if not ns:
         return np.empty(0, dtype=np.uint8), [], torch.empty(0, dtype=torch.float32)
+    if _compiled_for(group):
+        return _pack_fused(xs, ns, group)
     if _aligned(ns, group):
         return _pack_aligned(xs, ns, group)
     return _pack_chunked(xs, ns, group)

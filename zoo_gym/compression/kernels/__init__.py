@@ -16,9 +16,10 @@ hashed, signed and pinned by tests). Sign bits are exact anywhere; a scale (mean
 is a float32 sum whose last bit depends on the order of the additions. The CPU path sums each
 group with one ``torch.sum`` over a contiguous float32 row, which PyTorch's CPU kernel
 (`cascade_sum`) adds in a fixed order of 8-lane vectors: 4 interleaved accumulators, blocks of
-16 rows of 4 vectors folded into a second level, the lanes added last from left to right. x86
-builds use that 8-lane order whatever the CPU offers (measured with ATEN_CPU_CAPABILITY=default,
-avx2 and avx512, 1 to 8 threads, groups 8 to 8192). The pack kernel performs the same additions
+16 rows of 4 vectors folded into a second level, the lanes added last from left to right (the
+CPU path's compiled pass, `zoo_gym/compression/_bitpack.c`, performs these additions itself,
+in this order). x86 builds use that 8-lane order whatever the CPU offers (measured with
+ATEN_CPU_CAPABILITY=default, avx2 and avx512, 1 to 8 threads, groups 8 to 8192). The pack kernel performs the same additions
 in the same order with no fused multiply-add and divides with IEEE rounding, so its scales equal
 the CPU's bit for bit for every group it takes: a multiple of 8 up to MAX_PACK_GROUP. Any other
 group (row or matrix granularity with such a length, or a larger group) is packed on the CPU,
@@ -26,7 +27,8 @@ as are CUDA tensors when Triton is missing: the torch path on a GPU adds in anot
 Left open: a PyTorch build whose float vectors are not 8 lanes wide (aarch64 builds with 4-lane
 NEON vectors, not measured here) would itself give other CPU bytes, as would a PyTorch release
 that changes `cascade_sum`; `tests/compression/test_kernels.py` compares the two paths bit for
-bit and fails if that happens.
+bit and fails if that happens, as `tests/compression/test_bitpack.py` does for the compiled
+pass against ``torch.sum``.
 """
 
 from __future__ import annotations

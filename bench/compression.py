@@ -25,14 +25,18 @@ stage timed alone against the same anchor (see `stage_rows`).
 
 A second table gives, for ``pack`` and ``encode`` of the two large workloads, the peak resident
 memory of one call in a fresh process above what that process held before it (Linux: the peak
-is reset through ``/proc/self/clear_refs``), against the input's size: the chunked encoder
-needs its ~1 MiB chunk buffers plus its output, not a copy of the input.
+is reset through ``/proc/self/clear_refs``), against the input's size: the encoder needs its
+output (and, on the numpy path, ~1 MiB of chunk buffers), not a copy of the input.
+
+The first line says which CPU pack ran: the compiled pass (`zoo_gym/compression/_bitpack.c`,
+with the kernel it chose) or the numpy path where the extension was not built.
 """
 
 from __future__ import annotations
 
 import argparse
 import hashlib
+import importlib
 import re
 import statistics
 import subprocess
@@ -174,11 +178,10 @@ def stage_rows(name: str, delta: dict[str, torch.Tensor]) -> list[str]:
     """Rows timing the stages of `encode` (float32 CPU tensors), each against the copy anchor.
 
     ``table``, ``pack_concat`` (signs and scales) and ``SHA-256`` (of the payload) are the
-    encoder's own steps. ``abs (reads x)``, ``signs`` and ``group sums`` are the three kinds of pass
-    inside ``pack_concat``, each over as many values as the update holds, in chunks of the
-    encoder's size: ``numpy.abs`` of every tensor into the chunk buffer (the one read of the
-    input), ``numpy.greater_equal`` and ``numpy.packbits`` of a chunk already in cache, and
-    ``torch.sum`` over (-1, group) of a chunk already in cache.
+    encoder's own steps. ``compiled pass`` is the fused C pass alone (`_bitpack.pack` of every
+    tensor's flat array into preallocated buffers: the one read of the input), without the
+    per-tensor Python work of ``pack_concat``; ``pack_concat, numpy path`` is the fallback
+    used where the extension was not built. Without the extension those two rows are left out.
     """
     names = sorted(delta)
     tensors = [delta[k] for k in names]
@@ -186,42 +189,37 @@ def stage_rows(name: str, delta: dict[str, torch.Tensor]) -> list[str]:
     copies = [torch.empty_like(t) for t in tensors]
     spec = CodecSpec("bitdelta", group_size=GROUP)
     payload = encode(delta, spec)
-    chunk = bitdelta._chunk_len(GROUP, bitdelta._PACK_CHUNK)
-    absbuf = torch.empty(chunk)
-    signs = np.empty(chunk, dtype=np.bool_)
-    n_chunks = -(-sum(f.size for f in flats) // chunk)
+    bits = np.empty(sum((f.size + 7) // 8 for f in flats), dtype=np.uint8)
+    sums = np.empty(sum(-(-f.size // GROUP) for f in flats), dtype=np.float32)
 
     def copy() -> None:
         for dst, src in zip(copies, tensors, strict=True):
             dst.copy_(src)
 
-    def read_abs() -> None:
-        at = 0
+    def compiled_pass() -> None:
+        pack = importlib.import_module("zoo_gym.compression._bitpack").pack
+        at = first = 0
         for x in flats:
-            for start in range(0, x.size, chunk):
-                part = x[start : start + chunk]
-                at = 0 if at + part.size > chunk else at
-                np.abs(part, out=absbuf.numpy()[at : at + part.size])
-                at += part.size
+            pack(x, GROUP, bits, at, sums, first)
+            at, first = at + (x.size + 7) // 8, first + -(-x.size // GROUP)
 
-    def signs_pass() -> None:
-        for _ in range(n_chunks):
-            np.greater_equal(absbuf.numpy(), 0, out=signs)
-            np.packbits(signs)
-
-    def sums_pass() -> None:
-        for _ in range(n_chunks):
-            torch.sum(absbuf.view(-1, GROUP), 1)
+    def numpy_path() -> None:
+        previous = bitdelta.use_compiled(False)
+        try:
+            bitdelta.pack_concat(tensors, GROUP)
+        finally:
+            bitdelta.use_compiled(previous)
 
     stages: dict[str, Callable[[], object]] = {
         "encode": lambda: encode(delta, spec),
         "table": lambda: envelope._table(names, tensors, spec),
         "pack_concat": lambda: bitdelta.pack_concat(tensors, GROUP),
-        "abs (reads x)": read_abs,
-        "signs": signs_pass,
-        "group sums": sums_pass,
+        "compiled pass": compiled_pass,
+        "pack_concat, numpy path": numpy_path,
         "SHA-256": lambda: hashlib.sha256(memoryview(payload)[:-32]).digest(),
     }
+    if not bitdelta.compiled_available():
+        del stages["compiled pass"], stages["pack_concat, numpy path"]
     rows = []
     for label, fn in stages.items():
         t_copy, t = ratio_to_copy(fn, copy)
@@ -328,6 +326,14 @@ def size_rows(delta: dict[str, torch.Tensor]) -> list[str]:
     return rows
 
 
+def cpu_pack() -> str:
+    """Which CPU pack `pack_concat` runs for group GROUP."""
+    if not bitdelta.compiled_available():
+        return "numpy path (the C extension was not built)"
+    kernel = importlib.import_module("zoo_gym.compression._bitpack").kernels[-1]
+    return f"compiled pass, {kernel} kernel"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
@@ -345,6 +351,7 @@ def main() -> None:
     workloads = {name: build() for name, build in WORKLOADS.items()}
     if args.stages:
         print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, median of {REPEATS}")
+        print(f"CPU pack: {cpu_pack()}")
         print()
         print("| tensors | stage | ms | copy_ ms | copy / stage |")
         print("|---|---|---|---|---|")
@@ -357,6 +364,7 @@ def main() -> None:
         print_gpu_section(workloads)
         return
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, median of {REPEATS}")
+    print(f"CPU pack: {cpu_pack()}")
     print()
     print("| tensors | count | op | ms | copy_ ms | fp32 GB/s | vs copy |")
     print("|---|---|---|---|---|---|---|")

@@ -24,7 +24,7 @@ ENV PATH=/opt/zoo-gym/bin:$PATH
 RUN pip install --index-url "${TORCH_INDEX}" "torch==${TORCH_VERSION}" \
  && pip install packaging psutil wheel setuptools
 WORKDIR /src
-COPY pyproject.toml README.md ./
+COPY pyproject.toml setup.py README.md ./
 COPY zoo_gym ./zoo_gym
 # the gpu extra: triton, bitsandbytes and flash-attn (built against the torch above)
 RUN pip install --no-build-isolation ".[gpu]" \

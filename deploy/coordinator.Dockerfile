@@ -9,12 +9,16 @@ ARG PYTHON_IMAGE=python:3.11.13-slim-bookworm
 FROM ${PYTHON_IMAGE} AS build
 ARG TORCH_VERSION=2.13.0
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
+# a C compiler builds the BitDelta pack extension (zoo_gym/compression/_bitpack.c)
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends gcc libc6-dev \
+ && rm -rf /var/lib/apt/lists/*
 RUN python -m venv /opt/zoo-gym
 ENV PATH=/opt/zoo-gym/bin:$PATH
 # the CPU wheel: no CUDA libraries in a coordinator image
 RUN pip install --index-url https://download.pytorch.org/whl/cpu "torch==${TORCH_VERSION}"
 WORKDIR /src
-COPY pyproject.toml README.md ./
+COPY pyproject.toml setup.py README.md ./
 COPY zoo_gym ./zoo_gym
 RUN pip install ".[postgres]" && find /opt/zoo-gym -name '__pycache__' -prune -exec rm -rf {} +
 

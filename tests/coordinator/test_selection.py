@@ -6,6 +6,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
+import pytest
 from sqlmodel import Session
 
 from zoo_gym import ledger
@@ -47,17 +48,31 @@ def test_sampling_follows_reputation_with_a_floor_for_newcomers(tiny_home: Path)
     strategy = co.make_strategy(lambda: ())
 
     # Execute
-    picks = Counter(strategy.sample(nodes, 1)[0] for _ in range(2000))
+    picks = Counter(strategy.sample(nodes, 1, r)[0] for r in range(2000))
 
     # Assert
     shares = [picks[n] / 2000 for n in nodes]
     for share, expected in zip(shares, (0.8 / 1.1, 0.2 / 1.1, 0.1 / 1.1), strict=True):
         assert abs(share - expected) < 0.05
-    assert sorted(strategy.sample(nodes, 3)) == sorted(nodes)
+    assert sorted(strategy.sample(nodes, 3, 1)) == sorted(nodes)
 
 
 def test_floor_zero_samples_uniformly(tiny_home: Path) -> None:
     co, nodes = _coordinator(tiny_home, floor=0.0)
     strategy = co.make_strategy(lambda: ())
-    picks = Counter(strategy.sample(nodes, 1)[0] for _ in range(1500))
+    picks = Counter(strategy.sample(nodes, 1, r)[0] for r in range(1500))
     assert all(abs(picks[n] / 1500 - 1 / 3) < 0.06 for n in nodes)
+
+
+@pytest.mark.parametrize("floor", [0.0, 0.1])
+def test_a_run_repeats_its_draws_from_its_seed(tiny_home: Path, floor: float) -> None:
+    co, nodes = _coordinator(tiny_home, floor=floor)
+    again = co.make_strategy(lambda: ())
+    strategy = co.make_strategy(lambda: ())
+    shuffled = list(reversed(nodes))  # the grid's order of node ids does not matter
+    draws = [strategy.sample(nodes, 2, r) for r in range(1, 41)]
+    assert draws == [again.sample(shuffled, 2, r) for r in range(1, 41)]
+    assert len({tuple(d) for d in draws}) > 1  # the rounds draw differently
+    other = co.make_strategy(lambda: ())
+    other.seed = 1
+    assert draws != [other.sample(nodes, 2, r) for r in range(1, 41)]

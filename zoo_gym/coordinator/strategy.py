@@ -21,9 +21,9 @@ update and rows come back to the CPU. On the CPU nothing changes.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import math
-import random
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -68,6 +68,12 @@ class RoundAggregate:
     decisions: tuple[Decision, ...] = ()  # the rule's decision about each row
 
 
+def selection_seed(run_seed: int, server_round: int) -> int:
+    """The seed of round `server_round`'s draw of contributors (see `ZooStrategy.sample`)."""
+    digest = hashlib.sha256(f"zoo-gym/selection|{run_seed}|{server_round}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") >> 1
+
+
 class ZooStrategy(FedAvg):
     def __init__(
         self,
@@ -89,6 +95,7 @@ class ZooStrategy(FedAvg):
         fresh_weight: float = 1.0,
         device: str = "auto",
         memory: int = DEFAULT_AGGREGATION_MEMORY,
+        seed: int = 0,
     ) -> None:
         super().__init__(
             fraction_train=1.0,
@@ -115,6 +122,7 @@ class ZooStrategy(FedAvg):
         self.fresh_weight = fresh_weight
         self.device = resolve_device(device)
         self.memory = memory  # bytes the decoded updates may take at a time
+        self.seed = seed  # the run's seed: each round's draw of contributors derives from it
 
     def wait_for_nodes(self, grid: Grid) -> list[int]:
         deadline = time.monotonic() + self.wait_for_clients_s
@@ -134,22 +142,28 @@ class ZooStrategy(FedAvg):
         if not nodes:
             return []
         if 0 < self.clients_per_round < len(nodes):
-            nodes = self.sample(nodes, self.clients_per_round)
+            nodes = self.sample(nodes, self.clients_per_round, server_round)
         content = RecordDict({TASK_CONFIG: config})
         return [
             Message(content, dst_node_id=node, message_type=MessageType.TRAIN)
             for node in sorted(nodes)
         ]
 
-    def sample(self, nodes: list[int], k: int) -> list[int]:
+    def sample(self, nodes: list[int], k: int, server_round: int) -> list[int]:
         """k of `nodes`: uniformly, or by reputation when `selection_floor` > 0 (weights
-        max(r, floor) / sum, see `zoo_gym.scoring.selection_weights`)."""
+        max(r, floor) / sum, see `zoo_gym.scoring.selection_weights`). The draw is a function
+        of the run's seed, the round and the nodes (taken in id order) and their reputations,
+        so a run repeats its rounds' samples."""
+        nodes = sorted(nodes)
+        generator = torch.Generator().manual_seed(selection_seed(self.seed, server_round))
         if self.selection_floor <= 0:
-            return random.sample(nodes, k)
+            picked = torch.randperm(len(nodes), generator=generator)[:k]
+            return [nodes[int(i)] for i in picked]
         with Session(self.backend.engine) as session:
             known = {node_id(c.public_key): c.reputation for c in ledger.list_contributors(session)}
         reputations = {str(n): known.get(n, 0.0) for n in nodes}
-        return [int(n) for n in sample_contributors(reputations, k, floor=self.selection_floor)]
+        drawn = sample_contributors(reputations, k, floor=self.selection_floor, generator=generator)
+        return [int(n) for n in drawn]
 
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]

@@ -13,6 +13,7 @@ not train.
 
 from __future__ import annotations
 
+import hashlib
 import shutil
 import time
 from collections.abc import Callable, Collection, Mapping
@@ -37,6 +38,14 @@ from zoo_gym.simulation.adversary import UPDATE_ATTACKS, Adversary
 from zoo_gym.simulation.grid import SimulationGrid
 from zoo_gym.simulation.sweep import ATTACK_NAMES
 from zoo_gym.transport.loopback import LoopbackGrid
+
+
+def node_identity(seed: int, index: int) -> Identity:
+    """The key of simulated contributor `index` in a run with `seed`: the same contributors
+    (and node ids) in every run with that seed, so seeded draws of contributors repeat."""
+    return Identity.from_seed(
+        hashlib.sha256(f"zoo-gym/simulated-contributor|{seed}|{index}".encode()).digest()
+    )
 
 
 def register(backend: CoordinatorBackend, identity: Identity, name: str) -> int:
@@ -84,7 +93,7 @@ class InProcessFederation:
         crafted: dict[int, Identity] = {}
         bad: dict[int, str] = {}
         for i, records in enumerate(shards):
-            identity = Identity.generate()
+            identity = node_identity(seed, i)
             node = register(co.backend, identity, f"client-{i}")
             attacker = i in byzantine and attack != "none"
             if attacker:

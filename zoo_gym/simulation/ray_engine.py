@@ -18,7 +18,6 @@ adversary crafts their replies on the coordinator's side, as in-process.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import shutil
 import time
@@ -36,23 +35,15 @@ from zoo_gym.coordinator.config import CoordinatorConfig, load_config
 from zoo_gym.coordinator.rounds import RoundSummary, run_rounds
 from zoo_gym.coordinator.service import Coordinator
 from zoo_gym.core.chat import to_conversation
-from zoo_gym.core.identity import Identity
 from zoo_gym.core.manifest import read_verified
 from zoo_gym.core.protocol import SignedRegistration
 from zoo_gym.simulation.adversary import UPDATE_ATTACKS, Adversary
 from zoo_gym.simulation.grid import SimulationGrid
-from zoo_gym.simulation.inprocess import register
+from zoo_gym.simulation.inprocess import node_identity, register
 from zoo_gym.simulation.sweep import Cell, SweepConfig, cell_overrides, shards_for
 
 log = logging.getLogger(__name__)
 REGISTRATION = "registration"
-
-
-def node_identity(seed: int, index: int) -> Identity:
-    """The key of simulated contributor `index` in a sweep with `seed`."""
-    return Identity.from_seed(
-        hashlib.sha256(f"zoo-gym/simulated-contributor|{seed}|{index}".encode()).digest()
-    )
 
 
 def make_simulated_client_app(

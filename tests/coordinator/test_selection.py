@@ -16,11 +16,14 @@ from zoo_gym.core.identity import Identity
 from zoo_gym.core.protocol import register_statement
 
 
-def _coordinator(home: Path, floor: float) -> tuple[Coordinator, list[int]]:
+def _coordinator(
+    home: Path, floor: float, seed: int | None = None
+) -> tuple[Coordinator, list[int]]:
     config = load_config(home / "coordinator.toml")
+    settings = {"clients_per_round": 1, "rewards": {"selection_floor": floor}}
     co = Coordinator(
         CoordinatorConfig.model_validate(
-            {**config.model_dump(), "clients_per_round": 1, "rewards": {"selection_floor": floor}}
+            {**config.model_dump(), **settings, "selection_seed": seed}
         )
     )
     nodes = []
@@ -66,7 +69,7 @@ def test_floor_zero_samples_uniformly(tiny_home: Path) -> None:
 
 @pytest.mark.parametrize("floor", [0.0, 0.1])
 def test_a_run_repeats_its_draws_from_its_seed(tiny_home: Path, floor: float) -> None:
-    co, nodes = _coordinator(tiny_home, floor=floor)
+    co, nodes = _coordinator(tiny_home, floor=floor, seed=7)
     again = co.make_strategy(lambda: ())
     strategy = co.make_strategy(lambda: ())
     shuffled = list(reversed(nodes))  # the grid's order of node ids does not matter
@@ -74,5 +77,13 @@ def test_a_run_repeats_its_draws_from_its_seed(tiny_home: Path, floor: float) ->
     assert draws == [again.sample(shuffled, 2, r) for r in range(1, 41)]
     assert len({tuple(d) for d in draws}) > 1  # the rounds draw differently
     other = co.make_strategy(lambda: ())
-    other.seed = 1
+    other.seed = 8
     assert draws != [other.sample(nodes, 2, r) for r in range(1, 41)]
+
+
+def test_without_a_seed_the_draws_cannot_be_foretold(tiny_home: Path) -> None:
+    co, nodes = _coordinator(tiny_home, floor=0.0)  # the default: no selection_seed
+    strategy = co.make_strategy(lambda: ())
+    assert strategy.seed is None
+    draws = [tuple(strategy.sample(nodes, 2, 1)) for _ in range(40)]  # the same round
+    assert len(set(draws)) > 1

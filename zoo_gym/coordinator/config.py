@@ -360,6 +360,12 @@ class CoordinatorConfig(HomeConfig):
         "are decoded by the Triton kernels",
     )
     seed: int = 0
+    selection_seed: int | None = Field(
+        None,
+        description="seed of each round's draw of contributors (with clients_per_round); "
+        "unset: each draw comes from the operating system's randomness, so nobody can tell "
+        "in advance who a round picks (set it only for reproducible simulations)",
+    )
     tls_cert: Path | None = None
     tls_key: Path | None = None
     tls_reload_s: float = Field(

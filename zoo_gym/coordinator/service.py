@@ -104,5 +104,5 @@ class Coordinator:
             fresh_weight=c.fresh_weight,
             device=c.device,
             memory=c.aggregation_memory,
-            seed=c.seed,
+            seed=c.selection_seed,
         )

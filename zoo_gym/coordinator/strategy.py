@@ -24,6 +24,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import math
+import secrets
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -95,7 +96,7 @@ class ZooStrategy(FedAvg):
         fresh_weight: float = 1.0,
         device: str = "auto",
         memory: int = DEFAULT_AGGREGATION_MEMORY,
-        seed: int = 0,
+        seed: int | None = None,
     ) -> None:
         super().__init__(
             fraction_train=1.0,
@@ -122,7 +123,7 @@ class ZooStrategy(FedAvg):
         self.fresh_weight = fresh_weight
         self.device = resolve_device(device)
         self.memory = memory  # bytes the decoded updates may take at a time
-        self.seed = seed  # the run's seed: each round's draw of contributors derives from it
+        self.seed = seed  # each round's draw of contributors derives from it; None: unpredictable
 
     def wait_for_nodes(self, grid: Grid) -> list[int]:
         deadline = time.monotonic() + self.wait_for_clients_s
@@ -151,11 +152,15 @@ class ZooStrategy(FedAvg):
 
     def sample(self, nodes: list[int], k: int, server_round: int) -> list[int]:
         """k of `nodes`: uniformly, or by reputation when `selection_floor` > 0 (weights
-        max(r, floor) / sum, see `zoo_gym.scoring.selection_weights`). The draw is a function
-        of the run's seed, the round and the nodes (taken in id order) and their reputations,
-        so a run repeats its rounds' samples."""
+        max(r, floor) / sum, see `zoo_gym.scoring.selection_weights`). With a `seed` the draw
+        is a function of it, the round, the nodes (taken in id order) and their reputations,
+        so a simulation repeats its rounds' samples; without one it comes from the operating
+        system's randomness, so no contributor can tell in advance who a round picks."""
         nodes = sorted(nodes)
-        generator = torch.Generator().manual_seed(selection_seed(self.seed, server_round))
+        seed = (
+            secrets.randbits(63) if self.seed is None else selection_seed(self.seed, server_round)
+        )
+        generator = torch.Generator().manual_seed(seed)
         if self.selection_floor <= 0:
             picked = torch.randperm(len(nodes), generator=generator)[:k]
             return [nodes[int(i)] for i in picked]

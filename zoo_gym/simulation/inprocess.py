@@ -85,7 +85,9 @@ class InProcessFederation:
         if attack not in ATTACK_NAMES:
             raise ValueError(f"unknown attack {attack!r}; choose one of {', '.join(ATTACK_NAMES)}")
         config = load_config(home / "coordinator.toml")
-        config = CoordinatorConfig.model_validate({**config.model_dump(), **(overrides or {})})
+        config = CoordinatorConfig.model_validate(
+            {**config.model_dump(), "selection_seed": seed, **(overrides or {})}
+        )
         co = Coordinator(config)
         source = registry_source(co)
         runtimes: dict[int, ClientRuntime] = {}

@@ -134,7 +134,9 @@ def run_ray_federation(
 
     base = load_config(home / "coordinator.toml")
     co = Coordinator(
-        CoordinatorConfig.model_validate({**base.model_dump(), **cell_overrides(config, cell)})
+        CoordinatorConfig.model_validate(
+            {**base.model_dump(), "selection_seed": config.seed, **cell_overrides(config, cell)}
+        )
     )
     params = config.attack_params.get(cell.attack, {})
     crafted = set(attackers) if cell.attack in UPDATE_ATTACKS else set()

@@ -77,3 +77,15 @@ def test_hand_computed_column() -> None:
     out, rows = coordinatewise(x, "median", 0, 2, engine="numpy")
     assert out.tolist() == [2.5, 0.0]
     assert rows.tolist() == pytest.approx([2 / 3, 2 / 3, 1.0, 1.0 + 2 / 3])
+
+
+def test_trimmed_mean_does_not_depend_on_the_chunk_width() -> None:
+    # values over 80 binades, so that float64 sums round and their order would show
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(23, 500, generator=g) * 2.0 ** torch.randint(-40, 40, (23, 500), generator=g)
+    results = [coordinatewise(x, "trimmed", 2, w, engine="numpy")[0] for w in (1, 7, 64, 500)]
+    results.append(coordinatewise(x, "trimmed", 2, 64, engine="torch")[0])
+    for other in results[1:]:
+        assert torch.equal(results[0], other)
+    ref_out, _ = reference(x, "trimmed", 2)
+    assert torch.allclose(results[0], ref_out, rtol=1e-6, atol=0.0)

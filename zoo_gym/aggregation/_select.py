@@ -34,6 +34,8 @@ from .columns import Columns, Updates
 
 Array = NDArray[Any]  # a NumPy array of the working dtype
 
+_SUM_PIECE = 32_768  # values summed at once by `kept_sums`: torch's grain size, one thread
+
 
 class Scratch:
     """Buffers of one call, reused by every column chunk of up to `width` columns, so that
@@ -66,6 +68,21 @@ def sorted_columns(x: Tensor, out: Tensor | None = None) -> Tensor:
         out.numpy().sort(axis=1)  # in place
         return out
     out.copy_(torch.sort(out, dim=1).values)
+    return out
+
+
+def kept_sums(kept: Tensor, out: Tensor) -> Tensor:
+    """Write to `out` `(c,)` float64 the sum of each row of `kept` `(c, k)`, each row
+    converted to float64 and summed by `torch.sum` (its order depends only on k, so a
+    column's sum does not depend on the chunk it is in), and return `out`.
+
+    In pieces of at most `_SUM_PIECE` values, each summed on the calling thread (below
+    torch's parallel grain size): the NumPy engine calls it from its own threads."""
+    c, k = kept.shape
+    rows = max(1, _SUM_PIECE // max(1, k))
+    for a in range(0, c, rows):
+        b = min(c, a + rows)
+        torch.sum(kept[a:b].to(torch.float64), dim=1, out=out[a:b])
     return out
 
 
@@ -142,10 +159,7 @@ def trimmed_columns(x: Tensor, f: int, scratch: Scratch, out: Tensor) -> Tensor:
         out.copy_(acc.div_(n))
         return torch.zeros(n, dtype=torch.float64, device=x.device)
     s = sorted_columns(xs, scratch.sorted[:c])  # (c, n)
-    acc.zero_()
-    for j in range(f, n - f):  # one sorted position at a time: no (c, n) float64 copy
-        acc += s[:, j]
-    out.copy_(acc.div_(n - 2 * f))
+    out.copy_(kept_sums(s[:, f : n - f], acc).div_(n - 2 * f))
     first, last = s[:, f], s[:, n - f - 1]  # smallest and largest kept values
     tie = _ties(s, [(f - 1, f), (n - f - 1, n - f)], scratch)
     # without a tie at the cuts, the dropped values are those outside [first, last]
@@ -274,9 +288,7 @@ def _np_trimmed(x: Array, f: int, scratch: _NpScratch, out: NDArray[np.float32])
         out[...] = acc / n
         return
     s = _np_sorted(x, scratch)
-    acc[...] = 0.0
-    for j in range(f, n - f):  # one sorted position at a time, in float64
-        np.add(acc, s[:, j], out=acc)
+    kept_sums(torch.from_numpy(s[:, f : n - f]), torch.from_numpy(acc))
     out[...] = acc / (n - 2 * f)
     first, last = s[:, f].copy(), s[:, n - f - 1].copy()  # smallest and largest kept values
     tie = (s[:, f - 1] == first) | (s[:, n - f] == last)

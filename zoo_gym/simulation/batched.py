@@ -1,0 +1,340 @@
+"""A federation of many virtual contributors that train together on one shared base model.
+
+The coordinator's side is the in-process federation's: the ServerApp round loop, the
+`SimulationGrid` (adversary, intake), the ledger, aggregation, merge and publish. What
+changes is who answers the round's train messages. Instead of one ClientApp (and one
+model, one copy of every version on disk) per contributor, `BatchedClients` answers all
+of them: the published version is loaded once into `BatchedFfaLora`, the contributors
+train in groups of `group` with their Bs stacked (`zoo_gym.simulation.batched_training`),
+and each contributor's update then takes the path of `ClientRuntime.train`: privacy plan,
+clip (and update noise), a data attacker's `corrupt`, error-feedback compression with the
+contributor's own residual (kept in memory), metrics, signature.
+
+Only FFA-LoRA SFT without DP-SGD runs batched (DP-SGD samples and clips per record and
+draws secret noise; GRPO generates): other tasks get one line naming the inprocess engine.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Collection, Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from flwr.app import Message
+from transformers import AutoTokenizer
+
+from zoo_gym.client.byzantine import Misbehaviour
+from zoo_gym.client.feedback import FfaErrorFeedback
+from zoo_gym.client.privacy import PrivacyAccount, PrivacyPlan, plan_round
+from zoo_gym.client.runtime import ModelSource, privatize, signed_reply, train_metrics
+from zoo_gym.client.trainers.adapters import DEFAULT_MAX_FULL_PARAMS, load_base_model
+from zoo_gym.client.trainers.sft import RoundResult
+from zoo_gym.compression import CodecSpec, feedback_cap
+from zoo_gym.coordinator.config import CoordinatorConfig, load_config
+from zoo_gym.coordinator.rounds import RoundSummary, run_server_app
+from zoo_gym.coordinator.service import Coordinator
+from zoo_gym.core.chat import Conversation, encode_conversation, pad_id_of, to_conversation
+from zoo_gym.core.identity import Identity
+from zoo_gym.core.lora import LoraSpec
+from zoo_gym.core.protocol import TASK_CONFIG, TaskConfig
+from zoo_gym.core.weights import load_weights
+from zoo_gym.simulation.adversary import UPDATE_ATTACKS, Adversary
+from zoo_gym.simulation.batched_training import BatchedFfaLora, GroupResult, Records
+from zoo_gym.simulation.grid import SimulationGrid
+from zoo_gym.simulation.inprocess import register, registry_source
+from zoo_gym.simulation.sweep import ATTACK_NAMES
+from zoo_gym.transport.flower_internals import assign_message_id
+from zoo_gym.transport.grid import RunGrid
+
+log = logging.getLogger(__name__)
+DEFAULT_GROUP = 50
+"""Contributors per forward: the tiny model's activations for 50 x 8 rows are about 100 MB."""
+
+
+class BatchedEngineError(ValueError):
+    """A round the batched engine cannot train (one-line message)."""
+
+
+@dataclass
+class VirtualContributor:
+    """What a contributor keeps between rounds: its key, records, residual and privacy account."""
+
+    identity: Identity
+    conversations: list[Conversation]
+    misbehaviour: Misbehaviour | None = None
+    feedback: FfaErrorFeedback = field(default_factory=FfaErrorFeedback)
+    account: PrivacyAccount = field(default_factory=PrivacyAccount)
+    encoded: dict[int, Records] = field(default_factory=dict)  # max_length -> its records
+
+
+def check_task(task: TaskConfig) -> None:
+    """Refuse, in one line, a task the batched engine does not train as a real client would."""
+    problems = []
+    if task.method != "sft":
+        problems.append(f"method {task.method}")
+    if task.adapter != "ffa_lora":
+        problems.append(f"adapter {task.adapter}")
+    if task.dp_noise_multiplier > 0 or task.dp_target_epsilon > 0:
+        problems.append("DP-SGD")
+    if problems:
+        raise BatchedEngineError(
+            f"round {task.round} asks for {', '.join(problems)}; the batched engine trains "
+            "FFA-LoRA SFT without DP-SGD only: run this sweep with --engine inprocess"
+        )
+
+
+class BatchedClients(RunGrid):
+    """The Grid whose nodes are `contributors`: one train message each, answered together."""
+
+    def __init__(
+        self,
+        contributors: Mapping[int, VirtualContributor],
+        *,
+        model_source: ModelSource,
+        workdir: Path,
+        group: int = DEFAULT_GROUP,
+        run_id: int = 1,
+    ) -> None:
+        super().__init__(run_id=run_id)
+        self.contributors = dict(contributors)
+        self.model_source = model_source
+        self.workdir = workdir
+        self.group = group
+        self.trainer: BatchedFfaLora | None = None
+        self.tokenizer: Any = None
+        self.base_version = ""
+        self._replies: dict[str, Message] = {}
+        self._encodings: dict[tuple[int, str], tuple[list[int], list[int]]] = {}
+
+    def get_node_ids(self) -> Iterable[int]:
+        return sorted(self.contributors)
+
+    def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
+        batch = list(messages)
+        for message in batch:
+            assign_message_id(message)
+        for message, reply in zip(batch, self.answer(batch), strict=True):
+            self._replies[message.metadata.message_id] = reply
+        return [m.metadata.message_id for m in batch]
+
+    def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:
+        return [self._replies.pop(m) for m in message_ids if m in self._replies]
+
+    def send_and_receive(
+        self, messages: Iterable[Message], *, timeout: float | None = None
+    ) -> Iterable[Message]:
+        return list(self.pull_messages(self.push_messages(messages)))
+
+    def answer(self, messages: list[Message]) -> list[Message]:
+        """The signed reply to every train message, in order; one group of rows per task."""
+        replies: dict[int, Message] = {}
+        by_task: dict[str, list[int]] = {}
+        for i, message in enumerate(messages):
+            record = message.content.config_records[TASK_CONFIG]
+            by_task.setdefault(repr(sorted(record.items())), []).append(i)
+        for indices in by_task.values():
+            todo = [messages[i] for i in indices]
+            for i, reply in zip(indices, self._train_round(todo), strict=True):
+                replies[i] = reply
+        return [replies[i] for i in range(len(messages))]
+
+    def _train_round(self, messages: list[Message]) -> list[Message]:
+        """Train the contributors `messages` go to on the task they share, group by group."""
+        task = TaskConfig.from_record(messages[0].content.config_records[TASK_CONFIG])
+        check_task(task)
+        spec = LoraSpec(
+            rank=task.lora_rank, alpha=task.lora_alpha, target_modules=task.target_modules
+        )
+        trainer = self.ensure_base(task.base_version, spec)
+        nodes = [self.contributors[m.metadata.dst_node_id] for m in messages]
+        plans = [
+            plan_round(task, num_records=len(c.conversations), account=c.account) for c in nodes
+        ]
+        replies: list[Message] = []
+        for start in range(0, len(nodes), self.group):
+            chunk = range(start, min(start + self.group, len(nodes)))
+            began = time.perf_counter()
+            results = trainer.train_group(
+                [self.records(nodes[i], task.max_length) for i in chunk],
+                seed=task.seed,
+                a_seed=task.a_seed,
+                steps=task.steps,
+                lr=task.learning_rate,
+                batch_size=task.batch_size,
+            )
+            seconds = (time.perf_counter() - began) / len(chunk)
+            for i, result in zip(chunk, results, strict=True):
+                reply = self._finish(nodes[i], messages[i], task, spec, plans[i], result, seconds)
+                replies.append(reply)
+            log.info("round %d: %d of %d contributors trained", task.round, chunk.stop, len(nodes))
+        return replies
+
+    def ensure_base(self, version: str, spec: LoraSpec) -> BatchedFfaLora:
+        """The shared model with `version` loaded (built on the first round)."""
+        if self.trainer is not None and self.trainer.spec == spec and self.base_version == version:
+            return self.trainer
+        directory = self.workdir / "models" / version
+        self.model_source(version, directory)
+        if self.trainer is None or self.trainer.spec != spec:
+            self.tokenizer = AutoTokenizer.from_pretrained(directory)
+            model = load_base_model(
+                directory, adapter="ffa_lora", device="cpu", max_full_params=DEFAULT_MAX_FULL_PARAMS
+            )
+            self.trainer = BatchedFfaLora(model, spec=spec, pad_id=pad_id_of(self.tokenizer))
+        else:
+            self.trainer.load_base(load_weights(directory))
+        self.base_version = version
+        return self.trainer
+
+    def records(self, contributor: VirtualContributor, max_length: int) -> Records:
+        """The contributor's records tokenised as `encode_conversation` does (each distinct
+        conversation once: many contributors share records of the synthetic task)."""
+        found = contributor.encoded.get(max_length)
+        if found is None:
+            found = Records.of(
+                [self._encode(c, max_length) for c in contributor.conversations],
+                pad_id_of(self.tokenizer),
+            )
+            contributor.encoded = {max_length: found}
+        return found
+
+    def _encode(self, conversation: Conversation, max_length: int) -> tuple[list[int], list[int]]:
+        key = (max_length, repr(conversation))
+        found = self._encodings.get(key)
+        if found is None:
+            found = encode_conversation(self.tokenizer, conversation, max_length=max_length)
+            self._encodings[key] = found
+        return found
+
+    def _finish(
+        self,
+        contributor: VirtualContributor,
+        message: Message,
+        task: TaskConfig,
+        spec: LoraSpec,
+        plan: PrivacyPlan,
+        result: GroupResult,
+        seconds: float,
+    ) -> Message:
+        """`ClientRuntime.train` after training: clip, noise, corrupt, compress, sign."""
+        update, norm = privatize(
+            result.update, clip_norm=task.clip_norm, noise_std=plan.update_noise_std
+        )
+        contributor.account.commit(plan)
+        if contributor.misbehaviour is not None:
+            update = contributor.misbehaviour.corrupt(update, task.round)
+        assert self.trainer is not None
+        codec = CodecSpec(
+            codec=task.codec, group_size=task.group_size, granularity=task.granularity
+        )
+        d = sum(t.numel() for t in update.values())
+        cap = feedback_cap(task.clip_norm, task.update_noise_multiplier, d)
+        payload, _ = contributor.feedback.compress(
+            update,
+            codec,
+            lora=spec,
+            seed=task.a_seed,
+            carry_seed=task.carry_seed,
+            in_features={module: shape[1] for module, shape in self.trainer.shapes.items()},
+            max_norm=cap if contributor.misbehaviour is None else 0.0,
+            round=task.round,
+        )
+        raw_bytes = sum(t.numel() * 2 for t in update.values())  # as bf16
+        round_result = RoundResult(
+            update=update,
+            num_examples=result.num_examples,
+            mean_loss=result.mean_loss,
+            tokens=result.tokens,
+            seconds=seconds,
+        )
+        metrics = train_metrics(
+            round_result, update_norm=norm, raw_bytes=raw_bytes, payload_bytes=len(payload)
+        )
+        return signed_reply(
+            contributor.identity, message, task, payload, {**metrics, **plan.metrics()}
+        )
+
+
+@dataclass
+class BatchedFederation:
+    """The coordinator's round loop over `BatchedClients` (and an adversary's crafted nodes)."""
+
+    coordinator: Coordinator
+    clients: BatchedClients
+    grid: SimulationGrid
+    byzantine: dict[int, str] = field(default_factory=dict)  # node id -> contributor id
+    summaries: list[RoundSummary] = field(default_factory=list)
+
+    @classmethod
+    def build(
+        cls,
+        home: Path,
+        shards: list[list[dict[str, str]]],
+        *,
+        overrides: dict[str, Any] | None = None,
+        byzantine: Collection[int] = (),
+        attack: str = "none",
+        attack_params: Mapping[str, float] | None = None,
+        seed: int = 0,
+        group: int = DEFAULT_GROUP,
+    ) -> BatchedFederation:
+        """Shard i trains as contributor i; those whose index is in `byzantine` run `attack`
+        (as in `InProcessFederation.build`)."""
+        if attack not in ATTACK_NAMES:
+            raise ValueError(f"unknown attack {attack!r}; choose one of {', '.join(ATTACK_NAMES)}")
+        config = load_config(home / "coordinator.toml")
+        config = CoordinatorConfig.model_validate({**config.model_dump(), **(overrides or {})})
+        co = Coordinator(config)
+        contributors: dict[int, VirtualContributor] = {}
+        crafted: dict[int, Identity] = {}
+        bad: dict[int, str] = {}
+        for i, records in enumerate(shards):
+            identity = Identity.generate()
+            node = register(co.backend, identity, f"client-{i}")
+            attacker = i in byzantine and attack != "none"
+            if attacker:
+                bad[node] = identity.contributor_id
+            if attacker and attack in UPDATE_ATTACKS:
+                crafted[node] = identity
+                continue
+            misbehaviour = None
+            conversations = [to_conversation(r) for r in records]
+            if attacker:
+                misbehaviour = Misbehaviour(attack, dict(attack_params or {}), seed=seed + i)
+                conversations = misbehaviour.poison(conversations)
+            contributors[node] = VirtualContributor(identity, conversations, misbehaviour)
+        adversary = None
+        if crafted:
+            adversary = Adversary(
+                attack, crafted, f=config.byzantine_f, seed=seed, params=dict(attack_params or {})
+            )
+        clients = BatchedClients(
+            contributors, model_source=registry_source(co), workdir=home / "batched", group=group
+        )
+        grid = SimulationGrid(
+            clients,
+            co.backend,
+            routes={n: n for n in contributors},
+            spool=home / "spool",
+            adversary=adversary,
+        )
+        return cls(co, clients, grid, bad)
+
+    def run(self, on_round: Callable[[RoundSummary], None] | None = None) -> list[RoundSummary]:
+        def record(summary: RoundSummary) -> None:
+            self.summaries.append(summary)
+            if on_round is not None:
+                on_round(summary)
+
+        run_server_app(self.coordinator, self.grid, on_round=record)
+        return self.summaries
+
+
+def train_threads() -> None:
+    """One intra-op thread: the batched engine's ops are many and small, and two threads that
+    spin on a shared two-core machine run them many times slower than one."""
+    torch.set_num_threads(1)

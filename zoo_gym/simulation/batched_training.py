@@ -1,0 +1,240 @@
+"""FFA-LoRA training of many virtual contributors at once, on one shared base model.
+
+What `zoo_gym.client.trainers.sft.FfaLoraTrainer.train_round` does for one contributor,
+done for a group of g contributors in one forward and one backward per step:
+
+- the base model is loaded once and frozen; every target linear layer gets the round's
+  frozen A `(r, in)` (`frozen_a`, the same for every contributor) and a stack of Bs
+  `(g, out, r)`, one per contributor, starting at zero;
+- a step takes, for each contributor, the next batch of its own `length_bucketed_batches`
+  (its record lengths, a generator seeded with the round seed, as on a real client) and
+  lays the batches out contributor by contributor: rows ``c * rows .. (c + 1) * rows`` are
+  contributor c's (a contributor with a short batch gets rows of padding that carry no
+  label), so each target layer computes ``W x + s * B_c (A x)`` with one batched matmul;
+- contributor c's loss is the token mean of the next-token NLL over the labelled tokens of
+  its own batch (`zoo_gym.core.chat.token_nll`, taken at the labelled positions only); the
+  sum over contributors is backpropagated, so each B_c receives exactly the gradient of its
+  own loss;
+- AdamW (weight decay 0) steps all the Bs: it is elementwise, so one optimiser over the
+  stack is g independent ones.
+
+The update of contributor c is its B per target module, keyed ``"<module>.lora_B"``, as
+`FfaLoraTrainer.update` returns it. Right-padding to the group's widest batch changes no
+labelled position's output (causal attention, padding masked), so losses and updates match
+the per-contributor trainer up to float rounding.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+from transformers import PreTrainedModel
+
+from zoo_gym.client.trainers.sft import length_bucketed_batches
+from zoo_gym.core.chat import IGNORE_INDEX
+from zoo_gym.core.delta import Delta
+from zoo_gym.core.lora import LoraSpec, frozen_a, linear_layers, target_weights, update_key
+
+
+class GroupedLora(nn.Module):
+    """A frozen linear layer plus one LoRA B per contributor of a group:
+    ``y = W x + s * B_c (A x)`` for the rows of contributor c (peft's order: A, then B)."""
+
+    def __init__(self, base: nn.Linear, rank: int, scaling: float) -> None:
+        super().__init__()
+        self.base = base
+        self.scaling = scaling
+        self.a = torch.zeros((rank, base.in_features))  # (r, in), shared
+        self.b = torch.zeros((1, base.out_features, rank))  # (g, out, r), one per contributor
+
+    def forward(self, x: Tensor) -> Tensor:  # x (g * rows, t, in)
+        y = self.base(x)  # (g * rows, t, out)
+        g = self.b.shape[0]
+        xa = nn.functional.linear(x, self.a).reshape(g, -1, self.a.shape[0])  # (g, rows * t, r)
+        out = torch.baddbmm(  # W x + s * B_c (A x), (g, rows * t, out)
+            y.reshape(g, -1, y.shape[-1]), xa, self.b.transpose(1, 2), alpha=self.scaling
+        )
+        return out.reshape(y.shape)
+
+
+@dataclass(frozen=True)
+class Records:
+    """One contributor's tokenised records: ids and labels `(n, width)` padded, and lengths."""
+
+    ids: Tensor
+    labels: Tensor
+    lengths: list[int]
+
+    @classmethod
+    def of(cls, examples: Sequence[tuple[list[int], list[int]]], pad_id: int) -> Records:
+        width = max(len(ids) for ids, _ in examples)
+        ids = torch.full((len(examples), width), pad_id, dtype=torch.long)
+        labels = torch.full((len(examples), width), IGNORE_INDEX, dtype=torch.long)
+        for row, (tokens, labs) in enumerate(examples):
+            ids[row, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
+            labels[row, : len(labs)] = torch.tensor(labs, dtype=torch.long)
+        return cls(ids, labels, [len(t) for t, _ in examples])
+
+
+@dataclass(frozen=True)
+class GroupResult:
+    """What one contributor's round produced, as `RoundResult` has it."""
+
+    update: Delta
+    mean_loss: float
+    tokens: int
+    num_examples: int
+
+
+class BatchedFfaLora:
+    """One frozen base model whose target layers train a stack of Bs, one per contributor."""
+
+    def __init__(self, model: PreTrainedModel, *, spec: LoraSpec, pad_id: int) -> None:
+        transposed = sorted(n for n, t in linear_layers(model).items() if t)
+        self.shapes = target_weights(model, spec)  # module -> (out, in)
+        if any(name in self.shapes for name in transposed):
+            raise ValueError(
+                "the batched engine trains nn.Linear targets only; this base stores some "
+                "(in, out) (Conv1D): use the inprocess engine"
+            )
+        model.requires_grad_(False)
+        self.model, self.spec, self.pad_id = model, spec, pad_id
+        head = model.get_output_embeddings()  # type: ignore[no-untyped-call]
+        assert isinstance(head, nn.Module)
+        self.decoder, self.head = model.base_model, head
+        self.layers: dict[str, GroupedLora] = {}
+        for name in sorted(self.shapes):
+            parent, _, leaf = name.rpartition(".")
+            base = model.get_submodule(name)
+            assert isinstance(base, nn.Linear)
+            layer = GroupedLora(base, spec.rank, spec.scaling)
+            setattr(model.get_submodule(parent), leaf, layer)
+            self.layers[name] = layer
+
+    def load_base(self, state_dict: dict[str, Tensor]) -> None:
+        """Copy a published base version into the shared model, in place."""
+        params = dict(self.model.named_parameters())
+        renamed = {}
+        for key in state_dict:
+            module, _, leaf = key.rpartition(".")
+            renamed[key] = f"{module}.base.{leaf}" if module in self.layers else key
+        missing = sorted(set(params) - set(renamed.values()))
+        unexpected = sorted(k for k, v in renamed.items() if v not in params)
+        if missing or unexpected:
+            raise ValueError(
+                f"base state dict does not match the model: missing {missing[:3]}, "
+                f"unexpected {unexpected[:3]}"
+            )
+        with torch.no_grad():
+            for key, name in renamed.items():
+                params[name].copy_(state_dict[key])
+
+    def train_group(
+        self,
+        records: Sequence[Records],
+        *,
+        seed: int,
+        a_seed: int,
+        steps: int,
+        lr: float,
+        batch_size: int,
+    ) -> list[GroupResult]:
+        """`steps` AdamW steps of every contributor in `records`, each on its own batches."""
+        g = len(records)
+        bs: list[Tensor] = []
+        for name, layer in self.layers.items():
+            out_features, in_features = self.shapes[name]
+            layer.a = frozen_a(a_seed, name, in_features, self.spec.rank)
+            layer.b = torch.zeros((g, out_features, self.spec.rank), requires_grad=True)
+            bs.append(layer.b)
+        optimizer = torch.optim.AdamW(bs, lr=lr, weight_decay=0.0)
+        batches = [
+            length_bucketed_batches(r.lengths, batch_size, torch.Generator().manual_seed(seed))
+            for r in records
+        ]
+        store = _Store.of(records, self.pad_id)
+        losses = torch.zeros((steps, g), dtype=torch.float64)
+        tokens = [0] * g
+        self.model.train()
+        for step in range(steps):
+            ids, mask, labels, taken = self._step_batch(store, batches)
+            optimizer.zero_grad(set_to_none=True)
+            loss = self._losses(ids, mask, labels, g)  # (g,)
+            loss.sum().backward()  # type: ignore[no-untyped-call]
+            optimizer.step()
+            losses[step] = loss.detach().double()
+            tokens = [t + n for t, n in zip(tokens, taken, strict=True)]
+        self.model.train(False)
+        return [
+            GroupResult(
+                update={
+                    update_key(name): layer.b[c].detach().clone()
+                    for name, layer in self.layers.items()
+                },
+                mean_loss=float(losses[:, c].mean()),
+                tokens=tokens[c],
+                num_examples=len(records[c].lengths),
+            )
+            for c in range(g)
+        ]
+
+    def _step_batch(
+        self, store: _Store, batches: Sequence[Iterator[list[int]]]
+    ) -> tuple[Tensor, Tensor, Tensor, list[int]]:
+        """The step's rows, contributor by contributor: ids, attention mask and labels
+        `(g * rows, width)`, and the tokens of each contributor's batch."""
+        picked = [next(b) for b in batches]
+        rows = max(len(p) for p in picked)
+        index = torch.full((len(picked), rows), store.padding, dtype=torch.long)
+        for c, p in enumerate(picked):
+            index[c, : len(p)] = torch.tensor(p) + store.offsets[c]
+        lengths = store.lengths[index]  # (g, rows); padding rows: the store's width
+        real = index != store.padding
+        width = int(lengths[real].max())
+        index = index.flatten()
+        mask = (torch.arange(width) < lengths.flatten()[:, None]).long()
+        taken = (lengths * real).sum(1).tolist()
+        return store.ids[index, :width], mask, store.labels[index, :width], taken
+
+    def _losses(self, ids: Tensor, mask: Tensor, labels: Tensor, g: int) -> Tensor:
+        """Each contributor's token-mean completion NLL `(g,)`."""
+        hidden = self.decoder(input_ids=ids, attention_mask=mask).last_hidden_state
+        targets = labels[:, 1:]  # (g * rows, t - 1)
+        labelled = targets != IGNORE_INDEX
+        logits = self.head(hidden[:, :-1][labelled]).float()  # (tokens, vocab)
+        nll = nn.functional.cross_entropy(logits, targets[labelled], reduction="none")
+        owner = labelled.nonzero()[:, 0] // (ids.shape[0] // g)  # contributor of each token
+        sums = torch.zeros(g, dtype=nll.dtype).index_add(0, owner, nll)
+        counts = torch.bincount(owner, minlength=g).clamp(min=1)
+        return sums / counts
+
+
+@dataclass(frozen=True)
+class _Store:
+    """The records of a group in one table `(records + 1, width)`: contributor c's record i
+    is row ``offsets[c] + i``; the last row (`padding`) is all padding, no label, attended."""
+
+    ids: Tensor
+    labels: Tensor
+    lengths: Tensor  # (records + 1,)
+    offsets: list[int]
+    padding: int
+
+    @classmethod
+    def of(cls, records: Sequence[Records], pad_id: int) -> _Store:
+        width = max(r.ids.shape[1] for r in records)
+        total = sum(len(r.lengths) for r in records)
+        ids = torch.full((total + 1, width), pad_id, dtype=torch.long)
+        labels = torch.full((total + 1, width), IGNORE_INDEX, dtype=torch.long)
+        lengths = torch.full((total + 1,), width, dtype=torch.long)
+        offsets, row = [], 0
+        for r in records:
+            n, w = r.ids.shape
+            ids[row : row + n, :w], labels[row : row + n, :w] = r.ids, r.labels
+            lengths[row : row + n] = torch.tensor(r.lengths)
+            offsets.append(row)
+            row += n
+        return cls(ids, labels, lengths, offsets, total)

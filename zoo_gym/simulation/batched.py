@@ -17,8 +17,10 @@ draws secret noise; GRPO generates): other tasks get one line naming the inproce
 from __future__ import annotations
 
 import logging
+import queue
 import time
-from collections.abc import Callable, Collection, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -35,7 +37,7 @@ from zoo_gym.client.trainers.adapters import DEFAULT_MAX_FULL_PARAMS, load_base_
 from zoo_gym.client.trainers.sft import RoundResult
 from zoo_gym.compression import CodecSpec, feedback_cap
 from zoo_gym.coordinator.config import CoordinatorConfig, load_config
-from zoo_gym.coordinator.rounds import RoundSummary, run_server_app
+from zoo_gym.coordinator.rounds import RoundSummary, lora_spec, run_server_app
 from zoo_gym.coordinator.service import Coordinator
 from zoo_gym.core.chat import Conversation, encode_conversation, pad_id_of, to_conversation
 from zoo_gym.core.identity import Identity
@@ -49,10 +51,13 @@ from zoo_gym.simulation.inprocess import register, registry_source
 from zoo_gym.simulation.sweep import ATTACK_NAMES
 from zoo_gym.transport.flower_internals import assign_message_id
 from zoo_gym.transport.grid import RunGrid
+from zoo_gym.transport.loopback import submit_to_intake
 
 log = logging.getLogger(__name__)
 DEFAULT_GROUP = 50
 """Contributors per forward: the tiny model's activations for 50 x 8 rows are about 100 MB."""
+DEFAULT_WORKERS = 2
+"""Training threads, each with its own copy of the model and one intra-op thread."""
 
 
 class BatchedEngineError(ValueError):
@@ -97,6 +102,7 @@ class BatchedClients(RunGrid):
         model_source: ModelSource,
         workdir: Path,
         group: int = DEFAULT_GROUP,
+        workers: int = DEFAULT_WORKERS,
         run_id: int = 1,
     ) -> None:
         super().__init__(run_id=run_id)
@@ -104,7 +110,8 @@ class BatchedClients(RunGrid):
         self.model_source = model_source
         self.workdir = workdir
         self.group = group
-        self.trainer: BatchedFfaLora | None = None
+        self.workers = workers
+        self.trainers: list[BatchedFfaLora] = []  # one model per training thread
         self.tokenizer: Any = None
         self.base_version = ""
         self._replies: dict[str, Message] = {}
@@ -130,65 +137,93 @@ class BatchedClients(RunGrid):
         return list(self.pull_messages(self.push_messages(messages)))
 
     def answer(self, messages: list[Message]) -> list[Message]:
-        """The signed reply to every train message, in order; one group of rows per task."""
-        replies: dict[int, Message] = {}
-        by_task: dict[str, list[int]] = {}
-        for i, message in enumerate(messages):
-            record = message.content.config_records[TASK_CONFIG]
-            by_task.setdefault(repr(sorted(record.items())), []).append(i)
-        for indices in by_task.values():
-            todo = [messages[i] for i in indices]
-            for i, reply in zip(indices, self._train_round(todo), strict=True):
-                replies[i] = reply
-        return [replies[i] for i in range(len(messages))]
+        """The signed reply to every train message, in order."""
+        return list(self.stream(messages))
 
-    def _train_round(self, messages: list[Message]) -> list[Message]:
-        """Train the contributors `messages` go to on the task they share, group by group."""
+    def stream(self, messages: list[Message]) -> Iterator[Message]:
+        """The signed reply to each train message, in order, as soon as its group is trained:
+        `workers` threads train groups side by side (each on its own copy of the model, one
+        intra-op thread each) while the caller takes the replies of the groups done."""
+        if not messages:
+            return
         task = TaskConfig.from_record(messages[0].content.config_records[TASK_CONFIG])
+        for m in messages[1:]:
+            if TaskConfig.from_record(m.content.config_records[TASK_CONFIG]) != task:
+                raise ValueError("the batched engine trains one task per round")
         check_task(task)
         spec = LoraSpec(
             rank=task.lora_rank, alpha=task.lora_alpha, target_modules=task.target_modules
         )
-        trainer = self.ensure_base(task.base_version, spec)
+        self.ensure_base(task.base_version, spec)
         nodes = [self.contributors[m.metadata.dst_node_id] for m in messages]
         plans = [
             plan_round(task, num_records=len(c.conversations), account=c.account) for c in nodes
         ]
-        replies: list[Message] = []
-        for start in range(0, len(nodes), self.group):
-            chunk = range(start, min(start + self.group, len(nodes)))
-            began = time.perf_counter()
-            results = trainer.train_group(
-                [self.records(nodes[i], task.max_length) for i in chunk],
-                seed=task.seed,
-                a_seed=task.a_seed,
-                steps=task.steps,
-                lr=task.learning_rate,
-                batch_size=task.batch_size,
-            )
-            seconds = (time.perf_counter() - began) / len(chunk)
-            for i, result in zip(chunk, results, strict=True):
-                reply = self._finish(nodes[i], messages[i], task, spec, plans[i], result, seconds)
-                replies.append(reply)
-            log.info("round %d: %d of %d contributors trained", task.round, chunk.stop, len(nodes))
-        return replies
+        records = [self.records(c, task.max_length) for c in nodes]
+        free: queue.SimpleQueue[BatchedFfaLora] = queue.SimpleQueue()
+        for trainer in self.trainers:
+            free.put(trainer)
 
-    def ensure_base(self, version: str, spec: LoraSpec) -> BatchedFfaLora:
-        """The shared model with `version` loaded (built on the first round)."""
-        if self.trainer is not None and self.trainer.spec == spec and self.base_version == version:
-            return self.trainer
+        def train(chunk: range) -> tuple[list[GroupResult], float]:
+            trainer = free.get()
+            began = time.perf_counter()
+            try:
+                results = trainer.train_group(
+                    [records[i] for i in chunk],
+                    seed=task.seed,
+                    a_seed=task.a_seed,
+                    steps=task.steps,
+                    lr=task.learning_rate,
+                    batch_size=task.batch_size,
+                )
+            finally:
+                free.put(trainer)
+            return results, (time.perf_counter() - began) / len(chunk)
+
+        chunks = [
+            range(i, min(i + self.group, len(nodes))) for i in range(0, len(nodes), self.group)
+        ]
+        with ThreadPoolExecutor(max_workers=len(self.trainers)) as pool:
+            futures = [pool.submit(train, chunk) for chunk in chunks]
+            for chunk, future in zip(chunks, futures, strict=True):
+                results, seconds = future.result()
+                for i, result in zip(chunk, results, strict=True):
+                    yield self._finish(nodes[i], messages[i], task, spec, plans[i], result, seconds)
+                log.info(
+                    "round %d: %d of %d contributors trained", task.round, chunk.stop, len(nodes)
+                )
+
+    def ensure_base(self, version: str, spec: LoraSpec) -> None:
+        """Every training thread's model holding `version` (built on the first round)."""
+        if self.trainers and self.trainers[0].spec == spec and self.base_version == version:
+            return
         directory = self.workdir / "models" / version
         self.model_source(version, directory)
-        if self.trainer is None or self.trainer.spec != spec:
+        if not self.trainers or self.trainers[0].spec != spec:
+            self.trainers = []  # drop the old models before loading new ones
             self.tokenizer = AutoTokenizer.from_pretrained(directory)
-            model = load_base_model(
-                directory, adapter="ffa_lora", device="cpu", max_full_params=DEFAULT_MAX_FULL_PARAMS
-            )
-            self.trainer = BatchedFfaLora(model, spec=spec, pad_id=pad_id_of(self.tokenizer))
+            for _ in range(self.workers):
+                model = load_base_model(
+                    directory,
+                    adapter="ffa_lora",
+                    device="cpu",
+                    max_full_params=DEFAULT_MAX_FULL_PARAMS,
+                )
+                self.trainers.append(
+                    BatchedFfaLora(model, spec=spec, pad_id=pad_id_of(self.tokenizer))
+                )
         else:
-            self.trainer.load_base(load_weights(directory))
+            state = load_weights(directory)
+            for trainer in self.trainers:
+                trainer.load_base(state)
         self.base_version = version
-        return self.trainer
+
+    def prepare(self, version: str, spec: LoraSpec, max_length: int) -> None:
+        """Load `version` and tokenise every contributor's records for `max_length` ahead of
+        the first round (what each contributor's `join` does once before it trains)."""
+        self.ensure_base(version, spec)
+        for contributor in self.contributors.values():
+            self.records(contributor, max_length)
 
     def records(self, contributor: VirtualContributor, max_length: int) -> Records:
         """The contributor's records tokenised as `encode_conversation` does (each distinct
@@ -227,7 +262,6 @@ class BatchedClients(RunGrid):
         contributor.account.commit(plan)
         if contributor.misbehaviour is not None:
             update = contributor.misbehaviour.corrupt(update, task.round)
-        assert self.trainer is not None
         codec = CodecSpec(
             codec=task.codec, group_size=task.group_size, granularity=task.granularity
         )
@@ -239,7 +273,7 @@ class BatchedClients(RunGrid):
             lora=spec,
             seed=task.a_seed,
             carry_seed=task.carry_seed,
-            in_features={module: shape[1] for module, shape in self.trainer.shapes.items()},
+            in_features={module: shape[1] for module, shape in self.trainers[0].shapes.items()},
             max_norm=cap if contributor.misbehaviour is None else 0.0,
             round=task.round,
         )
@@ -259,13 +293,44 @@ class BatchedClients(RunGrid):
         )
 
 
+class BatchedGrid(SimulationGrid):
+    """`SimulationGrid` over `BatchedClients`: each reply goes to intake as soon as its group
+    is trained and every reply before it in the batch is in, so intake runs beside training.
+    Replies reach intake in the batch's order, as through `SimulationGrid`."""
+
+    inner: BatchedClients
+
+    def _answer(self, batch: list[Message], timeout: float | None) -> list[Message | None]:
+        byzantine = self.adversary.identities if self.adversary else {}
+        honest = [m for m in batch if m.metadata.dst_node_id not in byzantine]
+        attacked = [m for m in batch if m.metadata.dst_node_id in byzantine]
+        replies = self.inner.stream(honest)
+        raw: dict[int, Message] = {}
+        crafted: dict[int, Message] = {}
+        out: list[Message | None] = []
+        for m in batch:
+            if m.metadata.dst_node_id in byzantine:
+                if not crafted:
+                    for h, reply in zip(honest[len(raw) :], replies, strict=True):
+                        raw[id(h)] = reply
+                    assert self.adversary is not None
+                    made = self.adversary.replies([raw[id(h)] for h in honest], attacked)
+                    crafted = {id(a): r for a, r in zip(attacked, made, strict=True)}
+                reply = crafted[id(m)]
+            else:
+                reply = raw[id(m)] if id(m) in raw else next(replies)
+                raw[id(m)] = reply
+            out.append(submit_to_intake(self.backend, self.spool, m.metadata.dst_node_id, reply, m))
+        return out
+
+
 @dataclass
 class BatchedFederation:
     """The coordinator's round loop over `BatchedClients` (and an adversary's crafted nodes)."""
 
     coordinator: Coordinator
     clients: BatchedClients
-    grid: SimulationGrid
+    grid: BatchedGrid
     byzantine: dict[int, str] = field(default_factory=dict)  # node id -> contributor id
     summaries: list[RoundSummary] = field(default_factory=list)
 
@@ -281,6 +346,7 @@ class BatchedFederation:
         attack_params: Mapping[str, float] | None = None,
         seed: int = 0,
         group: int = DEFAULT_GROUP,
+        workers: int = DEFAULT_WORKERS,
     ) -> BatchedFederation:
         """Shard i trains as contributor i; those whose index is in `byzantine` run `attack`
         (as in `InProcessFederation.build`)."""
@@ -313,9 +379,16 @@ class BatchedFederation:
                 attack, crafted, f=config.byzantine_f, seed=seed, params=dict(attack_params or {})
             )
         clients = BatchedClients(
-            contributors, model_source=registry_source(co), workdir=home / "batched", group=group
+            contributors,
+            model_source=registry_source(co),
+            workdir=home / "batched",
+            group=group,
+            workers=workers,
         )
-        grid = SimulationGrid(
+        clients.prepare(
+            co.registry.latest().version, lora_spec(config.training), config.training.max_length
+        )
+        grid = BatchedGrid(
             clients,
             co.backend,
             routes={n: n for n in contributors},
@@ -330,11 +403,10 @@ class BatchedFederation:
             if on_round is not None:
                 on_round(summary)
 
-        run_server_app(self.coordinator, self.grid, on_round=record)
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)  # parallel across training threads, not within an op
+        try:
+            run_server_app(self.coordinator, self.grid, on_round=record)
+        finally:
+            torch.set_num_threads(threads)
         return self.summaries
-
-
-def train_threads() -> None:
-    """One intra-op thread: the batched engine's ops are many and small, and two threads that
-    spin on a shared two-core machine run them many times slower than one."""
-    torch.set_num_threads(1)

@@ -334,7 +334,12 @@ def run(
     f: Annotated[
         int | None, typer.Option("--f", help="Byzantine updates the rules tolerate")
     ] = None,
-    engine: Annotated[str | None, typer.Option(help="inprocess or ray")] = None,
+    engine: Annotated[
+        str | None,
+        typer.Option(
+            help="inprocess, batched (contributors train together on one shared model) or ray"
+        ),
+    ] = None,
     jobs: Annotated[int | None, typer.Option(help="cells in parallel (inprocess engine)")] = None,
     seed: Annotated[int | None, typer.Option(help="seed for data, attackers and training")] = None,
     out: Annotated[

@@ -76,6 +76,38 @@ class VirtualContributor:
     encoded: dict[int, Records] = field(default_factory=dict)  # max_length -> its records
 
 
+def enlist(
+    co: Coordinator,
+    shards: list[list[dict[str, str]]],
+    byzantine: Collection[int],
+    attack: str,
+    params: dict[str, float],
+    *,
+    seed: int,
+) -> tuple[dict[int, VirtualContributor], dict[int, Identity], dict[int, str]]:
+    """Register a key per shard: (node -> contributor that trains, node -> key of an attacker
+    whose update the adversary crafts, node -> contributor id of every attacker)."""
+    contributors: dict[int, VirtualContributor] = {}
+    crafted: dict[int, Identity] = {}
+    bad: dict[int, str] = {}
+    for i, records in enumerate(shards):
+        identity = Identity.generate()
+        node = register(co.backend, identity, f"client-{i}")
+        attacker = i in byzantine and attack != "none"
+        if attacker:
+            bad[node] = identity.contributor_id
+        if attacker and attack in UPDATE_ATTACKS:
+            crafted[node] = identity
+            continue
+        misbehaviour = None
+        conversations = [to_conversation(r) for r in records]
+        if attacker:
+            misbehaviour = Misbehaviour(attack, params, seed=seed + i)
+            conversations = misbehaviour.poison(conversations)
+        contributors[node] = VirtualContributor(identity, conversations, misbehaviour)
+    return contributors, crafted, bad
+
+
 def check_task(task: TaskConfig) -> None:
     """Refuse, in one line, a task the batched engine does not train as a real client would."""
     problems = []
@@ -355,24 +387,9 @@ class BatchedFederation:
         config = load_config(home / "coordinator.toml")
         config = CoordinatorConfig.model_validate({**config.model_dump(), **(overrides or {})})
         co = Coordinator(config)
-        contributors: dict[int, VirtualContributor] = {}
-        crafted: dict[int, Identity] = {}
-        bad: dict[int, str] = {}
-        for i, records in enumerate(shards):
-            identity = Identity.generate()
-            node = register(co.backend, identity, f"client-{i}")
-            attacker = i in byzantine and attack != "none"
-            if attacker:
-                bad[node] = identity.contributor_id
-            if attacker and attack in UPDATE_ATTACKS:
-                crafted[node] = identity
-                continue
-            misbehaviour = None
-            conversations = [to_conversation(r) for r in records]
-            if attacker:
-                misbehaviour = Misbehaviour(attack, dict(attack_params or {}), seed=seed + i)
-                conversations = misbehaviour.poison(conversations)
-            contributors[node] = VirtualContributor(identity, conversations, misbehaviour)
+        contributors, crafted, bad = enlist(
+            co, shards, byzantine, attack, dict(attack_params or {}), seed=seed
+        )
         adversary = None
         if crafted:
             adversary = Adversary(

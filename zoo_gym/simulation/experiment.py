@@ -32,7 +32,7 @@ import warnings
 from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -47,6 +47,10 @@ from zoo_gym.simulation.sweep import (
     shards_for,
 )
 
+if TYPE_CHECKING:
+    from zoo_gym.coordinator.rounds import RoundSummary
+    from zoo_gym.coordinator.service import Coordinator
+
 log = logging.getLogger(__name__)
 
 
@@ -54,12 +58,15 @@ def make_template(workdir: Path, config: SweepConfig) -> Path:
     """The coordinator home every cell copies: the tiny model, tokenizer and validation split,
     after `warmup_rounds` honest FedAvg rounds on the sweep's data (published as v0001, ...)."""
     from zoo_gym.coordinator.setup import init_home
+    from zoo_gym.simulation.batched import BatchedFederation
     from zoo_gym.simulation.inprocess import InProcessFederation
 
     key = (
         f"{config.seed}|{config.clients}|{config.examples_per_client}|{config.warmup_rounds}|{config.steps}|"
         f"{config.learning_rate}|{config.batch_size}|{config.codec}"
     )
+    if config.engine == "batched":  # its warm-up trains batched too (the same up to rounding)
+        key += "|batched"
     template = workdir / f"template-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
     if (template / "coordinator.toml").exists():
         return template
@@ -74,9 +81,8 @@ def make_template(workdir: Path, config: SweepConfig) -> Path:
             "aggregator_params": {},
             "pre_aggregation": "none",
         }
-        fed = InProcessFederation.build(
-            building, shards_for(config), overrides=overrides, seed=config.seed
-        )
+        federation = BatchedFederation if config.engine == "batched" else InProcessFederation
+        fed = federation.build(building, shards_for(config), overrides=overrides, seed=config.seed)
         fed.run()
         fed.coordinator.engine.dispose()
         shutil.rmtree(building / "clients", ignore_errors=True)
@@ -96,18 +102,7 @@ def run_cell(config: SweepConfig, cell: Cell, template: Path, workdir: Path) -> 
 
         summaries, co, bad = run_ray_federation(config, cell, home, attackers)
     else:
-        from zoo_gym.simulation.inprocess import InProcessFederation
-
-        fed = InProcessFederation.build(
-            home,
-            shards_for(config),
-            overrides=cell_overrides(config, cell),
-            byzantine=attackers,
-            attack=cell.attack,
-            attack_params=config.attack_params.get(cell.attack, {}),
-            seed=config.seed,
-        )
-        summaries, co, bad = fed.run(), fed.coordinator, set(fed.byzantine.values())
+        summaries, co, bad = run_local_federation(config, cell, home, attackers)
     seconds = time.perf_counter() - started
     if not summaries:
         raise RuntimeError(f"cell {cell.name} ran no round; see {home}")
@@ -129,6 +124,27 @@ def run_cell(config: SweepConfig, cell: Cell, template: Path, workdir: Path) -> 
         byzantine_selected=selected,
         seconds=seconds,
     )
+
+
+def run_local_federation(
+    config: SweepConfig, cell: Cell, home: Path, attackers: list[int]
+) -> tuple[list[RoundSummary], Coordinator, set[str]]:
+    """One cell in this process, on the in-process or the batched engine: its rounds, its
+    coordinator and the contributor ids of its attackers."""
+    from zoo_gym.simulation.batched import BatchedFederation
+    from zoo_gym.simulation.inprocess import InProcessFederation
+
+    federation = BatchedFederation if config.engine == "batched" else InProcessFederation
+    fed = federation.build(
+        home,
+        shards_for(config),
+        overrides=cell_overrides(config, cell),
+        byzantine=attackers,
+        attack=cell.attack,
+        attack_params=config.attack_params.get(cell.attack, {}),
+        seed=config.seed,
+    )
+    return fed.run(), fed.coordinator, set(fed.byzantine.values())
 
 
 def _worker_init() -> None:
@@ -155,7 +171,7 @@ def run_sweep(
         if on_result is not None:
             on_result(result)
 
-    if config.jobs == 1 or config.engine == "ray":
+    if config.jobs == 1 or config.engine != "inprocess":
         for cell in cells:
             done(cell, run_cell(config, cell, template, workdir))
     else:

@@ -1,8 +1,8 @@
 """What an attack matrix is: its settings (`SweepConfig`), its cells, and what each cell
 configures (the coordinator's settings, the data shards, which clients attack).
 
-Running a sweep is `zoo_gym.simulation.experiment`'s job; both engines (in-process and Ray)
-build their federations from what is defined here.
+Running a sweep is `zoo_gym.simulation.experiment`'s job; its engines (in-process, batched
+and Ray) build their federations from what is defined here.
 """
 
 from __future__ import annotations
@@ -67,7 +67,11 @@ class SweepConfig(BaseModel):
     quality_gate: bool = Field(
         False, description="keep the coordinator's quality gate (off: measure the rule alone)"
     )
-    engine: Literal["inprocess", "ray"] = "inprocess"
+    engine: Literal["inprocess", "batched", "ray"] = Field(
+        "inprocess",
+        description="inprocess: a ClientApp and model per contributor; batched: contributors "
+        "train together on one shared model (FFA-LoRA SFT); ray: Flower's simulation engine",
+    )
     jobs: int = Field(1, ge=1, description="cells run in parallel (in-process engine)")
     seed: int = 0
 

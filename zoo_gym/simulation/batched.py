@@ -175,7 +175,8 @@ class BatchedClients(RunGrid):
     def stream(self, messages: list[Message]) -> Iterator[Message]:
         """The signed reply to each train message, in order, as soon as its group is trained:
         `workers` threads train groups side by side (each on its own copy of the model, one
-        intra-op thread each) while the caller takes the replies of the groups done."""
+        intra-op thread each) and then compress and sign their group's updates, while the
+        caller takes the replies of the groups done."""
         if not messages:
             return
         task = TaskConfig.from_record(messages[0].content.config_records[TASK_CONFIG])
@@ -196,7 +197,7 @@ class BatchedClients(RunGrid):
         for trainer in self.trainers:
             free.put(trainer)
 
-        def train(chunk: range) -> tuple[list[GroupResult], float]:
+        def train(chunk: range) -> list[Message]:
             trainer = free.get()
             began = time.perf_counter()
             try:
@@ -210,17 +211,18 @@ class BatchedClients(RunGrid):
                 )
             finally:
                 free.put(trainer)
-            return results, (time.perf_counter() - began) / len(chunk)
+            seconds = (time.perf_counter() - began) / len(chunk)
+            return [
+                self._finish(nodes[i], messages[i], task, spec, plans[i], result, seconds)
+                for i, result in zip(chunk, results, strict=True)
+            ]
 
-        chunks = [
-            range(i, min(i + self.group, len(nodes))) for i in range(0, len(nodes), self.group)
-        ]
+        size = self.group
+        chunks = [range(i, min(i + size, len(nodes))) for i in range(0, len(nodes), size)]
         with ThreadPoolExecutor(max_workers=len(self.trainers)) as pool:
             futures = [pool.submit(train, chunk) for chunk in chunks]
             for chunk, future in zip(chunks, futures, strict=True):
-                results, seconds = future.result()
-                for i, result in zip(chunk, results, strict=True):
-                    yield self._finish(nodes[i], messages[i], task, spec, plans[i], result, seconds)
+                yield from future.result()
                 log.info(
                     "round %d: %d of %d contributors trained", task.round, chunk.stop, len(nodes)
                 )

@@ -20,7 +20,7 @@ done for a group of g contributors in one forward and one backward per step:
 
 The update of contributor c is its B per target module, keyed ``"<module>.lora_B"``, as
 `FfaLoraTrainer.update` returns it. Right-padding to the group's widest batch changes no
-labelled position's output (causal attention, padding masked), so losses and updates match
+labelled position's output (causal attention, padding on the right), so losses and updates match
 the per-contributor trainer up to float rounding.
 """
 
@@ -160,9 +160,9 @@ class BatchedFfaLora:
         tokens = [0] * g
         self.model.train()
         for step in range(steps):
-            ids, mask, labels, taken = self._step_batch(store, batches)
+            ids, labels, taken = self._step_batch(store, batches)
             optimizer.zero_grad(set_to_none=True)
-            loss = self._losses(ids, mask, labels, g)  # (g,)
+            loss = self._losses(ids, labels, g)  # (g,)
             loss.sum().backward()  # type: ignore[no-untyped-call]
             optimizer.step()
             losses[step] = loss.detach().double()
@@ -183,25 +183,32 @@ class BatchedFfaLora:
 
     def _step_batch(
         self, store: _Store, batches: Sequence[Iterator[list[int]]]
-    ) -> tuple[Tensor, Tensor, Tensor, list[int]]:
-        """The step's rows, contributor by contributor: ids, attention mask and labels
-        `(g * rows, width)`, and the tokens of each contributor's batch."""
+    ) -> tuple[Tensor, Tensor, list[int]]:
+        """The step's rows, contributor by contributor: ids and labels `(g * rows, width)`,
+        and the tokens of each contributor's batch."""
         picked = [next(b) for b in batches]
         rows = max(len(p) for p in picked)
-        index = torch.full((len(picked), rows), store.padding, dtype=torch.long)
-        for c, p in enumerate(picked):
-            index[c, : len(p)] = torch.tensor(p) + store.offsets[c]
-        lengths = store.lengths[index]  # (g, rows); padding rows: the store's width
+        index = torch.tensor(
+            [
+                [store.offsets[c] + i for i in p] + [store.padding] * (rows - len(p))
+                for c, p in enumerate(picked)
+            ]
+        )  # (g, rows): rows of the store
+        lengths = store.lengths[index]  # (g, rows)
         real = index != store.padding
         width = int(lengths[real].max())
         index = index.flatten()
-        mask = (torch.arange(width) < lengths.flatten()[:, None]).long()
         taken = (lengths * real).sum(1).tolist()
-        return store.ids[index, :width], mask, store.labels[index, :width], taken
+        return store.ids[index, :width], store.labels[index, :width], taken
 
-    def _losses(self, ids: Tensor, mask: Tensor, labels: Tensor, g: int) -> Tensor:
-        """Each contributor's token-mean completion NLL `(g,)`."""
-        hidden = self.decoder(input_ids=ids, attention_mask=mask).last_hidden_state
+    def _losses(self, ids: Tensor, labels: Tensor, g: int) -> Tensor:
+        """Each contributor's token-mean completion NLL `(g,)`.
+
+        No attention mask: padding is on the right, so under causal attention no labelled
+        position sees it (the per-contributor trainer masks it; the outputs there are the
+        same), and the causal kernel runs without a `(rows, 1, t, t)` mask.
+        """
+        hidden = self.decoder(input_ids=ids).last_hidden_state
         targets = labels[:, 1:]  # (g * rows, t - 1)
         labelled = targets != IGNORE_INDEX
         logits = self.head(hidden[:, :-1][labelled]).float()  # (tokens, vocab)
@@ -215,7 +222,7 @@ class BatchedFfaLora:
 @dataclass(frozen=True)
 class _Store:
     """The records of a group in one table `(records + 1, width)`: contributor c's record i
-    is row ``offsets[c] + i``; the last row (`padding`) is all padding, no label, attended."""
+    is row ``offsets[c] + i``; the last row (`padding`) is all padding and has no label."""
 
     ids: Tensor
     labels: Tensor

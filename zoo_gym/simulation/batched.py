@@ -108,6 +108,26 @@ def enlist(
     return contributors, crafted, bad
 
 
+def plan_rounds(task: TaskConfig, contributors: list[VirtualContributor]) -> list[PrivacyPlan]:
+    """Each contributor's `plan_round` for `task`, computed once per distinct input: a plan
+    depends only on the task, the number of records and the account's mechanism histories."""
+    plans: dict[tuple[Any, ...], PrivacyPlan] = {}
+    out = []
+    for c in contributors:
+        a = c.account
+        key = (
+            len(c.conversations),
+            tuple(a.sample_history),
+            tuple(a.user_history),
+            a.sample_unbounded,
+            a.user_unbounded,
+        )
+        if key not in plans:
+            plans[key] = plan_round(task, num_records=len(c.conversations), account=a)
+        out.append(plans[key])
+    return out
+
+
 def check_task(task: TaskConfig) -> None:
     """Refuse, in one line, a task the batched engine does not train as a real client would."""
     problems = []
@@ -189,9 +209,7 @@ class BatchedClients(RunGrid):
         )
         self.ensure_base(task.base_version, spec)
         nodes = [self.contributors[m.metadata.dst_node_id] for m in messages]
-        plans = [
-            plan_round(task, num_records=len(c.conversations), account=c.account) for c in nodes
-        ]
+        plans = plan_rounds(task, nodes)  # before training, as a client plans (and may refuse)
         records = [self.records(c, task.max_length) for c in nodes]
         free: queue.SimpleQueue[BatchedFfaLora] = queue.SimpleQueue()
         for trainer in self.trainers:

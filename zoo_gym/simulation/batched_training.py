@@ -12,7 +12,8 @@ done for a group of g contributors in one forward and one backward per step:
   contributor c's (a contributor with a short batch gets rows of padding that carry no
   label), so each target layer computes ``W x + s * B_c (A x)`` with one batched matmul;
 - contributor c's loss is the token mean of the next-token NLL over the labelled tokens of
-  its own batch (`zoo_gym.core.chat.token_nll`, taken at the labelled positions only); the
+  its own batch (`zoo_gym.core.chat.token_nll`; the last layer's MLP and the head run at the
+  labelled positions only, see `BatchedFfaLora._losses`); the
   sum over contributors is backpropagated, so each B_c receives exactly the gradient of its
   own loss;
 - AdamW (weight decay 0) steps all the Bs: it is elementwise, so one optimiser over the
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -104,7 +106,9 @@ class BatchedFfaLora:
         self.model, self.spec, self.pad_id = model, spec, pad_id
         head = model.get_output_embeddings()  # type: ignore[no-untyped-call]
         assert isinstance(head, nn.Module)
-        self.decoder, self.head = model.base_model, head
+        self.decoder: Any = model.base_model  # Llama-style: embed_tokens, layers, norm, ...
+        self.head = head
+        check_decoder(self.decoder)
         self.layers: dict[str, GroupedLora] = {}
         for name in sorted(self.shapes):
             parent, _, leaf = name.rpartition(".")
@@ -204,19 +208,58 @@ class BatchedFfaLora:
     def _losses(self, ids: Tensor, labels: Tensor, g: int) -> Tensor:
         """Each contributor's token-mean completion NLL `(g,)`.
 
-        No attention mask: padding is on the right, so under causal attention no labelled
-        position sees it (the per-contributor trainer masks it; the outputs there are the
-        same), and the causal kernel runs without a `(rows, 1, t, t)` mask.
+        The decoder runs as the model's own forward does (embeddings, rotary position
+        embeddings, every layer, final norm), with two shortcuts that leave the labelled
+        positions' outputs as they are: no attention mask (padding is on the right, so under
+        causal attention no labelled position sees it, and the causal kernel needs no
+        `(rows, 1, t, t)` mask), and the last layer's MLP, the final norm and the head run
+        only at the positions whose next token is labelled (a few of each row; only the
+        attention mixes positions), laid out contributor by contributor in blocks padded with
+        zero vectors (which the norm and the MLP map to zero) for the stacked Bs.
         """
-        hidden = self.decoder(input_ids=ids).last_hidden_state
+        d = self.decoder
+        positions = torch.arange(ids.shape[1]).unsqueeze(0)
+        h = d.embed_tokens(ids)
+        rotary = d.rotary_emb(h, positions)
+        context = {"attention_mask": None, "position_ids": positions, "position_embeddings": rotary}
+        for layer in d.layers[:-1]:
+            h = layer(h, **context)
+        last = d.layers[-1]
+        attended, _ = last.self_attn(hidden_states=last.input_layernorm(h), **context)
+        h = h + attended  # (g * rows, t, hidden)
         targets = labels[:, 1:]  # (g * rows, t - 1)
         labelled = targets != IGNORE_INDEX
-        logits = self.head(hidden[:, :-1][labelled]).float()  # (tokens, vocab)
-        nll = nn.functional.cross_entropy(logits, targets[labelled], reduction="none")
         owner = labelled.nonzero()[:, 0] // (ids.shape[0] // g)  # contributor of each token
+        counts = torch.bincount(owner, minlength=g)  # (g,)
+        start = torch.cumsum(counts, 0) - counts
+        slot = torch.arange(owner.shape[0]) - start[owner]  # place among its contributor's
+        x = h[:, :-1][labelled]  # (tokens, hidden)
+        blocks = x.new_zeros((g, int(counts.max()), x.shape[1]))  # (g, most tokens, hidden)
+        blocks = blocks.index_put((owner, slot), x)  # zeros elsewhere: zeros come out
+        x = x + last.mlp(last.post_attention_layernorm(blocks))[owner, slot]
+        logits = self.head(d.norm(x)).float()  # (tokens, vocab)
+        nll = nn.functional.cross_entropy(logits, targets[labelled], reduction="none")
         sums = torch.zeros(g, dtype=nll.dtype).index_add(0, owner, nll)
-        counts = torch.bincount(owner, minlength=g).clamp(min=1)
-        return sums / counts
+        return sums / counts.clamp(min=1)
+
+
+def check_decoder(decoder: Any) -> None:
+    """Refuse, in one line, a decoder that is not Llama-style (pre-norm layers of attention and
+    a gate/up/down MLP, rotary positions, full attention), the kind `_losses` runs."""
+    layer = decoder.layers[-1] if hasattr(decoder, "layers") else None
+    parts = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")
+    mlp = getattr(layer, "mlp", None)
+    if (
+        layer is None
+        or not all(hasattr(layer, p) for p in parts)
+        or not all(hasattr(mlp, p) for p in ("gate_proj", "up_proj", "down_proj", "act_fn"))
+        or not all(hasattr(decoder, p) for p in ("embed_tokens", "rotary_emb", "norm"))
+        or getattr(decoder, "has_sliding_layers", False)
+    ):
+        raise ValueError(
+            f"the batched engine trains Llama-style decoders (Qwen2, Llama), not "
+            f"{type(decoder).__name__}: use the inprocess engine"
+        )
 
 
 @dataclass(frozen=True)

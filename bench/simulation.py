@@ -17,13 +17,14 @@ targets, `--steps` AdamW steps of batch 8, lr 0.01, max length 96, seed 0:
   base and trains with the client's own `FfaLoraTrainer` on its shard (the model is built once
   per Ray worker and kept, as a Flower user would).
 
-The tiny model and its validation split are built once; each side runs in its own process on a
-copy; the parent samples the resident memory of that process and
+The tiny model and its validation split are built once; each side runs in its own process on a copy
+(Flower's in a user and network namespace that has only the loopback where the machine allows one,
+as tests/netns.py runs the Ray tests); the parent samples the resident memory of that process and
 all its descendants (Ray's raylet, GCS and workers included) every 0.1 s. A round's seconds run
 from its task to its validation loss (zoo-gym: `RoundSummary.seconds`; Flower: between the
-ServerApp's `evaluate_fn` calls). The rate is contributors x rounds / seconds over the rounds
-after the first (warm: Ray's workers and the per-contributor models are up), the first round
-and the setup (federation built, keys registered, records tokenised) are reported beside. "Sent" is one
+ServerApp's `evaluate_fn` calls). The rate is contributors x rounds / seconds over the rounds after
+the first (warm: Ray's workers and the per-contributor models are up), the first round and the
+setup (federation built, keys registered, records tokenised) are reported beside. "Sent" is one
 contributor's upload per round: the BitDelta envelope for zoo-gym, the float32 ArrayRecord for
 Flower.
 
@@ -252,11 +253,36 @@ def tree_rss(pid: int) -> int:
     return total
 
 
+def loopback_only(command: list[str]) -> list[str]:
+    """`command` in a user and network namespace whose only interface is the loopback, as
+    tests/netns.py runs the Ray tests (Ray 2.55 binds its servers to every interface); as it
+    is where unprivileged namespaces are not allowed, with a warning."""
+    unshare = shutil.which("unshare")
+    probe = [unshare, "--user", "--map-root-user", "--net", "true"] if unshare else None
+    if probe is None or subprocess.run(probe, capture_output=True).returncode != 0:
+        print("no unprivileged network namespace here: Ray's servers listen on every interface")
+        return command
+    up = "ip link set lo up" if shutil.which("ip") else "true"
+    return [
+        unshare,
+        "--user",
+        "--map-root-user",
+        "--net",
+        "sh",
+        "-c",
+        f'{up} && exec "$@"',
+        "sh",
+        *command,
+    ]
+
+
 def measure(side: str, args: argparse.Namespace) -> dict[str, Any]:
     """Run `side` in a child process; its result and the peak RSS of its process tree."""
     command = [sys.executable, __file__, "--child", "--side", side]
     command += ["--clients", str(args.clients), "--rounds", str(args.rounds)]
     command += ["--steps", str(args.steps), "--template", str(args.template)]
+    if side == "flower":
+        command = loopback_only(command)
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env)
     peak = 0

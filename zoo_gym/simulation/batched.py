@@ -45,7 +45,12 @@ from zoo_gym.core.lora import LoraSpec
 from zoo_gym.core.protocol import TASK_CONFIG, TaskConfig
 from zoo_gym.core.weights import load_weights
 from zoo_gym.simulation.adversary import UPDATE_ATTACKS, Adversary
-from zoo_gym.simulation.batched_training import BatchedFfaLora, GroupResult, Records
+from zoo_gym.simulation.batched_training import (
+    BatchedEngineError,
+    BatchedFfaLora,
+    GroupResult,
+    Records,
+)
 from zoo_gym.simulation.grid import SimulationGrid
 from zoo_gym.simulation.inprocess import register, registry_source
 from zoo_gym.simulation.sweep import ATTACK_NAMES
@@ -55,13 +60,10 @@ from zoo_gym.transport.loopback import submit_to_intake
 
 log = logging.getLogger(__name__)
 DEFAULT_GROUP = 50
-"""Contributors per forward: the tiny model's activations for 50 x 8 rows are about 100 MB."""
+"""Contributors per forward pass of a training thread (with two threads a round of 1,000 on the
+tiny model peaks near 1 GB of RSS, bench/README.md)."""
 DEFAULT_WORKERS = 2
 """Training threads, each with its own copy of the model and one intra-op thread."""
-
-
-class BatchedEngineError(ValueError):
-    """A round the batched engine cannot train (one-line message)."""
 
 
 @dataclass

@@ -39,6 +39,11 @@ from zoo_gym.client.trainers.sft import length_bucketed_batches
 from zoo_gym.core.chat import IGNORE_INDEX
 from zoo_gym.core.delta import Delta
 from zoo_gym.core.lora import LoraSpec, frozen_a, linear_layers, target_weights, update_key
+from zoo_gym.simulation.sweep import SweepError
+
+
+class BatchedEngineError(SweepError):
+    """What the batched engine cannot train (one line, naming the engine to use instead)."""
 
 
 class GroupedLora(nn.Module):
@@ -98,7 +103,7 @@ class BatchedFfaLora:
         transposed = sorted(n for n, t in linear_layers(model).items() if t)
         self.shapes = target_weights(model, spec)  # module -> (out, in)
         if any(name in self.shapes for name in transposed):
-            raise ValueError(
+            raise BatchedEngineError(
                 "the batched engine trains nn.Linear targets only; this base stores some "
                 "(in, out) (Conv1D): use the inprocess engine"
             )
@@ -256,7 +261,7 @@ def check_decoder(decoder: Any) -> None:
         or not all(hasattr(decoder, p) for p in ("embed_tokens", "rotary_emb", "norm"))
         or getattr(decoder, "has_sliding_layers", False)
     ):
-        raise ValueError(
+        raise BatchedEngineError(
             f"the batched engine trains Llama-style decoders (Qwen2, Llama), not "
             f"{type(decoder).__name__}: use the inprocess engine"
         )

@@ -96,6 +96,8 @@ def test_batched_trains_each_contributor_as_the_per_contributor_path(
     for expected, got in zip(own_losses, losses, strict=True):
         assert got == pytest.approx(expected, rel=1e-5)
     assert [s.status for s in rounds] == ["published", "published"]
+    kept = tmp_path / "batched" / "batched" / "models"  # one copy of the base for all of them
+    assert [p.name for p in kept.iterdir()] == [rounds[1].base_version] != [rounds[0].base_version]
     for expected_round, got_round in zip(own_rounds, rounds, strict=True):
         assert got_round.accepted == expected_round.accepted == 4
         assert got_round.loss_after == pytest.approx(expected_round.loss_after, rel=1e-5)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import queue
+import shutil
 import time
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -248,7 +249,8 @@ class BatchedClients(RunGrid):
                 )
 
     def ensure_base(self, version: str, spec: LoraSpec) -> None:
-        """Every training thread's model holding `version` (built on the first round)."""
+        """Every training thread's model holding `version` (built on the first round), from
+        the one copy of it kept on disk."""
         if self.trainers and self.trainers[0].spec == spec and self.base_version == version:
             return
         directory = self.workdir / "models" / version
@@ -271,6 +273,9 @@ class BatchedClients(RunGrid):
             for trainer in self.trainers:
                 trainer.load_base(state)
         self.base_version = version
+        for old in directory.parent.iterdir():  # one copy on disk: the version in memory
+            if old != directory:
+                shutil.rmtree(old, ignore_errors=True)
 
     def prepare(self, version: str, spec: LoraSpec, max_length: int) -> None:
         """Load `version` and tokenise every contributor's records for `max_length` ahead of

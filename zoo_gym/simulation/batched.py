@@ -53,7 +53,7 @@ from zoo_gym.simulation.batched_training import (
     Records,
 )
 from zoo_gym.simulation.grid import SimulationGrid
-from zoo_gym.simulation.inprocess import register, registry_source
+from zoo_gym.simulation.inprocess import node_identity, register, registry_source
 from zoo_gym.simulation.sweep import ATTACK_NAMES
 from zoo_gym.transport.flower_internals import assign_message_id
 from zoo_gym.transport.grid import RunGrid
@@ -94,7 +94,7 @@ def enlist(
     crafted: dict[int, Identity] = {}
     bad: dict[int, str] = {}
     for i, records in enumerate(shards):
-        identity = Identity.generate()
+        identity = node_identity(seed, i)
         node = register(co.backend, identity, f"client-{i}")
         attacker = i in byzantine and attack != "none"
         if attacker:
@@ -412,7 +412,9 @@ class BatchedFederation:
         if attack not in ATTACK_NAMES:
             raise ValueError(f"unknown attack {attack!r}; choose one of {', '.join(ATTACK_NAMES)}")
         config = load_config(home / "coordinator.toml")
-        config = CoordinatorConfig.model_validate({**config.model_dump(), **(overrides or {})})
+        config = CoordinatorConfig.model_validate(
+            {**config.model_dump(), "selection_seed": seed, **(overrides or {})}
+        )
         co = Coordinator(config)
         contributors, crafted, bad = enlist(
             co, shards, byzantine, attack, dict(attack_params or {}), seed=seed

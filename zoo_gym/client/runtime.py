@@ -190,28 +190,12 @@ class ClientRuntime:
         return step
 
     def compress(self, update: Delta, task: TaskConfig, spec: LoraSpec, trainer: Trainer) -> bytes:
-        """The round's envelope: `update` plus the error-feedback residual, in the task's codec.
-
-        With a clip norm, the compensated update is capped at `feedback_cap`, the norm the
-        coordinator's intake bound is built on (an attacker's update is not capped).
-        """
-        codec = CodecSpec(
-            codec=task.codec, group_size=task.group_size, granularity=task.granularity
-        )
+        """The round's envelope: `update` plus the error-feedback residual, in the task's codec
+        (see `compress_for_task`)."""
         in_features = {module: shape[1] for module, shape in trainer.shapes.items()}
-        d = sum(t.numel() for t in update.values())
-        cap = feedback_cap(task.clip_norm, task.update_noise_multiplier, d)
-        payload, _ = self.feedback.compress(
-            update,
-            codec,
-            lora=spec,
-            seed=task.a_seed,
-            carry_seed=task.carry_seed,
-            in_features=in_features,
-            max_norm=cap if self.misbehaviour is None else 0.0,
-            round=task.round,
+        return compress_for_task(
+            self.feedback, update, task, spec, in_features, honest=self.misbehaviour is None
         )
-        return payload
 
     def _compressed(self, raw_bytes: int, payload: bytes) -> dict[str, float | str]:
         """The "compressed" event's detail: sizes, and what a change of A dropped."""
@@ -301,6 +285,34 @@ class ClientRuntime:
             a_seed=task.a_seed,
             dp=dp,
         )
+
+
+def compress_for_task(
+    feedback: FfaErrorFeedback,
+    update: Delta,
+    task: TaskConfig,
+    spec: LoraSpec,
+    in_features: dict[str, int],
+    *,
+    honest: bool,
+) -> bytes:
+    """The round's envelope: `update` plus the error-feedback residual in `feedback`, in the
+    task's codec. With a clip norm, an honest compensated update is capped at `feedback_cap`,
+    the norm the coordinator's intake bound is built on (an attacker's is not capped)."""
+    codec = CodecSpec(codec=task.codec, group_size=task.group_size, granularity=task.granularity)
+    d = sum(t.numel() for t in update.values())
+    cap = feedback_cap(task.clip_norm, task.update_noise_multiplier, d)
+    payload, _ = feedback.compress(
+        update,
+        codec,
+        lora=spec,
+        seed=task.a_seed,
+        carry_seed=task.carry_seed,
+        in_features=in_features,
+        max_norm=cap if honest else 0.0,
+        round=task.round,
+    )
+    return payload
 
 
 def privatize(update: Delta, *, clip_norm: float, noise_std: float) -> tuple[Delta, float]:

@@ -33,10 +33,15 @@ from transformers import AutoTokenizer
 from zoo_gym.client.byzantine import Misbehaviour
 from zoo_gym.client.feedback import FfaErrorFeedback
 from zoo_gym.client.privacy import PrivacyAccount, PrivacyPlan, plan_round
-from zoo_gym.client.runtime import ModelSource, privatize, signed_reply, train_metrics
+from zoo_gym.client.runtime import (
+    ModelSource,
+    compress_for_task,
+    privatize,
+    signed_reply,
+    train_metrics,
+)
 from zoo_gym.client.trainers.adapters import DEFAULT_MAX_FULL_PARAMS, load_base_model
 from zoo_gym.client.trainers.sft import RoundResult
-from zoo_gym.compression import CodecSpec, feedback_cap
 from zoo_gym.coordinator.config import CoordinatorConfig, load_config
 from zoo_gym.coordinator.rounds import RoundSummary, lora_spec, run_server_app
 from zoo_gym.coordinator.service import Coordinator
@@ -321,20 +326,10 @@ class BatchedClients(RunGrid):
         contributor.account.commit(plan)
         if contributor.misbehaviour is not None:
             update = contributor.misbehaviour.corrupt(update, task.round)
-        codec = CodecSpec(
-            codec=task.codec, group_size=task.group_size, granularity=task.granularity
-        )
-        d = sum(t.numel() for t in update.values())
-        cap = feedback_cap(task.clip_norm, task.update_noise_multiplier, d)
-        payload, _ = contributor.feedback.compress(
-            update,
-            codec,
-            lora=spec,
-            seed=task.a_seed,
-            carry_seed=task.carry_seed,
-            in_features={module: shape[1] for module, shape in self.trainers[0].shapes.items()},
-            max_norm=cap if contributor.misbehaviour is None else 0.0,
-            round=task.round,
+        in_features = {module: shape[1] for module, shape in self.trainers[0].shapes.items()}
+        honest = contributor.misbehaviour is None
+        payload = compress_for_task(
+            contributor.feedback, update, task, spec, in_features, honest=honest
         )
         raw_bytes = sum(t.numel() * 2 for t in update.values())  # as bf16
         round_result = RoundResult(

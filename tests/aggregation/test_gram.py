@@ -1,0 +1,131 @@
+"""The cache-blocked Gram matrix on CPU and the one-thread workers it runs on.
+
+Small integer updates give exact distances whatever the blocking (every shifted value,
+product and chunk sum is an integer below 2^24), so the distances are compared for
+equality with the int64 ones across block boundaries of n, scratch blocks within a chunk
+and chunks dealt out among threads.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from zoo_gym.aggregation import _core
+from zoo_gym.aggregation._core import (
+    _gram_plan,
+    mean_of_rows,
+    run_workers,
+    squared_distances,
+    weighted_sum,
+)
+from zoo_gym.aggregation.columns import TensorColumns
+
+
+def exact_distances(x: torch.Tensor) -> torch.Tensor:
+    xi = x.to(torch.int64)
+    diff = xi[:, None, :] - xi[None, :, :]
+    return (diff * diff).sum(dim=2).to(torch.float64)
+
+
+def small_integers(seed: int, n: int, d: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randint(-3, 4, (n, d), generator=g).float()
+    x[: max(1, n // 5)] += 40.0  # far updates: the medoid reference is not update 0
+    return x
+
+
+@pytest.mark.parametrize("n", [1, 2, 15, 16, 17, 31, 33, 48, 50, 65])
+def test_lower_blocks_cover_the_lower_triangle_once(n: int) -> None:
+    plan = _gram_plan(n, torch.float32, torch.device("cpu"), 10_000)
+    covered = torch.zeros((n, n), dtype=torch.int64)
+    for i0, i1 in plan.blocks:
+        covered[i0:, i0:i1] += 1
+    assert torch.equal(torch.tril(covered), torch.tril(torch.ones((n, n), dtype=torch.int64)))
+    assert all(i1 - i0 in (16, 32) for i0, i1 in plan.blocks[:-1])  # only the last is narrow
+
+
+def test_scratch_is_a_few_mib_of_whole_blocks_and_never_wider_than_a_chunk() -> None:
+    cpu = torch.device("cpu")
+    assert _gram_plan(50, torch.float32, cpu, 100_000).width == 6144  # 1.2 MiB
+    assert _gram_plan(300, torch.float32, cpu, 100_000).width == 4352  # 5 MiB
+    assert _gram_plan(1000, torch.float32, cpu, 100_000).width == 1280
+    assert _gram_plan(1000, torch.float64, cpu, 100_000).width == 1024  # at least
+    assert _gram_plan(50, torch.float32, cpu, 700).width == 700
+
+
+@pytest.mark.parametrize("n", [3, 17, 33, 50])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_blocked_distances_of_small_integers_are_exact(
+    n: int, threads: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # scratch blocks of 256 columns in chunks of a few hundred to a few thousand columns
+    monkeypatch.setattr(_core, "_GRAM_SCRATCH_COLUMNS", (256, 256))
+    x = small_integers(n, n, 9_001)
+    expected = exact_distances(x)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        whole = squared_distances(x)
+        narrow = squared_distances(TensorColumns(x, budget=n * 8 * 700))
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(whole, expected)
+    assert torch.equal(narrow, expected)
+
+
+def test_half_precision_is_shifted_in_the_working_dtype(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_core, "_GRAM_SCRATCH_COLUMNS", (256, 256))
+    x = small_integers(5, 20, 3_000)
+    assert torch.equal(squared_distances(x.to(torch.bfloat16)), exact_distances(x))
+
+
+def test_workers_run_torch_on_one_thread_and_give_the_count_back() -> None:
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        seen = run_workers(lambda item: (item, torch.get_num_threads()), [0, 1, 2, 3], 2)
+        after = torch.get_num_threads()
+    finally:
+        torch.set_num_threads(before)
+    assert seen == [(0, 1), (1, 1), (2, 1), (3, 1)]  # in item order
+    assert after == 2
+
+
+def test_a_failing_worker_still_gives_the_count_back() -> None:
+    def fail(item: int) -> int:
+        raise RuntimeError(f"item {item}")
+
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        with pytest.raises(RuntimeError, match="item"):
+            run_workers(fail, [0, 1], 2)
+        after = torch.get_num_threads()
+    finally:
+        torch.set_num_threads(before)
+    assert after == 2
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_equal_weights_sum_the_rows_in_order_then_scale(dtype: torch.dtype) -> None:
+    x = torch.randn(7, 70_001, generator=torch.Generator().manual_seed(6)).to(dtype)
+    rows = [0, 2, 3, 6]
+    acc = torch.zeros(70_001, dtype=torch.float64)
+    for i in rows:
+        acc += x[i].double()
+    assert torch.equal(mean_of_rows(x, rows), (acc * 0.25).float())
+
+
+def test_unequal_weights_add_each_scaled_row_in_order() -> None:
+    x = torch.randn(5, 70_001, generator=torch.Generator().manual_seed(7))
+    w = torch.tensor([0.5, 0.0, 0.25, 0.125, 0.125], dtype=torch.float64)
+    acc = torch.zeros(70_001, dtype=torch.float64)
+    for i in (0, 2, 3, 4):
+        acc.add_(x[i].double(), alpha=float(w[i]))
+    assert torch.equal(weighted_sum(x, w), acc.float())
+
+
+def test_the_mean_of_one_row_is_that_row() -> None:
+    x = torch.randn(4, 1_000, dtype=torch.float64, generator=torch.Generator().manual_seed(8))
+    assert torch.equal(mean_of_rows(x, [2]), x[2].float())

@@ -129,3 +129,12 @@ def test_unequal_weights_add_each_scaled_row_in_order() -> None:
 def test_the_mean_of_one_row_is_that_row() -> None:
     x = torch.randn(4, 1_000, dtype=torch.float64, generator=torch.Generator().manual_seed(8))
     assert torch.equal(mean_of_rows(x, [2]), x[2].float())
+
+
+def test_medoid_reads_the_lower_triangle_only() -> None:
+    x = torch.randn(40, 30, dtype=torch.float64, generator=torch.Generator().manual_seed(10))
+    x[:8] += 5.0
+    full = x @ x.T
+    expected = int(torch.cdist(x, x).sum(dim=1).argmin())
+    garbage = torch.tril(full) + torch.triu(torch.full_like(full, 1e9), 1)
+    assert _core._medoid(garbage) == expected

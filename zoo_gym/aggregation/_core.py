@@ -252,7 +252,7 @@ def gram(updates: Updates) -> Tensor:
     g = parts[0]
     for part in parts[1:]:
         g += part
-    return _symmetric(g, len(plan.blocks) > 1)
+    return _symmetric(g)
 
 
 @dataclass(frozen=True)
@@ -286,7 +286,6 @@ def _gram_part(source: Columns, ranges: list[tuple[int, int]], plan: _GramPlan) 
     the lower block triangle of `plan.blocks`), each range shifted by the medoid of the
     distances accumulated so far (see `gram`)."""
     n, dtype, device = source.n, work_dtype(source), source.device
-    triangular = len(plan.blocks) > 1
     g = torch.zeros((n, n), dtype=torch.float64, device=device)
     part = torch.zeros((n, n), dtype=dtype, device=device)  # one range's product
     # the shifted block, rows padded so that their stride is no power of two (a power of
@@ -298,9 +297,9 @@ def _gram_part(source: Columns, ranges: list[tuple[int, int]], plan: _GramPlan) 
         chunk = source.columns(start, stop)  # (n, c)
         if k == 0:  # probe a few columns, shifted by update 0, for the first medoid
             _shifted_product(chunk[:, :_PROBE_WIDTH], 0, scratch, part, plan.blocks)
-            ref = _medoid(_symmetric(part.to(torch.float64), triangular))
+            ref = _medoid(part.to(torch.float64))
         elif k & (k - 1) == 0:  # k a power of two
-            ref = _medoid(_symmetric(g, triangular))
+            ref = _medoid(g)
         _shifted_product(chunk, ref, scratch, part, plan.blocks)
         for i0, i1 in plan.blocks:  # only the blocks computed
             g[i0:, i0:i1] += part[i0:, i0:i1]
@@ -333,25 +332,32 @@ def _shifted_product(
                 torch.addmm(out, a, b, out=out)
 
 
-def _symmetric(g: Tensor, triangular: bool) -> Tensor:
-    """The full matrix from one whose lower block triangle is exact (if `triangular`)."""
-    return torch.tril(g) + torch.tril(g, -1).T if triangular else g
+def _symmetric(g: Tensor) -> Tensor:
+    """The exactly symmetric matrix, in place, from one whose lower triangle is exact (the
+    rest is not read)."""
+    g.tril_()
+    return g.add_(torch.tril(g, -1).T)
 
 
 def _medoid(g: Tensor) -> int:
-    """Index of the row with the smallest sum of Euclidean distances, from a Gram matrix."""
+    """Index of the row with the smallest sum of Euclidean distances, from a Gram matrix
+    whose lower triangle is exact (the rest is not read): each row's sum is that of its
+    row and its column of the lower triangle of distances; one `(n, n)` temporary."""
     sq = g.diagonal()
-    dist = (sq[:, None] + sq[None, :] - 2.0 * g).clamp_min_(0.0).sqrt_()
-    return int(dist.sum(1).argmin())
+    dist = sq[:, None] + sq[None, :]
+    dist.sub_(g, alpha=2.0).clamp_min_(0.0).sqrt_().tril_()
+    return int((dist.sum(0) + dist.sum(1)).argmin())
 
 
 def squared_distances(updates: Updates) -> Tensor:
     """Pairwise squared Euclidean distances `(n, n)` float64 from one Gram matrix:
-    ||x_i - x_j||^2 = G_ii + G_jj - 2 G_ij, symmetric, zero diagonal, clamped at 0."""
+    ||x_i - x_j||^2 = G_ii + G_jj - 2 G_ij, symmetric, zero diagonal, clamped at 0.
+
+    Exactly symmetric: G is, G_ii + G_jj is, and 2 G_ij is exact."""
     g = gram(updates)
     sq = g.diagonal()
-    dist = sq[:, None] + sq[None, :] - 2.0 * g
-    dist = (0.5 * (dist + dist.T)).clamp_min_(0.0)  # exactly symmetric
+    dist = sq[:, None] + sq[None, :]
+    dist.sub_(g, alpha=2.0).clamp_min_(0.0)
     dist.fill_diagonal_(0.0)
     return dist
 

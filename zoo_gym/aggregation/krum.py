@@ -9,12 +9,14 @@ which requires n >= 2f + 3. Krum returns the update with the lowest score; Multi
 returns the plain average of the m lowest-score updates (m = 1 is Krum). Ties go to the
 update with the smaller total distance to all others, then to the lower index.
 
-Distances come from one Gram matrix of the column-centred updates, computed chunk by
-chunk over d with a float32 GEMM per chunk accumulated in float64 (see `_core.gram`), not
-from ||x||^2 + ||y||^2 - 2 x.y in float32 on full weights, which cancels catastrophically
-when updates are small next to the weights. The m chosen updates are averaged in float64
-without copying them. Two passes over the updates: one for the Gram matrix, one reading
-the m chosen rows for their mean.
+Distances come from one Gram matrix of the updates shifted by a central update (the
+medoid), computed chunk by chunk over d with float32 GEMMs accumulated in float64 (see
+`_core.gram`), not from ||x||^2 + ||y||^2 - 2 x.y in float32 on full weights, which cancels
+catastrophically when updates are small next to the weights. The m chosen updates are
+averaged in float64 without copying them (one chosen update is copied as it is). Two
+passes over the updates: one for the Gram matrix, one reading the m chosen rows for their
+mean. The Gram matrix costs about n / 2 multiply-adds per value read, so from n of a few
+dozen it is bound by the GEMM rate, not by reading the updates.
 """
 
 from __future__ import annotations
@@ -34,6 +36,8 @@ from ._core import (
 )
 from .columns import Updates, cached
 
+_SCORE_ROWS = 64  # rows of the distance matrix scored at a time
+
 
 def krum_scores(dist: Tensor, f: int) -> Tensor:
     """Krum scores `(n,)` float64 from squared distances `dist` `(n, n)`.
@@ -43,12 +47,15 @@ def krum_scores(dist: Tensor, f: int) -> Tensor:
     """
     n = dist.shape[0]
     k = min(max(n - f - 2, 1), n - 1)
+    scores = torch.zeros(n, dtype=torch.float64, device=dist.device)
     if k == 0:
-        return torch.zeros(n, dtype=torch.float64, device=dist.device)
-    off = dist.clone()
-    off.fill_diagonal_(float("inf"))
-    nearest, _ = torch.topk(off, k, dim=1, largest=False)  # (n, k)
-    return nearest.sum(dim=1)
+        return scores
+    for r0 in range(0, n, _SCORE_ROWS):  # a few rows at a time: no (n, n) copy
+        off = dist[r0 : r0 + _SCORE_ROWS].clone()  # (b, n)
+        off.diagonal(offset=r0).fill_(float("inf"))
+        nearest, _ = torch.topk(off, k, dim=1, largest=False)  # (b, k), ascending
+        scores[r0 : r0 + off.shape[0]] = nearest.sum(dim=1)
+    return scores
 
 
 def lowest(scores: Tensor, m: int, dist: Tensor) -> list[int]:

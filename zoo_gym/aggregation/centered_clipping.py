@@ -28,8 +28,24 @@ Steps. Five by default: from a zero start the first step only reaches the bulk o
 updates and the next ones refine the centre. With a `center` from history one step is
 what the paper analyses; pass `iters=1` for that.
 
-Passes. iters + 1 over the updates: the distances to the start, then per step one pass
-that forms the new centre chunk by chunk and, but for the last step, the distances to it.
+Passes. Two over the updates, whatever `iters` is. Every centre is an affine combination
+of the start c and the updates, v = a_c c + sum_j a_j x_j with a_c + sum_j a_j = 1, so its
+distance to each update follows from the pairwise squared distances D of the n + 1 points
+{x_1, ..., x_n, c}:
+
+    ||x_i - v||^2 = sum_p a_p D_ip - (1/2) sum_p sum_q a_p a_q D_pq.
+
+One pass forms D (`_core.squared_distances` of the updates with c as one more row: the
+shifted Gram matrix, accumulated in float64); the steps then run on the (n + 1, n + 1)
+matrix, keeping the coefficients a in float64; a last pass forms the centre once,
+accumulated in float64 over the rows. Unlike a pass per step, each step's centre is not
+rounded to float32 before the next. The common term of an outlier's distances (its own
+squared length) cancels exactly in the formula because the coefficients sum to 1, so a far
+update's tiny coefficient does not bring its size's rounding into the others' distances.
+Above `_GRAM_LIMIT` updates the (n + 1)^2 matrices would cost more than the passes, and
+where a distance overflows the float32 products (values past about 1e19), the rule makes
+iters + 1 passes instead: the distances to the start, then per step one
+pass that forms the new centre and, but for the last step, the distances to it.
 """
 
 from __future__ import annotations
@@ -45,8 +61,11 @@ from ._core import (
     combine,
     distances_to,
     pct,
+    squared_distances,
 )
-from .columns import Updates, cached
+from .columns import Columns, Updates, WithRow, cached
+
+_GRAM_LIMIT = 2048  # updates: above, the (n + 1)^2 float64 matrices cost more than passes
 
 
 def centered_clipping(
@@ -61,7 +80,7 @@ def centered_clipping(
     `tau`: clipping radius > 0, or None for the median distance to the centre at each
     step. `iters`: number of clipping steps (>= 1).
     """
-    source = cached(as_columns(updates, "centered_clipping"))  # read more than once
+    source = as_columns(updates, "centered_clipping")
     n, d, device = source.n, source.d, source.device
     if tau is not None and (isinstance(tau, bool) or not float(tau) > 0.0):
         raise ValueError(f"centered_clipping: tau must be > 0 or None (adaptive), got {tau!r}")
@@ -75,18 +94,10 @@ def centered_clipping(
         if center is None
         else center.detach().to(device, torch.float32).clone()
     )
-    scale = torch.ones(n, dtype=torch.float64)
-    dist = distances_to(source, v).cpu()  # (n,)
-    radius = 0.0
-    for step in range(iters):
-        radius = float(tau) if tau is not None else _median(dist)
-        scale = torch.where(dist <= radius, 1.0, radius / dist.clamp_min(1e-300))  # (n,)
-        # v + (1/n) sum_i s_i (x_i - v) = sum_i (s_i / n) x_i + (1 - sum_i s_i / n) v
-        w = scale / n
-        last = step == iters - 1
-        v, new = combine(source, w, base=v, base_weight=1.0 - float(w.sum()), distances=not last)
-        if new is not None:  # distances to the new centre, for the next step
-            dist = new.cpu()
+    steps = _from_distances(source, v, tau, iters) if n <= _GRAM_LIMIT else None
+    if steps is None:  # many updates, or distances past the range of float32 products
+        steps = _by_passes(cached(source), v, tau, iters)
+    v, scale, dist, radius = steps
     what = "tau" if tau is not None else "the median distance"
     decisions = tuple(
         Decision(
@@ -103,6 +114,60 @@ def centered_clipping(
         for si, di in zip(scale.tolist(), dist.tolist(), strict=True)
     )
     return Aggregate(v, decisions)
+
+
+def _radius(tau: float | None, dist: Tensor) -> float:
+    """The clipping radius of a step: `tau`, or the median distance to the centre."""
+    return float(tau) if tau is not None else _median(dist)
+
+
+def _from_distances(
+    source: Columns, start: Tensor, tau: float | None, iters: int
+) -> tuple[Tensor, Tensor, Tensor, float] | None:
+    """The steps on the pairwise distances of the updates and the start (see the module
+    docstring): (centre `(d,)` float32, last step's scales `(n,)`, its distances `(n,)`,
+    its radius). Two passes over the source; None after the first when a distance is not
+    finite (float32 products overflow past about 1e19 per value)."""
+    n = source.n
+    sq = squared_distances(WithRow(source, start)).cpu()  # (n + 1, n + 1)
+    if not bool(torch.isfinite(sq).all()):
+        return None
+    coef = torch.zeros(n + 1, dtype=torch.float64)
+    coef[n] = 1.0  # v = the start
+    dist = sq[:n, n].sqrt()
+    scale, radius = torch.ones(n, dtype=torch.float64), 0.0
+    for step in range(iters):
+        radius = _radius(tau, dist)
+        scale = torch.where(dist <= radius, 1.0, radius / dist.clamp_min(1e-300))  # (n,)
+        # v + (1/n) sum_i s_i (x_i - v) = sum_i (s_i / n) x_i + (1 - sum_i s_i / n) v
+        w = scale / n
+        coef = coef * (1.0 - float(w.sum()))
+        coef[:n] += w
+        if step < iters - 1:
+            cross = sq @ coef  # (n + 1,): sum_p a_p D_ip
+            dist = (cross[:n] - 0.5 * float(coef @ cross)).clamp_min_(0.0).sqrt_()
+    v, _ = combine(source, coef[:n], base=start, base_weight=float(coef[n]), distances=False)
+    return v, scale, dist, radius
+
+
+def _by_passes(
+    source: Columns, v: Tensor, tau: float | None, iters: int
+) -> tuple[Tensor, Tensor, Tensor, float]:
+    """The steps as passes over the source, one per step and one for the distances to the
+    start: as `_from_distances` returns."""
+    n = source.n
+    scale = torch.ones(n, dtype=torch.float64)
+    dist = distances_to(source, v).cpu()  # (n,)
+    radius = 0.0
+    for step in range(iters):
+        radius = _radius(tau, dist)
+        scale = torch.where(dist <= radius, 1.0, radius / dist.clamp_min(1e-300))  # (n,)
+        w = scale / n
+        last = step == iters - 1
+        v, new = combine(source, w, base=v, base_weight=1.0 - float(w.sum()), distances=not last)
+        if new is not None:  # distances to the new centre, for the next step
+            dist = new.cpu()
+    return v, scale, dist, radius
 
 
 def _median(values: Tensor) -> float:

@@ -23,7 +23,15 @@ from torch import Tensor
 
 from zoo_gym.core.columns import Columns, Updates
 
-__all__ = ["Columns", "MixedColumns", "ScaledColumns", "TensorColumns", "Updates", "cached"]
+__all__ = [
+    "Columns",
+    "MixedColumns",
+    "ScaledColumns",
+    "TensorColumns",
+    "Updates",
+    "WithRow",
+    "cached",
+]
 
 
 class TensorColumns:
@@ -151,3 +159,31 @@ class ScaledColumns(_Derived):
         scale = self.scale if rows is None else self.scale[list(rows)]
         x = self.source.columns(start, stop, rows).to(torch.float32)
         return x * scale[:, None]
+
+
+class WithRow(_Derived):
+    """Another source with one more row, `row` `(d,)`, after its n rows: n + 1 rows in the
+    source's working dtype (float64 for float64 updates, else float32), e.g. the distances
+    of updates and a point among them in one Gram matrix."""
+
+    share = 2
+
+    def __init__(self, source: Columns, row: Tensor) -> None:
+        super().__init__(source)
+        self._dtype = torch.float64 if source.dtype == torch.float64 else torch.float32
+        self.row = row.detach().to(source.device, self._dtype)  # (d,)
+
+    @property
+    def n(self) -> int:
+        return self.source.n + 1
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self._dtype
+
+    def columns(self, start: int, stop: int, rows: Sequence[int] | None = None) -> Tensor:
+        inner = self.source.columns(start, stop).to(self._dtype)  # (n, c)
+        out = torch.cat([inner, self.row[None, start:stop]])  # (n + 1, c)
+        if rows is None:
+            return out
+        return out.index_select(0, torch.as_tensor(list(rows), device=out.device))

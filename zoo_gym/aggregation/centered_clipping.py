@@ -80,7 +80,7 @@ def centered_clipping(
     `tau`: clipping radius > 0, or None for the median distance to the centre at each
     step. `iters`: number of clipping steps (>= 1).
     """
-    source = as_columns(updates, "centered_clipping")
+    source = cached(as_columns(updates, "centered_clipping"))  # read more than once
     n, d, device = source.n, source.d, source.device
     if tau is not None and (isinstance(tau, bool) or not float(tau) > 0.0):
         raise ValueError(f"centered_clipping: tau must be > 0 or None (adaptive), got {tau!r}")
@@ -96,7 +96,7 @@ def centered_clipping(
     )
     steps = _from_distances(source, v, tau, iters) if n <= _GRAM_LIMIT else None
     if steps is None:  # many updates, or distances past the range of float32 products
-        steps = _by_passes(cached(source), v, tau, iters)
+        steps = _by_passes(source, v, tau, iters)
     v, scale, dist, radius = steps
     what = "tau" if tau is not None else "the median distance"
     decisions = tuple(

@@ -197,8 +197,7 @@ def test_cached_keeps_sources_in_memory_or_too_large_as_they_are() -> None:
     assert cached(Counting(TensorColumns(x, budget=5 * 100 * 4 * 2 - 1))).budget is not None
 
 
-# Krum's Gram products are split differently by thread count (scores move by a rounding)
-@pytest.mark.parametrize("rule", sorted(set(RULES) - {"krum", "multikrum"}))
+@pytest.mark.parametrize("rule", sorted(RULES))
 def test_rules_give_the_same_numbers_on_one_thread_and_two(rule: str) -> None:
     x = draw(8, 13, 300_001)  # several ranges of the CPU row passes
     params = PARAMS.get(rule, {})

@@ -55,6 +55,9 @@ _GRAM_SCRATCH = 5 << 20
 _GRAM_SCRATCH_COLUMNS = (1024, 6144)  # columns of that block, at least and at most
 _GRAM_ALIGN = 256  # the block's width is a multiple of it
 _GRAM_PAD = 16  # values of padding per row of the block
+# chunk sequences of the Gram product on CPU, each with its own partial matrix, whatever the
+# thread count (so the result does not depend on it): at most this many threads share it
+_GRAM_LANES = 4
 _PROBE_WIDTH = 4096  # columns of the first chunk used to choose the first reference
 
 
@@ -232,22 +235,25 @@ def gram(updates: Updates) -> Tensor:
     time into a scratch of a few MiB that stays in cache, and each block is multiplied at
     once into the chunk's working-dtype product (`_shifted_product`); only the lower block
     triangle is multiplied, in column blocks of 32 (76% of the flops of the whole product
-    for n = 50, 52% for n = 1000). The chunks are dealt out among
-    `torch.get_num_threads()` threads in turn (chunk k to thread k mod T), each
-    accumulating its own Gram matrix with its own references, with torch (and the GEMM
-    under it) on one thread (`run_workers`). The partial matrices are added in thread
-    order, so the result depends on the thread count but not on timing. On a GPU each
+    for n = 50, 52% for n = 1000). The chunks are dealt out to `_GRAM_LANES` lanes in turn
+    (chunk k to lane k mod L), each accumulating its own Gram matrix with its own
+    references; up to `torch.get_num_threads()` threads run the lanes, with torch (and the
+    GEMM under it) on one thread each (`run_workers`). The lanes' matrices are added in
+    lane order, and the chunk widths do not depend on the threads either, so the result
+    depends neither on the thread count nor on timing (a coordinator's aggregate does not
+    change with its cores). On a GPU each
     chunk is shifted whole and multiplied at once (in blocks of 128 rows from n = 256); the
     GEMM follows torch's float32 matmul precision: keep it at "highest" (the default),
     TF32 keeps 10 bits.
     """
     source = as_columns(updates, "gram")
     n, dtype, device = source.n, work_dtype(source), source.device
-    threads = torch.get_num_threads() if device.type == "cpu" else 1
-    width = chunk_width(source, torch.finfo(dtype).bits // 8, parallel=threads)
+    lanes = _GRAM_LANES if device.type == "cpu" else 1
+    width = chunk_width(source, torch.finfo(dtype).bits // 8, parallel=lanes)
     plan = _gram_plan(n, dtype, device, width)
     ranges = list(spans(source.d, width))
-    groups = [ranges[t::threads] for t in range(min(threads, len(ranges)))]
+    groups = [ranges[t::lanes] for t in range(min(lanes, len(ranges)))]
+    threads = min(torch.get_num_threads(), len(groups)) if device.type == "cpu" else 1
     parts = run_workers(lambda group: _gram_part(source, group, plan), groups, threads)
     g = parts[0]
     for part in parts[1:]:

@@ -89,13 +89,10 @@ def centered_clipping(
         raise ValueError(
             f"centered_clipping: center must have shape ({d},), got {tuple(center.shape)}"
         )
-    v = (
-        torch.zeros(d, dtype=torch.float32, device=device)
-        if center is None
-        else center.detach().to(device, torch.float32).clone()
-    )
-    steps = _from_distances(source, v, tau, iters) if n <= _GRAM_LIMIT else None
+    start = None if center is None else center.detach().to(device, torch.float32)  # None: 0
+    steps = _from_distances(source, start, tau, iters) if n <= _GRAM_LIMIT else None
     if steps is None:  # many updates, or distances past the range of float32 products
+        v = torch.zeros(d, device=device) if start is None else start.clone()
         steps = _by_passes(source, v, tau, iters)
     v, scale, dist, radius = steps
     what = "tau" if tau is not None else "the median distance"
@@ -122,12 +119,13 @@ def _radius(tau: float | None, dist: Tensor) -> float:
 
 
 def _from_distances(
-    source: Columns, start: Tensor, tau: float | None, iters: int
+    source: Columns, start: Tensor | None, tau: float | None, iters: int
 ) -> tuple[Tensor, Tensor, Tensor, float] | None:
     """The steps on the pairwise distances of the updates and the start (see the module
-    docstring): (centre `(d,)` float32, last step's scales `(n,)`, its distances `(n,)`,
-    its radius). Two passes over the source; None after the first when a distance is not
-    finite (float32 products overflow past about 1e19 per value)."""
+    docstring; `start` None is the origin): (centre `(d,)` float32, last step's scales
+    `(n,)`, its distances `(n,)`, its radius). Two passes over the source; None after the
+    first when a distance is not finite (float32 products overflow past about 1e19 per
+    value)."""
     n = source.n
     sq = squared_distances(WithRow(source, start)).cpu()  # (n + 1, n + 1)
     if not bool(torch.isfinite(sq).all()):

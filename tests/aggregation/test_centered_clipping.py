@@ -45,7 +45,7 @@ def test_distances_give_the_steps_of_the_passes(
     x = updates(0, 21, 3001, spread)
     start = torch.full((3001,), 1.5) if center else None
     a = centered_clipping(x, tau=tau, iters=4, center=start)
-    monkeypatch.setattr(cc_module, "_GRAM_LIMIT", 0)  # every count above it: passes
+    monkeypatch.setattr(cc_module, "GRAM_STEPS_LIMIT", 0)  # every count above it: passes
     b = centered_clipping(x, tau=tau, iters=4, center=start)
     assert torch.allclose(a.vector, b.vector, rtol=1e-5, atol=1e-6)
     for p, q in zip(a.decisions, b.decisions, strict=True):

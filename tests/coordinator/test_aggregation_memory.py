@@ -49,8 +49,7 @@ def one_round(
     assert summary.status == "published", summary
     with Session(fed.coordinator.engine) as session:
         rows = sorted(
-            (s.decision, round(s.weight, 12))
-            for s in ledger.list_submissions(session, round_number=1)
+            (s.decision, s.weight) for s in ledger.list_submissions(session, round_number=1)
         )
         paid = sorted(
             (round(r.quality or 0.0, 5), r.amount)
@@ -87,7 +86,11 @@ def test_a_round_over_the_budget_publishes_and_pays_what_the_in_memory_round_doe
     streamed, decided_streamed, paid_streamed = one_round(other, rule, f, SMALL, scoring)
 
     # Assert: same decisions, same rewards, same published weights
-    assert decided == decided_streamed
+    # the geometric median's weights come from distances of float32 Gram products, which
+    # chunks of other widths round differently (1e-7 relative); the other rules' are exact
+    rel = 1e-6 if rule == "geometric_median" else 1e-12
+    assert [d for d, _ in decided] == [d for d, _ in decided_streamed]
+    assert [w for _, w in decided] == pytest.approx([w for _, w in decided_streamed], rel=rel)
     assert paid == paid_streamed and len(paid) == 6
     assert set(in_memory) == set(streamed)
     for name, tensor in in_memory.items():

@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Literal, TypeVar
 
 import numpy as np
 import torch
@@ -58,6 +58,10 @@ _GRAM_PAD = 16  # values of padding per row of the block
 # chunk sequences of the Gram product on CPU, each with its own partial matrix, whatever the
 # thread count (so the result does not depend on it): at most this many threads share it
 _GRAM_LANES = 4
+# updates up to which iterative rules run on the pairwise distances (one pass for them, one
+# for the result) instead of a pass per step: above, the (n, n) float64 matrices cost more
+GRAM_STEPS_LIMIT = 2048
+Extra = Tensor | Literal["origin"] | None  # a point to add to the Gram matrix as a last row
 _PROBE_WIDTH = 4096  # columns of the first chunk used to choose the first reference
 
 
@@ -215,9 +219,11 @@ def column_chunks(updates: Updates, bytes_per_value: int) -> Iterator[tuple[int,
     return spans(source.d, chunk_width(source, bytes_per_value))
 
 
-def gram(updates: Updates) -> Tensor:
+def gram(updates: Updates, extra: Extra = None) -> Tensor:
     """Shifted Gram matrix `(n, n)` float64 of the updates, for pairwise distances; one
-    pass over the column chunks.
+    pass over the column chunks. With `extra` (a `(d,)` point, or "origin" for zeros) it is
+    `(n + 1, n + 1)`, the point as row n: shifted and multiplied with each block of the
+    updates, without a copy of them.
 
     G = sum over column chunks C of (X_C - 1 r_C^T)(X_C - 1 r_C^T)^T, each chunk's product
     in the working dtype, accumulated into float64. Only the distances
@@ -250,11 +256,12 @@ def gram(updates: Updates) -> Tensor:
     n, dtype, device = source.n, work_dtype(source), source.device
     lanes = _GRAM_LANES if device.type == "cpu" else 1
     width = chunk_width(source, torch.finfo(dtype).bits // 8, parallel=lanes)
-    plan = _gram_plan(n, dtype, device, width)
+    point = extra.detach().to(device, dtype) if isinstance(extra, Tensor) else extra
+    plan = _gram_plan(n + (extra is not None), dtype, device, width)
     ranges = list(spans(source.d, width))
     groups = [ranges[t::lanes] for t in range(min(lanes, len(ranges)))]
     threads = min(torch.get_num_threads(), len(groups)) if device.type == "cpu" else 1
-    parts = run_workers(lambda group: _gram_part(source, group, plan), groups, threads)
+    parts = run_workers(lambda group: _gram_part(source, group, plan, point), groups, threads)
     g = parts[0]
     for part in parts[1:]:
         g += part
@@ -287,49 +294,66 @@ def _gram_plan(n: int, dtype: torch.dtype, device: torch.device, width: int) -> 
     return _GramPlan(min(width, columns), blocks)
 
 
-def _gram_part(source: Columns, ranges: list[tuple[int, int]], plan: _GramPlan) -> Tensor:
-    """The shifted Gram matrix `(n, n)` float64 of the column `ranges` of the source (only
-    the lower block triangle of `plan.blocks`), each range shifted by the medoid of the
-    distances accumulated so far (see `gram`)."""
+def _gram_part(
+    source: Columns, ranges: list[tuple[int, int]], plan: _GramPlan, extra: Extra
+) -> Tensor:
+    """The shifted Gram matrix `(m, m)` float64 of the column `ranges` of the source (only
+    the lower block triangle of `plan.blocks`; m = n, or n + 1 with the `extra` row), each
+    range shifted by the medoid of the updates' distances accumulated so far (see `gram`)."""
     n, dtype, device = source.n, work_dtype(source), source.device
-    g = torch.zeros((n, n), dtype=torch.float64, device=device)
-    part = torch.zeros((n, n), dtype=dtype, device=device)  # one range's product
+    m = n + (extra is not None)
+    g = torch.zeros((m, m), dtype=torch.float64, device=device)
+    part = torch.zeros((m, m), dtype=dtype, device=device)  # one range's product
     # the shifted block, rows padded so that their stride is no power of two (a power of
     # two maps the rows onto the same cache sets: 29 against 43 GFMA/s for n = 50)
-    scratch = torch.empty((n, plan.width + _GRAM_PAD), dtype=dtype, device=device)
+    scratch = torch.empty((m, plan.width + _GRAM_PAD), dtype=dtype, device=device)
     scratch = scratch[:, : plan.width]
     ref = -1
     for k, (start, stop) in enumerate(ranges):
         chunk = source.columns(start, stop)  # (n, c)
+        point = extra[start:stop] if isinstance(extra, Tensor) else extra
         if k == 0:  # probe a few columns, shifted by update 0, for the first medoid
-            _shifted_product(chunk[:, :_PROBE_WIDTH], 0, scratch, part, plan.blocks)
-            ref = _medoid(part.to(torch.float64))
+            probe = point[:_PROBE_WIDTH] if isinstance(point, Tensor) else point
+            _shifted_product(chunk[:, :_PROBE_WIDTH], 0, scratch, part, plan.blocks, probe)
+            ref = _medoid(part.to(torch.float64)[:n, :n])
         elif k & (k - 1) == 0:  # k a power of two
-            ref = _medoid(g)
-        _shifted_product(chunk, ref, scratch, part, plan.blocks)
+            ref = _medoid(g[:n, :n])
+        _shifted_product(chunk, ref, scratch, part, plan.blocks, point)
         for i0, i1 in plan.blocks:  # only the blocks computed
             g[i0:, i0:i1] += part[i0:, i0:i1]
     return g
 
 
 def _shifted_product(
-    chunk: Tensor, ref: int, scratch: Tensor, part: Tensor, blocks: Sequence[tuple[int, int]]
+    chunk: Tensor,
+    ref: int,
+    scratch: Tensor,
+    part: Tensor,
+    blocks: Sequence[tuple[int, int]],
+    extra: Extra = None,
 ) -> None:
     """part <- (chunk - chunk[ref]) (chunk - chunk[ref])^T in the blocks `(i0, i1)` (rows
     i0: times columns i0:i1 of `part`), shifting `scratch.shape[1]` columns at a time into
-    `scratch` `(n, w)` and adding each block of columns' product into `part` before the
-    next is shifted (it is still in cache)."""
-    c, w = chunk.shape[1], scratch.shape[1]
+    `scratch` `(n, w)` (`(n + 1, w)` with the `extra` row, the chunk's columns of a point or
+    "origin") and adding each block of columns' product into `part` before the next is
+    shifted (it is still in cache)."""
+    n, c, w = chunk.shape[0], chunk.shape[1], scratch.shape[1]
     outs = [part[i0:, i0:i1] for i0, i1 in blocks]  # (n - i0, i1 - i0)
     whole = [(scratch[i0:], scratch[i0:i1].T) for i0, i1 in blocks]
     for s0 in range(0, c, w):
-        x = scratch if c - s0 >= w else scratch[:, : c - s0]  # (n, w)
+        x = scratch if c - s0 >= w else scratch[:, : c - s0]  # (m, w)
         block = chunk[:, s0 : s0 + x.shape[1]]
         if block.dtype == x.dtype:
-            torch.sub(block, block[ref], out=x)
+            torch.sub(block, block[ref], out=x[:n])
         else:
-            x.copy_(block)
-            x.sub_(x[ref].clone())
+            x[:n].copy_(block)
+            x[:n].sub_(x[ref].clone())
+        if extra is not None:
+            r = block[ref].to(x.dtype)
+            if isinstance(extra, Tensor):
+                torch.sub(extra[s0 : s0 + x.shape[1]], r, out=x[n])
+            else:  # the origin
+                torch.neg(r, out=x[n])
         operands = whole if x is scratch else [(x[i0:], x[i0:i1].T) for i0, i1 in blocks]
         for out, (a, b) in zip(outs, operands, strict=True):
             if s0 == 0:
@@ -355,17 +379,33 @@ def _medoid(g: Tensor) -> int:
     return int((dist.sum(0) + dist.sum(1)).argmin())
 
 
-def squared_distances(updates: Updates) -> Tensor:
+def squared_distances(updates: Updates, extra: Extra = None) -> Tensor:
     """Pairwise squared Euclidean distances `(n, n)` float64 from one Gram matrix:
-    ||x_i - x_j||^2 = G_ii + G_jj - 2 G_ij, symmetric, zero diagonal, clamped at 0.
+    ||x_i - x_j||^2 = G_ii + G_jj - 2 G_ij, symmetric, zero diagonal, clamped at 0. With
+    `extra` (a `(d,)` point or "origin"), `(n + 1, n + 1)` with the point as row n.
 
     Exactly symmetric: G is, G_ii + G_jj is, and 2 G_ij is exact."""
-    g = gram(updates)
+    g = gram(updates, extra)
     sq = g.diagonal()
     dist = sq[:, None] + sq[None, :]
     dist.sub_(g, alpha=2.0).clamp_min_(0.0)
     dist.fill_diagonal_(0.0)
     return dist
+
+
+def combination_distances(sq: Tensor, coef: Tensor, n: int) -> Tensor:
+    """Distances `(n,)` float64 from the first n of m points to their affine combination
+    v = sum_p coef[p] P_p (`coef` `(m,)` summing to 1), from the points' squared distances
+    `sq` `(m, m)`:
+
+        ||P_i - v||^2 = sum_p coef_p D_ip - (1/2) sum_p sum_q coef_p coef_q D_pq.
+
+    A far point's own squared length is common to its row and column and cancels because
+    the coefficients sum to 1, so a tiny coefficient on it does not bring its size's
+    rounding into the others' distances. Lets iterative rules (geometric median, centered
+    clipping) run their steps on an (m, m) matrix after one pass over the updates."""
+    cross = sq @ coef  # (m,)
+    return (cross[:n] - 0.5 * float(coef @ cross)).clamp_min_(0.0).sqrt_()
 
 
 def weighted_sum(updates: Updates, weights: Tensor) -> Tensor:

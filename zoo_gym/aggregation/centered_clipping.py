@@ -35,14 +35,14 @@ distance to each update follows from the pairwise squared distances D of the n +
 
     ||x_i - v||^2 = sum_p a_p D_ip - (1/2) sum_p sum_q a_p a_q D_pq.
 
-One pass forms D (`_core.squared_distances` of the updates with c as one more row: the
-shifted Gram matrix, accumulated in float64); the steps then run on the (n + 1, n + 1)
+One pass forms D (`_core.squared_distances` of the updates with c as one more row of the
+shifted Gram matrix, accumulated in float64, the updates not copied); the steps then run on the (n + 1, n + 1)
 matrix, keeping the coefficients a in float64; a last pass forms the centre once,
 accumulated in float64 over the rows. Unlike a pass per step, each step's centre is not
 rounded to float32 before the next. The common term of an outlier's distances (its own
 squared length) cancels exactly in the formula because the coefficients sum to 1, so a far
 update's tiny coefficient does not bring its size's rounding into the others' distances.
-Above `_GRAM_LIMIT` updates the (n + 1)^2 matrices would cost more than the passes, and
+Above `_core.GRAM_STEPS_LIMIT` updates the (n + 1)^2 matrices would cost more than the passes, and
 where a distance overflows the float32 products (values past about 1e19), the rule makes
 iters + 1 passes instead: the distances to the start, then per step one
 pass that forms the new centre and, but for the last step, the distances to it.
@@ -54,18 +54,18 @@ import torch
 from torch import Tensor
 
 from ._core import (
+    GRAM_STEPS_LIMIT,
     Aggregate,
     Decision,
     as_columns,
     check_count,
+    combination_distances,
     combine,
     distances_to,
     pct,
     squared_distances,
 )
-from .columns import Columns, Updates, WithRow, cached
-
-_GRAM_LIMIT = 2048  # updates: above, the (n + 1)^2 float64 matrices cost more than passes
+from .columns import Columns, Updates, cached
 
 
 def centered_clipping(
@@ -90,7 +90,7 @@ def centered_clipping(
             f"centered_clipping: center must have shape ({d},), got {tuple(center.shape)}"
         )
     start = None if center is None else center.detach().to(device, torch.float32)  # None: 0
-    steps = _from_distances(source, start, tau, iters) if n <= _GRAM_LIMIT else None
+    steps = _from_distances(source, start, tau, iters) if n <= GRAM_STEPS_LIMIT else None
     if steps is None:  # many updates, or distances past the range of float32 products
         v = torch.zeros(d, device=device) if start is None else start.clone()
         steps = _by_passes(source, v, tau, iters)
@@ -127,7 +127,7 @@ def _from_distances(
     first when a distance is not finite (float32 products overflow past about 1e19 per
     value)."""
     n = source.n
-    sq = squared_distances(WithRow(source, start)).cpu()  # (n + 1, n + 1)
+    sq = squared_distances(source, "origin" if start is None else start).cpu()  # (n + 1,) * 2
     if not bool(torch.isfinite(sq).all()):
         return None
     coef = torch.zeros(n + 1, dtype=torch.float64)
@@ -142,8 +142,7 @@ def _from_distances(
         coef = coef * (1.0 - float(w.sum()))
         coef[:n] += w
         if step < iters - 1:
-            cross = sq @ coef  # (n + 1,): sum_p a_p D_ip
-            dist = (cross[:n] - 0.5 * float(coef @ cross)).clamp_min_(0.0).sqrt_()
+            dist = combination_distances(sq, coef, n)
     v, _ = combine(source, coef[:n], base=start, base_weight=float(coef[n]), distances=False)
     return v, scale, dist, radius
 

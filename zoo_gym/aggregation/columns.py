@@ -23,15 +23,12 @@ from torch import Tensor
 
 from zoo_gym.core.columns import Columns, Updates
 
-_IN_MEMORY_BUDGET = 64 << 20  # bytes per range of a copying source over an in-memory tensor
-
 __all__ = [
     "Columns",
     "MixedColumns",
     "ScaledColumns",
     "TensorColumns",
     "Updates",
-    "WithRow",
     "cached",
 ]
 
@@ -161,42 +158,3 @@ class ScaledColumns(_Derived):
         scale = self.scale if rows is None else self.scale[list(rows)]
         x = self.source.columns(start, stop, rows).to(torch.float32)
         return x * scale[:, None]
-
-
-class WithRow(_Derived):
-    """Another source with one more row, `row` `(d,)` (None: zeros), after its n rows: n + 1
-    rows in the source's working dtype (float64 for float64 updates, else float32), e.g. the
-    distances of updates and a point among them in one Gram matrix. Each range is a copy:
-    over an in-memory tensor (no budget) ranges are kept to `_IN_MEMORY_BUDGET` bytes."""
-
-    share = 2
-
-    def __init__(self, source: Columns, row: Tensor | None) -> None:
-        super().__init__(source)
-        self._dtype = torch.float64 if source.dtype == torch.float64 else torch.float32
-        self.row = None if row is None else row.detach().to(source.device, self._dtype)
-
-    @property
-    def n(self) -> int:
-        return self.source.n + 1
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self._dtype
-
-    @property
-    def budget(self) -> int | None:
-        inner = self.source.budget
-        return _IN_MEMORY_BUDGET if inner is None else max(1, inner // self.share)
-
-    def columns(self, start: int, stop: int, rows: Sequence[int] | None = None) -> Tensor:
-        inner = self.source.columns(start, stop)  # (n, c)
-        out = torch.empty((inner.shape[0] + 1, stop - start), dtype=self._dtype, device=self.device)
-        out[:-1].copy_(inner)
-        if self.row is None:
-            out[-1].zero_()
-        else:
-            out[-1].copy_(self.row[start:stop])
-        if rows is None:
-            return out
-        return out.index_select(0, torch.as_tensor(list(rows), device=out.device))

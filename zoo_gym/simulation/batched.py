@@ -43,14 +43,14 @@ from zoo_gym.client.runtime import (
 from zoo_gym.client.trainers.adapters import DEFAULT_MAX_FULL_PARAMS, load_base_model
 from zoo_gym.client.trainers.sft import RoundResult
 from zoo_gym.coordinator.config import CoordinatorConfig, load_config
-from zoo_gym.coordinator.rounds import RoundSummary, lora_spec, run_server_app
+from zoo_gym.coordinator.rounds import RoundSummary, lora_spec
 from zoo_gym.coordinator.service import Coordinator
 from zoo_gym.core.chat import Conversation, encode_conversation, pad_id_of, to_conversation
 from zoo_gym.core.identity import Identity
 from zoo_gym.core.lora import LoraSpec
 from zoo_gym.core.protocol import TASK_CONFIG, TaskConfig
 from zoo_gym.core.weights import load_weights
-from zoo_gym.simulation.adversary import UPDATE_ATTACKS, Adversary
+from zoo_gym.simulation.adversary import UPDATE_ATTACKS
 from zoo_gym.simulation.batched_training import (
     BatchedEngineError,
     BatchedFfaLora,
@@ -58,7 +58,13 @@ from zoo_gym.simulation.batched_training import (
     Records,
 )
 from zoo_gym.simulation.grid import SimulationGrid
-from zoo_gym.simulation.inprocess import node_identity, register, registry_source
+from zoo_gym.simulation.inprocess import (
+    colluders,
+    node_identity,
+    register,
+    registry_source,
+    run_rounds,
+)
 from zoo_gym.simulation.sweep import ATTACK_NAMES
 from zoo_gym.transport.flower_internals import assign_message_id
 from zoo_gym.transport.grid import RunGrid
@@ -414,11 +420,7 @@ class BatchedFederation:
         contributors, crafted, bad = enlist(
             co, shards, byzantine, attack, dict(attack_params or {}), seed=seed
         )
-        adversary = None
-        if crafted:
-            adversary = Adversary(
-                attack, crafted, f=config.byzantine_f, seed=seed, params=dict(attack_params or {})
-            )
+        adversary = colluders(attack, crafted, config.byzantine_f, seed, attack_params)
         clients = BatchedClients(
             contributors,
             model_source=registry_source(co),
@@ -439,15 +441,9 @@ class BatchedFederation:
         return cls(co, clients, grid, bad)
 
     def run(self, on_round: Callable[[RoundSummary], None] | None = None) -> list[RoundSummary]:
-        def record(summary: RoundSummary) -> None:
-            self.summaries.append(summary)
-            if on_round is not None:
-                on_round(summary)
-
         threads = torch.get_num_threads()
         torch.set_num_threads(1)  # parallel across training threads, not within an op
         try:
-            run_server_app(self.coordinator, self.grid, on_round=record)
+            return run_rounds(self.coordinator, self.grid, self.summaries, on_round)
         finally:
             torch.set_num_threads(threads)
-        return self.summaries

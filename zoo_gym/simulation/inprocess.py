@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from flwr.app import Context, Message, RecordDict
+from flwr.serverapp import Grid
 
 from zoo_gym.client.app import make_client_app
 from zoo_gym.client.byzantine import Misbehaviour
@@ -114,11 +115,7 @@ class InProcessFederation:
             )
             runtimes[node] = runtime
             nodes[node] = (make_client_app(runtime), client_context(node))
-        adversary = None
-        if crafted:
-            adversary = Adversary(
-                attack, crafted, f=config.byzantine_f, seed=seed, params=dict(attack_params or {})
-            )
+        adversary = colluders(attack, crafted, config.byzantine_f, seed, attack_params)
         inner = LoopbackGrid(co.backend, nodes, spool=home / "spool", tamper=tamper, intake=False)
         grid = SimulationGrid(
             inner,
@@ -130,13 +127,38 @@ class InProcessFederation:
         return cls(co, runtimes, grid, bad)
 
     def run(self, on_round: Callable[[RoundSummary], None] | None = None) -> list[RoundSummary]:
-        def record(summary: RoundSummary) -> None:
-            self.summaries.append(summary)
-            if on_round is not None:
-                on_round(summary)
+        return run_rounds(self.coordinator, self.grid, self.summaries, on_round)
 
-        run_server_app(self.coordinator, self.grid, on_round=record)
-        return self.summaries
+
+def run_rounds(
+    coordinator: Coordinator,
+    grid: Grid,
+    summaries: list[RoundSummary],
+    on_round: Callable[[RoundSummary], None] | None,
+) -> list[RoundSummary]:
+    """The coordinator's round loop over `grid`, each round's summary appended to `summaries`
+    (and given to `on_round`) as it ends; returns `summaries`."""
+
+    def record(summary: RoundSummary) -> None:
+        summaries.append(summary)
+        if on_round is not None:
+            on_round(summary)
+
+    run_server_app(coordinator, grid, on_round=record)
+    return summaries
+
+
+def colluders(
+    attack: str,
+    crafted: dict[int, Identity],
+    f: int,
+    seed: int,
+    params: Mapping[str, float] | None,
+) -> Adversary | None:
+    """The adversary that crafts the updates of the `crafted` nodes' keys, or None without any."""
+    if not crafted:
+        return None
+    return Adversary(attack, crafted, f=f, seed=seed, params=dict(params or {}))
 
 
 def registry_source(co: Coordinator) -> Callable[[str, Path], None]:

@@ -50,7 +50,6 @@ from zoo_gym.core.identity import Identity
 from zoo_gym.core.lora import LoraSpec
 from zoo_gym.core.protocol import TASK_CONFIG, TaskConfig
 from zoo_gym.core.weights import load_weights
-from zoo_gym.simulation.adversary import UPDATE_ATTACKS
 from zoo_gym.simulation.batched_training import (
     BatchedEngineError,
     BatchedFfaLora,
@@ -60,8 +59,7 @@ from zoo_gym.simulation.batched_training import (
 from zoo_gym.simulation.grid import SimulationGrid
 from zoo_gym.simulation.inprocess import (
     colluders,
-    node_identity,
-    register,
+    enrol,
     registry_source,
     run_rounds,
 )
@@ -102,24 +100,15 @@ def enlist(
     """Register a key per shard: (node -> contributor that trains, node -> key of an attacker
     whose update the adversary crafts, node -> contributor id of every attacker)."""
     contributors: dict[int, VirtualContributor] = {}
-    crafted: dict[int, Identity] = {}
-    bad: dict[int, str] = {}
-    for i, records in enumerate(shards):
-        identity = node_identity(seed, i)
-        node = register(co.backend, identity, f"client-{i}")
-        attacker = i in byzantine and attack != "none"
-        if attacker:
-            bad[node] = identity.contributor_id
-        if attacker and attack in UPDATE_ATTACKS:
-            crafted[node] = identity
-            continue
+    roll = enrol(co, len(shards), byzantine, attack, seed)
+    for i, node, identity, attacker in roll.trainers:
         misbehaviour = None
-        conversations = [to_conversation(r) for r in records]
+        conversations = [to_conversation(r) for r in shards[i]]
         if attacker:
             misbehaviour = Misbehaviour(attack, params, seed=seed + i)
             conversations = misbehaviour.poison(conversations)
         contributors[node] = VirtualContributor(identity, conversations, misbehaviour)
-    return contributors, crafted, bad
+    return contributors, roll.crafted, roll.bad
 
 
 def plan_rounds(task: TaskConfig, contributors: list[VirtualContributor]) -> list[PrivacyPlan]:

@@ -49,6 +49,35 @@ def node_identity(seed: int, index: int) -> Identity:
     )
 
 
+@dataclass
+class Roll:
+    """The simulated contributors of a federation, registered: `trainers` (index, node id,
+    key, attacker) of those who train, the keys of the attackers whose updates an adversary
+    crafts (`crafted`, by node), and every attacker's contributor id (`bad`, by node)."""
+
+    trainers: list[tuple[int, int, Identity, bool]]
+    crafted: dict[int, Identity]
+    bad: dict[int, str]
+
+
+def enrol(co: Coordinator, count: int, byzantine: Collection[int], attack: str, seed: int) -> Roll:
+    """Register `count` contributors with keys from `seed`; those whose index is in
+    `byzantine` run `attack` (none when it is "none"), crafted by an adversary when it is an
+    update attack."""
+    roll = Roll([], {}, {})
+    for i in range(count):
+        identity = node_identity(seed, i)
+        node = register(co.backend, identity, f"client-{i}")
+        attacker = i in byzantine and attack != "none"
+        if attacker:
+            roll.bad[node] = identity.contributor_id
+        if attacker and attack in UPDATE_ATTACKS:
+            roll.crafted[node] = identity
+        else:
+            roll.trainers.append((i, node, identity, attacker))
+    return roll
+
+
 def register(backend: CoordinatorBackend, identity: Identity, name: str) -> int:
     """Register `identity` with the coordinator as a contributor would; returns its node id."""
     ts = int(time.time() * 1000)
@@ -93,17 +122,9 @@ class InProcessFederation:
         source = registry_source(co)
         runtimes: dict[int, ClientRuntime] = {}
         nodes = {}
-        crafted: dict[int, Identity] = {}
-        bad: dict[int, str] = {}
-        for i, records in enumerate(shards):
-            identity = node_identity(seed, i)
-            node = register(co.backend, identity, f"client-{i}")
-            attacker = i in byzantine and attack != "none"
-            if attacker:
-                bad[node] = identity.contributor_id
-            if attacker and attack in UPDATE_ATTACKS:
-                crafted[node] = identity
-                continue
+        roll = enrol(co, len(shards), byzantine, attack, seed)
+        for i, node, identity, attacker in roll.trainers:
+            records = shards[i]
             runtime = ClientRuntime(
                 identity=identity,
                 conversations=[to_conversation(r) for r in records],
@@ -115,7 +136,7 @@ class InProcessFederation:
             )
             runtimes[node] = runtime
             nodes[node] = (make_client_app(runtime), client_context(node))
-        adversary = colluders(attack, crafted, config.byzantine_f, seed, attack_params)
+        adversary = colluders(attack, roll.crafted, config.byzantine_f, seed, attack_params)
         inner = LoopbackGrid(co.backend, nodes, spool=home / "spool", tamper=tamper, intake=False)
         grid = SimulationGrid(
             inner,
@@ -124,7 +145,7 @@ class InProcessFederation:
             spool=home / "spool",
             adversary=adversary,
         )
-        return cls(co, runtimes, grid, bad)
+        return cls(co, runtimes, grid, roll.bad)
 
     def run(self, on_round: Callable[[RoundSummary], None] | None = None) -> list[RoundSummary]:
         return run_rounds(self.coordinator, self.grid, self.summaries, on_round)

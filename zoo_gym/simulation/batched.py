@@ -20,7 +20,7 @@ import logging
 import queue
 import shutil
 import time
-from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -50,13 +50,14 @@ from zoo_gym.core.identity import Identity
 from zoo_gym.core.lora import LoraSpec
 from zoo_gym.core.protocol import TASK_CONFIG, TaskConfig
 from zoo_gym.core.weights import load_weights
+from zoo_gym.simulation.adversary import Adversary
 from zoo_gym.simulation.batched_training import (
     BatchedEngineError,
     BatchedFfaLora,
     GroupResult,
     Records,
 )
-from zoo_gym.simulation.grid import SimulationGrid
+from zoo_gym.simulation.grid import IntakeGrid
 from zoo_gym.simulation.inprocess import (
     colluders,
     enrol,
@@ -64,8 +65,7 @@ from zoo_gym.simulation.inprocess import (
     run_rounds,
 )
 from zoo_gym.simulation.sweep import ATTACK_NAMES
-from zoo_gym.transport.flower_internals import assign_message_id
-from zoo_gym.transport.grid import RunGrid
+from zoo_gym.transport.backend import FederationBackend
 from zoo_gym.transport.loopback import submit_to_intake
 
 log = logging.getLogger(__name__)
@@ -147,8 +147,8 @@ def check_task(task: TaskConfig) -> None:
         )
 
 
-class BatchedClients(RunGrid):
-    """The Grid whose nodes are `contributors`: one train message each, answered together."""
+class BatchedClients:
+    """The virtual contributors that train: one train message each, answered together."""
 
     def __init__(
         self,
@@ -158,9 +158,7 @@ class BatchedClients(RunGrid):
         workdir: Path,
         group: int = DEFAULT_GROUP,
         workers: int = DEFAULT_WORKERS,
-        run_id: int = 1,
     ) -> None:
-        super().__init__(run_id=run_id)
         self.contributors = dict(contributors)
         self.model_source = model_source
         self.workdir = workdir
@@ -169,31 +167,7 @@ class BatchedClients(RunGrid):
         self.trainers: list[BatchedFfaLora] = []  # one model per training thread
         self.tokenizer: Any = None
         self.base_version = ""
-        self._replies: dict[str, Message] = {}
         self._encodings: dict[tuple[int, str], tuple[list[int], list[int]]] = {}
-
-    def get_node_ids(self) -> Iterable[int]:
-        return sorted(self.contributors)
-
-    def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
-        batch = list(messages)
-        for message in batch:
-            assign_message_id(message)
-        for message, reply in zip(batch, self.answer(batch), strict=True):
-            self._replies[message.metadata.message_id] = reply
-        return [m.metadata.message_id for m in batch]
-
-    def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:
-        return [self._replies.pop(m) for m in message_ids if m in self._replies]
-
-    def send_and_receive(
-        self, messages: Iterable[Message], *, timeout: float | None = None
-    ) -> Iterable[Message]:
-        return list(self.pull_messages(self.push_messages(messages)))
-
-    def answer(self, messages: list[Message]) -> list[Message]:
-        """The signed reply to every train message, in order."""
-        return list(self.stream(messages))
 
     def stream(self, messages: list[Message]) -> Iterator[Message]:
         """The signed reply to each train message, in order, as soon as its group is trained:
@@ -342,18 +316,28 @@ class BatchedClients(RunGrid):
         )
 
 
-class BatchedGrid(SimulationGrid):
-    """`SimulationGrid` over `BatchedClients`: each reply goes to intake as soon as its group
+class BatchedGrid(IntakeGrid):
+    """`IntakeGrid` over `BatchedClients`: each reply goes to intake as soon as its group
     is trained and every reply before it in the batch is in, so intake runs beside training.
     Replies reach intake in the batch's order, as through `SimulationGrid`."""
 
-    inner: BatchedClients
+    def __init__(
+        self,
+        clients: BatchedClients,
+        backend: FederationBackend,
+        *,
+        spool: Path,
+        adversary: Adversary | None = None,
+    ) -> None:
+        routes = {n: n for n in clients.contributors}
+        super().__init__(backend, routes=routes, spool=spool, adversary=adversary)
+        self.clients = clients
 
     def _answer(self, batch: list[Message], timeout: float | None) -> list[Message | None]:
         byzantine = self.adversary.identities if self.adversary else {}
         honest = [m for m in batch if m.metadata.dst_node_id not in byzantine]
         attacked = [m for m in batch if m.metadata.dst_node_id in byzantine]
-        replies = self.inner.stream(honest)
+        replies = self.clients.stream(honest)
         raw: dict[int, Message] = {}
         crafted: dict[int, Message] = {}
         out: list[Message | None] = []
@@ -420,13 +404,7 @@ class BatchedFederation:
         clients.prepare(
             co.registry.latest().version, lora_spec(config.training), config.training.max_length
         )
-        grid = BatchedGrid(
-            clients,
-            co.backend,
-            routes={n: n for n in contributors},
-            spool=home / "spool",
-            adversary=adversary,
-        )
+        grid = BatchedGrid(clients, co.backend, spool=home / "spool", adversary=adversary)
         return cls(co, clients, grid, bad)
 
     def run(self, on_round: Callable[[RoundSummary], None] | None = None) -> list[RoundSummary]:

@@ -29,10 +29,12 @@ from zoo_gym.transport.grid import RunGrid
 from zoo_gym.transport.loopback import submit_to_intake
 
 
-class SimulationGrid(RunGrid):
+class IntakeGrid(RunGrid):
+    """What every simulated federation's Grid shares: the coordinator's node ids (`routes`
+    and the adversary's keys), and each reply of `_answer` kept for `pull_messages`."""
+
     def __init__(
         self,
-        inner: Grid,
         backend: FederationBackend,
         *,
         routes: Mapping[int, int],
@@ -41,9 +43,8 @@ class SimulationGrid(RunGrid):
         run_id: int = 1,
     ) -> None:
         super().__init__(run_id=run_id)
-        self.inner = inner
         self.backend = backend
-        self.routes = dict(routes)  # coordinator node id -> inner Grid node id
+        self.routes = dict(routes)  # coordinator node id -> the node id of what trains
         self.spool = spool
         self.adversary = adversary
         self._replies: dict[str, Message] = {}
@@ -71,6 +72,27 @@ class SimulationGrid(RunGrid):
         self, messages: Iterable[Message], *, timeout: float | None = None
     ) -> Iterable[Message]:
         return list(self.pull_messages(self._exchange(list(messages), timeout=timeout)))
+
+    def _answer(self, batch: list[Message], timeout: float | None) -> list[Message | None]:
+        """The intake's reply to each message of `batch` (None where none came), in order."""
+        raise NotImplementedError
+
+
+class SimulationGrid(IntakeGrid):
+    """`IntakeGrid` over a Grid that runs the ClientApps (see the module docstring)."""
+
+    def __init__(
+        self,
+        inner: Grid,
+        backend: FederationBackend,
+        *,
+        routes: Mapping[int, int],
+        spool: Path,
+        adversary: Adversary | None = None,
+        run_id: int = 1,
+    ) -> None:
+        super().__init__(backend, routes=routes, spool=spool, adversary=adversary, run_id=run_id)
+        self.inner = inner
 
     def _answer(self, batch: list[Message], timeout: float | None) -> list[Message | None]:
         """Raw replies from the inner Grid and the adversary, then intake, in `batch` order."""

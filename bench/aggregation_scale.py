@@ -240,27 +240,23 @@ def _gib(nbytes: float) -> str:
 def _measure_size(n: int, d: int, rule: str, argv: list[str], threads: int) -> dict[str, Any]:
     """Every way for one size and rule; a skipped way is printed with its reason."""
     result = _subprocess([*argv, "--mode", "stream"], threads)
-    need, free = 2 * n * d * 4, _available_bytes()
-    if need < free:
-        result |= _subprocess([*argv, "--mode", "memory"], threads)
-    else:
-        print(
-            f"n={n} d={d} {rule}: in memory skipped, 2 x (n, d) float32 = {_gib(need)}, "
-            f"{_gib(free)} available",
-            flush=True,
-        )
+    skip = f"n={n} d={d} {rule}: in memory skipped, 2 x (n, d) float32"
+    result |= _if_it_fits(2 * n * d * 4, [*argv, "--mode", "memory"], threads, skip)
     if rule == "multikrum":
         need = _flower_bytes(n, d) + n * d // 7  # and the payloads, 1.125 bits a value
-        free = _available_bytes()
-        if need < free:
-            result |= _subprocess([*argv, "--mode", "flower"], threads)
-        else:
-            print(
-                f"n={n} d={d}: Flower's Multi-Krum skipped, it holds 4 x (n, d) float32 "
-                f"and the payloads = {_gib(need)}, {_gib(free)} available",
-                flush=True,
-            )
+        skip = f"n={n} d={d}: Flower's Multi-Krum skipped, it holds 4 x (n, d) float32 and the payloads"
+        result |= _if_it_fits(need, [*argv, "--mode", "flower"], threads, skip)
     return result
+
+
+def _if_it_fits(need: int, argv: list[str], threads: int, skip: str) -> dict[str, Any]:
+    """The measurement of `argv` when `need` bytes fit in the available memory; else {} and
+    the line `skip` with the sizes."""
+    free = _available_bytes()
+    if need < free:
+        return _subprocess(argv, threads)
+    print(f"{skip} = {_gib(need)}, {_gib(free)} available", flush=True)
+    return {}
 
 
 def _row(n: int, d: int, rule: str, r: dict[str, Any]) -> str:

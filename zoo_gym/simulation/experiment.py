@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import hashlib
+import json
 import logging
 import math
 import multiprocessing
@@ -63,7 +64,8 @@ def make_template(workdir: Path, config: SweepConfig) -> Path:
 
     key = (
         f"{config.seed}|{config.clients}|{config.examples_per_client}|{config.warmup_rounds}|{config.steps}|"
-        f"{config.learning_rate}|{config.batch_size}|{config.codec}"
+        f"{config.learning_rate}|{config.batch_size}|{config.codec}|"
+        f"{json.dumps(config.coordinator, sort_keys=True)}"
     )
     if config.engine == "batched":  # its warm-up trains batched too (the same up to rounding)
         key += "|batched"

@@ -67,6 +67,12 @@ class SweepConfig(BaseModel):
     quality_gate: bool = Field(
         False, description="keep the coordinator's quality gate (off: measure the rule alone)"
     )
+    coordinator: dict[str, Any] = Field(
+        {},
+        description="coordinator settings every federation runs with, as in coordinator.toml "
+        "(e.g. clients_per_round, rewards.selection_floor); the rule, f, rounds, clients, "
+        "seed and training steps come from the sweep's own fields",
+    )
     engine: Literal["inprocess", "batched", "ray"] = Field(
         "inprocess",
         description="inprocess: a ClientApp and model per contributor; batched: contributors "
@@ -95,7 +101,29 @@ class SweepConfig(BaseModel):
                     f"{rule} needs {needed} clients to tolerate f = {self.tolerated}; "
                     f"raise clients to {needed} or drop {rule}"
                 )
+        self._check_coordinator()
         return self
+
+    def _check_coordinator(self) -> None:
+        """Refuse coordinator settings the sweep sets itself, and invalid ones."""
+        from zoo_gym.coordinator.config import CoordinatorConfig
+
+        for key, field in _SWEEP_SETS.items():
+            if key in self.coordinator:
+                raise ValueError(f"coordinator.{key} is the sweep's to set; use {field} instead")
+        for key in _SWEEP_SETS_TRAINING:
+            if key in self.coordinator.get("training", {}):
+                raise ValueError(
+                    f"coordinator.training.{key} is the sweep's to set; use {key} instead"
+                )
+        try:
+            CoordinatorConfig.model_validate(
+                cell_overrides(self, Cell(self.aggregators[0], "none", 0.0))
+            )
+        except ValidationError as exc:
+            err = exc.errors()[0]
+            where = ".".join(str(p) for p in err["loc"])
+            raise ValueError(f"coordinator.{where}: {err['msg']}") from None
 
     @property
     def tolerated(self) -> int:
@@ -130,6 +158,21 @@ def load_sweep(path: Path | None, overrides: dict[str, Any]) -> SweepConfig:
         err = exc.errors()[0]
         where = "".join(f"{p}: " for p in (path, ".".join(str(p) for p in err["loc"])) if p)
         raise SweepError(where + err["msg"].removeprefix("Value error, ")) from None
+
+
+# coordinator settings each cell derives from the sweep's fields: key -> the sweep field to use
+_SWEEP_SETS = {
+    "rounds": "rounds",
+    "min_clients": "clients",
+    "aggregator": "aggregators",
+    "byzantine_f": "f",
+    "aggregator_params": "aggregator_params",
+    "pre_aggregation": "pre_aggregation",
+    "seed": "seed",
+    "selection_seed": "seed",
+    "quality_gate_tolerance": "quality_gate",
+}
+_SWEEP_SETS_TRAINING = ("steps", "learning_rate", "batch_size", "codec")
 
 
 @dataclass(frozen=True)
@@ -170,8 +213,14 @@ def byzantine_indices(config: SweepConfig, share: float) -> list[int]:
 
 
 def cell_overrides(config: SweepConfig, cell: Cell) -> dict[str, Any]:
-    """Coordinator settings for one cell."""
-    return {
+    """Coordinator settings for one cell: the sweep's defaults, its `coordinator` table over
+    them, and over both what the sweep's own fields and the cell set."""
+    defaults = {
+        "round_timeout_s": 3600.0,
+        "wait_for_clients_s": 60.0,
+        "rewards": {"method": "none"},  # the matrix measures the rule; scoring costs evaluations
+    }
+    fields = {
         "rounds": config.rounds,
         "min_clients": config.clients,
         "aggregator": cell.aggregator,
@@ -179,12 +228,7 @@ def cell_overrides(config: SweepConfig, cell: Cell) -> dict[str, Any]:
         "aggregator_params": config.aggregator_params.get(cell.aggregator, {}),
         "pre_aggregation": config.pre_aggregation,
         "seed": config.seed,
-        "round_timeout_s": 3600.0,
-        "wait_for_clients_s": 60.0,
         "quality_gate_tolerance": 0.02 if config.quality_gate else math.inf,
-        "rewards": {
-            "method": "none"
-        },  # the matrix measures the rule; scoring would add n + 1 evaluations
         "training": {
             "steps": config.steps,
             "learning_rate": config.learning_rate,
@@ -192,6 +236,16 @@ def cell_overrides(config: SweepConfig, cell: Cell) -> dict[str, Any]:
             "codec": config.codec,
         },
     }
+    return merged(merged(defaults, config.coordinator), fields)
+
+
+def merged(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
+    """`top` over `base`, tables merged key by key."""
+    out = dict(base)
+    for key, value in top.items():
+        both = isinstance(value, dict) and isinstance(out.get(key), dict)
+        out[key] = merged(out[key], value) if both else value
+    return out
 
 
 def shards_for(config: SweepConfig) -> list[list[dict[str, str]]]:

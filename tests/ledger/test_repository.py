@@ -9,6 +9,7 @@ from sqlmodel import Session
 
 from zoo_gym.core.identity import Identity
 from zoo_gym.ledger import (
+    AggregationDecision,
     ContributorKeyMismatch,
     ContributorPublic,
     DuplicateSubmission,
@@ -105,6 +106,45 @@ def test_one_accepted_submission_per_round_and_no_replayed_nonce(session: Sessio
         "n4",
     ]
     assert verify_ledger(session, public_key=who.public_key).ok
+
+
+def test_a_rounds_aggregation_decisions_are_recorded_together_or_not_at_all(
+    session: Session,
+) -> None:
+    # Prepare: three contributors' accepted submissions and one rejected one
+    repo.open_round(session, number=1, base_version="v0000", seed=1, aggregator="m", codec="c")
+    ids = []
+    for i in range(4):
+        who = Identity.generate()
+        repo.register_contributor(
+            session, contributor_id=who.contributor_id, public_key=who.public_key, name=f"c{i}"
+        )
+        decision = "rejected" if i == 3 else "accepted"
+        ids.append(_submit(session, who.contributor_id, f"n{i}", decision=decision).id)
+    size = log_size(session)
+
+    def decision(i: int, selected: bool) -> AggregationDecision:
+        return AggregationDecision(ids[i], selected, 0.5 * selected, 0.0, None, f"row {i}")
+
+    # Execute: a batch naming the rejected one changes nothing; then the round's three
+    with pytest.raises(LedgerError, match=f"submission {ids[3]} was rejected"):
+        repo.record_aggregations(
+            session, decisions=[decision(0, True), decision(1, False), decision(3, True)]
+        )
+    assert log_size(session) == size
+    assert [s.aggregation_reason for s in repo.list_submissions(session)] == [None] * 4
+    recorded = repo.record_aggregations(
+        session, decisions=[decision(0, True), decision(1, False), decision(2, True)]
+    )
+
+    # Assert: each row as decided, one log entry each, the chain verifies
+    assert [(s.id, s.selected, s.weight, s.aggregation_reason) for s in recorded] == [
+        (ids[0], True, 0.5, "row 0"),
+        (ids[1], False, 0.0, "row 1"),
+        (ids[2], True, 0.5, "row 2"),
+    ]
+    assert log_size(session) == size + 3
+    assert verify_ledger(session, public_key=Identity.generate().public_key).ok
 
 
 def test_populated_ledger_reads_back(session: Session, populated: Populated) -> None:

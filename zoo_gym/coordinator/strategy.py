@@ -27,7 +27,7 @@ import math
 import secrets
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -221,12 +221,11 @@ class ZooStrategy(FedAvg):
                 self.f,
                 needed,
             )
-            for reply in rows:
-                self._decide(
-                    _intake(reply),
-                    selected=False,
-                    reason=f"round aborted: {len(rows)} usable updates, {self.rule} needs {needed}",
-                )
+            reason = f"round aborted: {len(rows)} usable updates, {self.rule} needs {needed}"
+            self._record(
+                ledger.AggregationDecision(_intake(r).submission_id, False, 0.0, 0.0, None, reason)
+                for r in rows
+            )
             return nothing
         with phase("aggregate", f"round {server_round}, {self.rule}"):
             return self._robust(
@@ -315,14 +314,12 @@ class ZooStrategy(FedAvg):
         result: Aggregate = aggregate(
             self.rule, updates, f=self.f, weights=weights, pre=self.pre, **self.params
         )
-        contributors: list[str] = []
-        for reply, decision in zip(rows, result.decisions, strict=True):
-            intake = _intake(reply)
-            self._decide(
-                intake, selected=decision.selected, reason=decision.reason, decision=decision
-            )
-            if decision.selected or decision.weight > 0:
-                contributors.append(intake.contributor_id)
+        self._record_decisions(rows, result.decisions)
+        contributors = [
+            _intake(reply).contributor_id
+            for reply, decision in zip(rows, result.decisions, strict=True)
+            if decision.selected or decision.weight > 0
+        ]
         return RoundAggregate(
             {k: v.clone() for k, v in unflatten(result.vector.float().cpu(), layout).items()},
             tuple(contributors),
@@ -360,14 +357,12 @@ class ZooStrategy(FedAvg):
         if not torch.isfinite(summed).all():
             return None
         decisions = fedavg_decisions(weights)
-        contributors = []
-        for reply, decision in zip(accepted, decisions, strict=True):
-            intake = _intake(reply)
-            self._decide(
-                intake, selected=decision.selected, reason=decision.reason, decision=decision
-            )
-            if decision.selected:
-                contributors.append(intake.contributor_id)
+        self._record_decisions(accepted, decisions)
+        contributors = [
+            _intake(reply).contributor_id
+            for reply, decision in zip(accepted, decisions, strict=True)
+            if decision.selected
+        ]
         return RoundAggregate(
             {k: v.clone() for k, v in unflatten(summed.cpu(), layout).items()},
             tuple(contributors),
@@ -392,24 +387,29 @@ class ZooStrategy(FedAvg):
             examples, reputations, trusted_at=self.trusted_reputation, floor=self.fresh_weight
         )
 
-    def _decide(
-        self,
-        intake: IntakeResult,
-        *,
-        selected: bool,
-        reason: str,
-        decision: Decision | None = None,
-    ) -> None:
-        with Session(self.backend.engine) as session:
-            ledger.record_aggregation(
-                session,
-                submission_id=intake.submission_id,
-                selected=selected,
-                weight=decision.weight if decision else 0.0,
-                trimmed_share=decision.trimmed_share if decision else 0.0,
-                score=decision.score if decision else None,
-                reason=reason,
+    def _decide(self, intake: IntakeResult, *, selected: bool, reason: str) -> None:
+        """Record that the submission of `intake` was left out of the aggregate, and why."""
+        self._record(
+            [ledger.AggregationDecision(intake.submission_id, selected, 0.0, 0.0, None, reason)]
+        )
+
+    def _record_decisions(self, rows: list[Message], decisions: Sequence[Decision]) -> None:
+        """Record the rule's decision about each row, all in one ledger transaction."""
+        self._record(
+            ledger.AggregationDecision(
+                _intake(reply).submission_id,
+                d.selected,
+                d.weight,
+                d.trimmed_share,
+                d.score,
+                d.reason,
             )
+            for reply, d in zip(rows, decisions, strict=True)
+        )
+
+    def _record(self, decisions: Iterable[ledger.AggregationDecision]) -> None:
+        with Session(self.backend.engine) as session:
+            ledger.record_aggregations(session, decisions=list(decisions))
 
 
 def resolve_device(name: str) -> torch.device:

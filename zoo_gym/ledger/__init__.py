@@ -53,6 +53,7 @@ from zoo_gym.ledger.log import (
 )
 from zoo_gym.ledger.models import (
     API_ROLES,
+    AggregationDecision,
     ApiKey,
     ApiKeyPublic,
     AuditEvent,
@@ -96,6 +97,7 @@ from zoo_gym.ledger.repository import (
     list_submissions,
     open_round,
     record_aggregation,
+    record_aggregations,
     record_audit,
     record_model_version,
     record_reward,
@@ -109,6 +111,7 @@ from zoo_gym.ledger.verify import Problem, VerifyReport, verify_ledger
 
 __all__ = [
     "API_ROLES",
+    "AggregationDecision",
     "ApiKey",
     "ApiKeyPublic",
     "AuditEvent",
@@ -179,6 +182,7 @@ __all__ = [
     "open_round",
     "read_checkpoints",
     "record_aggregation",
+    "record_aggregations",
     "record_audit",
     "record_model_version",
     "record_reward",

@@ -122,6 +122,18 @@ class RoundPublic(RoundBase):
 
 
 @dataclass(frozen=True)
+class AggregationDecision:
+    """What the aggregator did with one accepted submission (see `record_aggregations`)."""
+
+    submission_id: int
+    selected: bool
+    weight: float
+    trimmed_share: float
+    score: float | None
+    reason: str
+
+
+@dataclass(frozen=True)
 class DpMechanism:
     """The DP-SGD a submission states it ran: `steps` subsampled Gaussian steps at noise
     multiplier sigma and sample rate q, accounted for `delta` with `accountant` (rdp or prv)."""

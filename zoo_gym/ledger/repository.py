@@ -7,7 +7,7 @@ all in one transaction; on any error it rolls back (releasing the lock) and rais
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from decimal import Decimal
 from typing import Any
@@ -21,6 +21,7 @@ from zoo_gym.ledger.models import (
     CONTRIBUTOR_STATUSES,
     DECISIONS,
     ROUND_STATUSES,
+    AggregationDecision,
     AuditEvent,
     Contributor,
     DpMechanism,
@@ -328,31 +329,40 @@ def record_aggregation(
     reason: str,
 ) -> Submission:
     """Record what the aggregator did with an accepted submission."""
+    decision = AggregationDecision(submission_id, selected, weight, trimmed_share, score, reason)
+    return record_aggregations(session, decisions=[decision])[0]
+
+
+def record_aggregations(
+    session: Session, *, decisions: Sequence[AggregationDecision]
+) -> list[Submission]:
+    """Record what the aggregator did with each of a round's accepted submissions, in one
+    transaction (one log entry per submission): all of them or, on any error, none."""
+    submissions = []
     with _writing(session):
-        submission = session.get(Submission, submission_id)
-        if submission is None:
-            raise NotFound(f"no submission {submission_id}")
-        if submission.decision != "accepted":
-            raise LedgerError(f"submission {submission_id} was rejected; it was not aggregated")
-        submission.selected = selected
-        submission.weight = weight
-        submission.trimmed_share = trimmed_share
-        submission.score = score
-        submission.aggregation_reason = reason
-        session.add(submission)
-        session.flush()
-        append_entry(
-            session,
-            kind="aggregation",
-            changes=[
-                (
-                    submission,
-                    ["selected", "weight", "trimmed_share", "score", "aggregation_reason"],
+        for decision in decisions:
+            submission = session.get(Submission, decision.submission_id)
+            if submission is None:
+                raise NotFound(f"no submission {decision.submission_id}")
+            if submission.decision != "accepted":
+                raise LedgerError(
+                    f"submission {decision.submission_id} was rejected; it was not aggregated"
                 )
-            ],
-        )
-    session.refresh(submission)
-    return submission
+            submission.selected = decision.selected
+            submission.weight = decision.weight
+            submission.trimmed_share = decision.trimmed_share
+            submission.score = decision.score
+            submission.aggregation_reason = decision.reason
+            session.add(submission)
+            session.flush()
+            append_entry(session, kind="aggregation", changes=[(submission, _AGGREGATION_FIELDS)])
+            submissions.append(submission)
+    for submission in submissions:
+        session.refresh(submission)
+    return submissions
+
+
+_AGGREGATION_FIELDS = ["selected", "weight", "trimmed_share", "score", "aggregation_reason"]
 
 
 def list_submissions(

@@ -6,6 +6,7 @@ The deadline is 1 s here so the test is quick; test_rest_attacks.py checks the d
 
 from __future__ import annotations
 
+import shutil
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,8 +23,10 @@ from zoo_gym.simulation.demo import free_port
 
 
 @pytest.fixture(scope="module")
-def rest(tiny_home_template: Path) -> Iterator[str]:
-    config = load_config(tiny_home_template / "coordinator.toml")
+def rest(tiny_home_template: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    home = tmp_path_factory.mktemp("deadlines") / "coordinator"
+    shutil.copytree(tiny_home_template, home)  # a coordinator opens (makes) its ledger there
+    config = load_config(home / "coordinator.toml")
     co = Coordinator(config.model_copy(update={"api_read_timeout_s": 1.0}))
     port = free_port()
     server = RestServer(api_services(co), f"127.0.0.1:{port}")

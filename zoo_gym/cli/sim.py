@@ -316,6 +316,20 @@ def _demo_table(
     return table
 
 
+# `run`'s options for an existing Ray cluster
+RayAddressOption = Annotated[
+    str | None,
+    typer.Option(help="engine ray: attach to the running Ray cluster here (auto or host:port)"),
+]
+StorageOption = Annotated[
+    Path | None,
+    typer.Option(
+        help="engine ray: contributors' state under this directory, which every Ray node "
+        "reaches (default: Ray's object store)"
+    ),
+]
+
+
 @app.command()
 @friendly
 def run(
@@ -340,7 +354,11 @@ def run(
             help="inprocess, batched (contributors train together on one shared model) or ray"
         ),
     ] = None,
-    jobs: Annotated[int | None, typer.Option(help="cells in parallel (inprocess engine)")] = None,
+    jobs: Annotated[
+        int | None, typer.Option(help="cells at once (inprocess, ray); also a local Ray's CPUs")
+    ] = None,
+    ray_address: RayAddressOption = None,
+    storage: StorageOption = None,
     seed: Annotated[int | None, typer.Option(help="seed for data, attackers and training")] = None,
     out: Annotated[
         Path, typer.Option(help="directory for results.csv, results.md and the plots")
@@ -365,6 +383,8 @@ def run(
         "f": f,
         "engine": engine,
         "jobs": jobs,
+        "ray_address": ray_address,
+        "storage": storage,
         "seed": seed,
     }
     sweep = load_sweep(config, {k: v for k, v in flags.items() if v is not None})

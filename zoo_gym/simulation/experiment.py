@@ -94,20 +94,35 @@ def make_template(workdir: Path, config: SweepConfig) -> Path:
 
 def run_cell(config: SweepConfig, cell: Cell, template: Path, workdir: Path) -> CellResult:
     """One federation: copy the template home, run it, read the outcome from its ledger."""
+    if config.engine == "ray":
+        return run_ray_cells(config, [cell], template, workdir)[0]
+    home = fresh_home(template, workdir, cell)
+    attackers = byzantine_indices(config, cell.share) if cell.attack != "none" else []
+    started = time.perf_counter()
+    summaries, co, bad = run_local_federation(config, cell, home, attackers)
+    return cell_result(config, cell, summaries, co, bad, seconds=time.perf_counter() - started)
+
+
+def fresh_home(template: Path, workdir: Path, cell: Cell) -> Path:
+    """The coordinator home of `cell`: a copy of the template, nothing left of an earlier run."""
     home = workdir / "cells" / cell.name
     shutil.rmtree(home, ignore_errors=True)
     shutil.copytree(template, home)
-    attackers = byzantine_indices(config, cell.share) if cell.attack != "none" else []
-    started = time.perf_counter()
-    if config.engine == "ray":
-        from zoo_gym.simulation.ray_engine import run_ray_federation
+    return home
 
-        summaries, co, bad = run_ray_federation(config, cell, home, attackers)
-    else:
-        summaries, co, bad = run_local_federation(config, cell, home, attackers)
-    seconds = time.perf_counter() - started
+
+def cell_result(
+    config: SweepConfig,
+    cell: Cell,
+    summaries: list[RoundSummary],
+    co: Coordinator,
+    bad: set[str],
+    *,
+    seconds: float,
+) -> CellResult:
+    """What a cell's rounds and its ledger say about the rule under its attack."""
     if not summaries:
-        raise RuntimeError(f"cell {cell.name} ran no round; see {home}")
+        raise RuntimeError(f"cell {cell.name} ran no round; see its coordinator home under cells/")
     with Session(co.engine) as session:
         subs = [s for s in ledger.list_submissions(session) if s.contributor_id in bad]
     co.engine.dispose()  # a worker runs many cells: close this one's database connections
@@ -116,7 +131,7 @@ def run_cell(config: SweepConfig, cell: Cell, template: Path, workdir: Path) -> 
         aggregator=cell.aggregator,
         attack=cell.attack,
         byzantine_share=cell.share,
-        byzantine_clients=len(attackers),
+        byzantine_clients=config.attackers(cell.share) if cell.attack != "none" else 0,
         f=config.tolerated,
         losses=(
             summaries[0].loss_before,
@@ -126,6 +141,37 @@ def run_cell(config: SweepConfig, cell: Cell, template: Path, workdir: Path) -> 
         byzantine_selected=selected,
         seconds=seconds,
     )
+
+
+def run_ray_cells(
+    config: SweepConfig,
+    cells: list[Cell],
+    template: Path,
+    workdir: Path,
+    on_result: Callable[[CellResult], None] | None = None,
+) -> list[CellResult]:
+    """`cells` on Flower's simulation engine, `config.jobs` at a time, in one federation over
+    the local Ray or the cluster at `config.ray_address` (see `ray_engine`)."""
+    from zoo_gym.simulation.ray_engine import CellRun, run_on_ray
+
+    results: dict[Cell, CellResult] = {}
+
+    def done(run: CellRun) -> None:
+        result = cell_result(
+            config, run.cell, run.summaries, run.coordinator, run.byzantine, seconds=run.seconds
+        )
+        results[run.cell] = result
+        if on_result is not None:
+            on_result(result)
+
+    run_on_ray(
+        config,
+        cells,
+        template=template,
+        home_of=lambda cell: fresh_home(template, workdir, cell),
+        on_done=done,
+    )
+    return [results[c] for c in cells]
 
 
 def run_local_federation(
@@ -163,9 +209,15 @@ def run_sweep(
     config: SweepConfig, workdir: Path, *, on_result: Callable[[CellResult], None] | None = None
 ) -> list[CellResult]:
     """Every cell of `config`, in `config.cells()` order; `on_result` sees each as it finishes."""
+    if config.engine == "ray":  # a wrong address or storage: one line now, not after the warm-up
+        from zoo_gym.simulation.ray_engine import check_cluster
+
+        check_cluster(config)
     workdir.mkdir(parents=True, exist_ok=True)
     template = make_template(workdir, config)
     cells = list(config.cells())
+    if config.engine == "ray":
+        return run_ray_cells(config, cells, template, workdir, on_result)
     results: dict[Cell, CellResult] = {}
 
     def done(cell: Cell, result: CellResult) -> None:
@@ -173,7 +225,7 @@ def run_sweep(
         if on_result is not None:
             on_result(result)
 
-    if config.jobs == 1 or config.engine != "inprocess":
+    if config.jobs == 1 or config.engine == "batched":
         for cell in cells:
             done(cell, run_cell(config, cell, template, workdir))
     else:

@@ -78,7 +78,23 @@ class SweepConfig(BaseModel):
         description="inprocess: a ClientApp and model per contributor; batched: contributors "
         "train together on one shared model (FFA-LoRA SFT); ray: Flower's simulation engine",
     )
-    jobs: int = Field(1, ge=1, description="cells run in parallel (in-process engine)")
+    jobs: int = Field(
+        1,
+        ge=1,
+        description="cells run in parallel (in-process and ray engines; ray without "
+        "ray_address: also the CPUs of the local Ray it starts)",
+    )
+    ray_address: str | None = Field(
+        None,
+        description="engine ray: attach to the running Ray cluster at this address ('auto' or "
+        "host:port) instead of starting a local one",
+    )
+    storage: Path | None = Field(
+        None,
+        description="engine ray: keep the contributors' own state (error feedback, privacy "
+        "accounting) in files under this directory, which every Ray node must reach; "
+        "default: Ray's object store",
+    )
     seed: int = 0
 
     @model_validator(mode="after")
@@ -124,6 +140,17 @@ class SweepConfig(BaseModel):
             err = exc.errors()[0]
             where = ".".join(str(p) for p in err["loc"])
             raise ValueError(f"coordinator.{where}: {err['msg']}") from None
+
+    @model_validator(mode="after")
+    def _check_ray(self) -> SweepConfig:
+        if self.engine != "ray" and (self.ray_address is not None or self.storage is not None):
+            raise ValueError('ray_address and storage need engine = "ray" (--engine ray)')
+        address = self.ray_address
+        if address is not None and address != "auto":
+            host, _, port = address.rpartition(":")
+            if not host or not port.isdigit():
+                raise ValueError(f"ray_address must be auto or host:port, not {address!r}")
+        return self
 
     @property
     def tolerated(self) -> int:

@@ -61,7 +61,7 @@ def test_ray_engine_runs_the_round_loop_with_a_data_attacker_and_a_crafted_one(
 
 @pytest.mark.timeout(450)
 def test_a_sweep_attached_to_a_two_node_cluster_runs_its_cells_on_both_nodes(
-    tmp_path: Path, request: pytest.FixtureRequest
+    tmp_path: Path, request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     if not isolated(request, timeout=420):  # Ray listens on every interface: there, only lo
         return
@@ -72,6 +72,7 @@ def test_a_sweep_attached_to_a_two_node_cluster_runs_its_cells_on_both_nodes(
     loopback = {"num_cpus": 1, "node_ip_address": "127.0.0.1"}
     cluster = Cluster(initialize_head=True, head_node_args={**loopback, "include_dashboard": False})
     nodes = {cluster.head_node.node_id, cluster.add_node(**loopback).node_id}
+    monkeypatch.setenv("RAY_ADDRESS", cluster.address)  # what `--ray-address auto` reads first
     storage = tmp_path / "shared"
     storage.mkdir()
     config = SweepConfig(
@@ -85,7 +86,7 @@ def test_a_sweep_attached_to_a_two_node_cluster_runs_its_cells_on_both_nodes(
         engine="ray",
         jobs=2,
         warmup_rounds=0,
-        ray_address=cluster.address,
+        ray_address="auto",
         storage=storage,
     )
 

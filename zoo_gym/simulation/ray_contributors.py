@@ -28,7 +28,6 @@ import shutil
 import tempfile
 import time
 import weakref
-from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -274,11 +273,3 @@ def make_ray_client_app(
         return reply
 
     return app
-
-
-def seats_of(cells: Sequence[tuple[str, Sequence[int], dict[int, Misbehaviour]]]) -> list[Seat]:
-    """The engine nodes of a federation serving `cells` (name, clients that run as nodes,
-    their misbehaviour by client), cell after cell."""
-    return [
-        Seat(name, i, misbehaving.get(i)) for name, clients, misbehaving in cells for i in clients
-    ]

@@ -420,8 +420,9 @@ def cluster_address(address: str, timeout_s: float = 5.0) -> str:
         with socket.create_connection((host, int(port)), timeout=timeout_s):
             pass
     except OSError as exc:
+        where = resolved if resolved == address else f"{address} ({resolved})"  # Ray's resolution
         raise SweepError(
-            f"no Ray cluster answers at {resolved} ({exc.strerror or exc}); start one with "
+            f"no Ray cluster answers at {where}: {exc.strerror or exc}; start one with "
             "`ray start --head` or pass the address `ray status` shows as --ray-address"
         ) from None
     return resolved

@@ -196,7 +196,7 @@ def test_inspect_reports_header() -> None:
     [
         (lambda p: p[:10], "truncated"),
         (lambda p: b"XXXX" + p[4:], "bad magic"),
-        (lambda p: p[:4] + b"\x03\x00" + p[6:], "version"),
+        (lambda p: p[:4] + b"\x04\x00" + p[6:], "version"),
         (lambda p: p[:6] + b"\x63" + p[7:], "unknown codec"),
         (lambda p: p[:-1] + bytes([p[-1] ^ 1]), "SHA-256"),
         (lambda p: p[:-33] + p[-32:], "SHA-256"),

@@ -133,3 +133,48 @@ def test_decode_into_accumulate_and_apply_match_the_cpu_path(
     for name, value in got[2].items():
         assert torch.equal(value, expected[2][name]), name
     assert calls["unpack"] == 4 + 3 * 4 and calls["apply_"] == 4
+
+
+def test_a_mixed_envelope_sends_its_bitdelta_tensors_through_the_kernels(
+    calls: Counter[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Prepare: BitDelta tensors (group 128 and row scales) beside int8 and float32 ones
+    deltas = [_delta(seed) for seed in (4, 5)]
+    layout = layout_of(deltas[0])
+    d = numel(layout)
+    own = {
+        "b.bias": CodecSpec("int8", group_size=16),
+        "c.lora_B": CodecSpec("none"),
+        "d": CodecSpec("bitdelta", granularity="row", scale_dtype="float32"),
+    }
+    base = {name: torch.linspace(-1, 1, t.numel()).view(t.shape) for name, t in deltas[0].items()}
+
+    def run() -> tuple[
+        list[bytes], dict[str, torch.Tensor], torch.Tensor, torch.Tensor, dict[str, torch.Tensor]
+    ]:
+        payloads = [encode(x, SPECS[0], own=own) for x in deltas]
+        decoded = decode(payloads[0], max_elements=d)
+        row = torch.empty(d)
+        decode_into(payloads[1], row, layout, max_elements=d)
+        summed = torch.zeros(d)
+        decode_accumulate(payloads, [0.6, 0.4], summed, layout, max_elements=d)
+        params = {name: t.to(torch.bfloat16) for name, t in base.items()}
+        apply_update_(params, payloads[0], alpha=0.7, max_elements=d)
+        return payloads, decoded, row, summed, params
+
+    expected = run()
+
+    # Execute
+    _kernels_on(monkeypatch, True)
+    got = run()
+
+    # Assert: the same bytes and values; the two BitDelta tensors of each envelope went
+    # through the kernels on every path (decode, decode_into, 2 x accumulate, apply)
+    assert got[0] == expected[0]
+    for name, value in got[1].items():
+        assert torch.equal(value, expected[1][name]), name
+    assert torch.equal(got[2], expected[2]) and torch.equal(got[3], expected[3])
+    for name, value in got[4].items():
+        assert torch.equal(value, expected[4][name]), name
+    assert calls["pack"] >= 2
+    assert calls["unpack"] == 2 * 4 and calls["apply_"] == 2

@@ -11,6 +11,9 @@ Every codec decodes by range: BitDelta (all rows at once, see `_SignColumns`) fr
 (any granularity: a group, a row or a whole matrix is a run of consecutive values), the
 quantisers (int8, int4, int2, ternary) from their packed bytes, the raw codecs (none,
 fp16, bf16) from their value bytes. Decoded values equal `decode_into`'s bit for bit.
+Each tensor is read in its own codec (a version 3 envelope may have several): a tensor that
+is BitDelta with one group and scale dtype in every payload goes through `_SignColumns`,
+any other a row at a time.
 
 It satisfies `zoo_gym.aggregation.columns.Columns` by its shape alone (the two pure
 packages do not import each other): pass it to any rule, or to `aggregation.aggregate`.
@@ -84,6 +87,8 @@ class PayloadColumns:
         self._device = torch.device("cpu" if device is None else device)
         self._starts = list(itertools.accumulate((ts.numel for ts in layout), initial=0))
         self._signs = _SignColumns.of(self.payloads, self.headers, self._starts)
+        covered = set() if self._signs is None else self._signs.covered
+        self._rows = [t for t in range(len(layout)) if t not in covered]  # decoded row by row
 
     @staticmethod
     def check(payload: bytes, layout: Layout, max_elements: int) -> EnvelopeHeader:
@@ -92,8 +97,8 @@ class PayloadColumns:
         header = inspect_envelope(payload, max_elements=max_elements)
         check_layout(header, layout)
         for section in header.sections:
-            _, data = section_tensors(payload, header, section)  # scales checked there
-            if header.codec == "bitdelta":
+            _, data = section_tensors(payload, section)  # scales checked there
+            if section.codec == "bitdelta":
                 codecs.check_padding(data, section.spec.numel, section.spec.name)
         return header
 
@@ -126,29 +131,29 @@ class PayloadColumns:
         out = torch.empty((len(order), stop - start), dtype=torch.float32)
         if self._signs is not None:
             self._signs.decode(order, start, stop, out)
-        else:
+        pieces = [t for t in self._rows if self._starts[t] < stop and start < self._starts[t + 1]]
+        if pieces:
             for j, i in enumerate(order):
-                self._decode_row(i, start, stop, out[j])
+                self._decode_row(i, pieces, start, stop, out[j])
         return out.to(self._device)
 
-    def _decode_row(self, i: int, start: int, stop: int, out: Tensor) -> None:
-        """Values [start, stop) of payload i's flat update into `out` (stop - start,)."""
+    def _decode_row(self, i: int, tensors: list[int], start: int, stop: int, out: Tensor) -> None:
+        """Values [start, stop) of `tensors` (indices into the layout) of payload i's flat
+        update into `out` (stop - start,)."""
         payload, header = self.payloads[i], self.headers[i]
-        for t, section in enumerate(header.sections):
+        for t in tensors:
             t0, t1 = self._starts[t], self._starts[t + 1]
             lo, hi = max(start, t0) - t0, min(stop, t1) - t0
             if lo >= hi:
                 continue
             target = out[t0 + lo - start : t0 + hi - start]
-            _decode_range(payload, header, section, lo, hi, target)
+            _decode_range(payload, header.sections[t], lo, hi, target)
 
 
-def _decode_range(
-    payload: bytes, header: EnvelopeHeader, section: TensorSection, lo: int, hi: int, out: Tensor
-) -> None:
+def _decode_range(payload: bytes, section: TensorSection, lo: int, hi: int, out: Tensor) -> None:
     """Values [lo, hi) of one tensor of an envelope into `out` (hi - lo,) float32, reading
     only the bytes and scales that cover them."""
-    codec, n, group = header.codec, section.spec.numel, section.group
+    codec, n, group = section.codec, section.spec.numel, section.group
     if codec in _RAW_BYTES:
         size = _RAW_BYTES[codec]
         data = _view(payload, section.data_offset + lo * size, (hi - lo) * size)
@@ -157,9 +162,10 @@ def _decode_range(
     per_byte = codecs.values_per_byte(codec)
     b0, b1 = lo // per_byte, -(-hi // per_byte)
     g0, g1 = lo // group, (hi - 1) // group + 1
-    width = _SCALE_BYTES[header.spec.scale_dtype]
+    scale_dtype = section.codec_spec.scale_dtype
+    width = _SCALE_BYTES[scale_dtype]
     raw = _view(payload, section.scales_offset + g0 * width, (g1 - g0) * width)
-    scales = raw.view(codecs.SCALE_TORCH_DTYPES[header.spec.scale_dtype]).float()
+    scales = raw.view(codecs.SCALE_TORCH_DTYPES[scale_dtype]).float()
     data = _view(payload, section.data_offset + b0, b1 - b0)
     codecs.decode_range(codec, scales, g0, data, b0, n, lo, hi, group, out)
 
@@ -172,64 +178,57 @@ class _SignTensor:
     numel: int
     group: int
     n_groups: int
+    scale_dtype: torch.dtype
+    scale_bytes: int
     data: tuple[int, ...]  # (n,) byte offset of the tensor's sign bytes in each payload
     scales: tuple[int, ...]  # (n,) byte offset of its scales in each payload
 
 
 class _SignColumns:
-    """Column ranges of n BitDelta envelopes of one layout, decoded for all rows at once.
+    """Column ranges of the BitDelta tensors of n envelopes of one layout, decoded for all
+    rows at once.
 
-    All payloads share a codec, scale dtype and group per tensor, so a column range covers
-    the same bytes and groups of every payload: they are computed once per tensor, each
-    row's bytes and scales copied into one `(m, bytes)` and one `(m, groups)` array, and
-    the values written by one sign-table lookup and one scaling per group run straight into
-    the output chunk. Values of a range that starts or ends inside a byte are decoded from
-    that byte into an `(m, 8)` scratch and copied.
+    A tensor is taken (`covered`) when it is BitDelta with one group and scale dtype in
+    every payload: a column range then covers the same bytes and groups of every payload,
+    so they are computed once per tensor, each row's bytes and scales copied into one `(m,
+    bytes)` and one `(m, groups)` array, and the values written by one sign-table lookup and
+    one scaling per group run straight into the output chunk. Values of a range that starts
+    or ends inside a byte are decoded from that byte into an `(m, 8)` scratch and copied.
     """
 
     def __init__(
-        self, payloads: Sequence[bytes], headers: Sequence[EnvelopeHeader], starts: list[int]
+        self,
+        payloads: Sequence[bytes],
+        tensors: list[_SignTensor | None],
+        starts: list[int],
     ) -> None:
         self._starts = starts  # (T + 1,) first column of each tensor, then d
         self._arrays = [np.frombuffer(p, dtype=np.uint8) for p in payloads]
-        scale_dtype = headers[0].spec.scale_dtype
-        self._scale_dtype = codecs.SCALE_TORCH_DTYPES[scale_dtype]
-        self._scale_bytes = _SCALE_BYTES[scale_dtype]
-        self._tensors = [
-            _SignTensor(
-                numel=first.spec.numel,
-                group=first.group,
-                n_groups=first.n_groups,
-                data=tuple(h.sections[t].data_offset for h in headers),
-                scales=tuple(h.sections[t].scales_offset for h in headers),
-            )
-            for t, first in enumerate(headers[0].sections)
-        ]
+        self._tensors = tensors
+        self.covered = frozenset(t for t, tensor in enumerate(tensors) if tensor is not None)
 
     @classmethod
     def of(
         cls, payloads: Sequence[bytes], headers: Sequence[EnvelopeHeader], starts: list[int]
     ) -> _SignColumns | None:
-        """The decoder of these payloads, or None unless all are BitDelta with one scale
-        dtype and one group size per tensor."""
-        if not headers or any(h.codec != "bitdelta" for h in headers):
+        """The decoder of these payloads' BitDelta tensors, or None when no tensor is BitDelta
+        with one group and scale dtype in every payload."""
+        if not headers:
             return None
-        first = headers[0]
-        for h in headers:
-            groups = [s.group for s in h.sections] != [s.group for s in first.sections]
-            if h.spec.scale_dtype != first.spec.scale_dtype or groups:
-                return None
-        return cls(payloads, headers, starts)
+        tensors = [_sign_tensor(headers, t) for t in range(len(headers[0].sections))]
+        if all(tensor is None for tensor in tensors):
+            return None
+        return cls(payloads, tensors, starts)
 
     def decode(self, rows: Sequence[int], start: int, stop: int, out: Tensor) -> None:
         """Columns [start, stop) of payloads `rows` into `out` (len(rows), stop - start)."""
         t = bisect.bisect_right(self._starts, start) - 1
         while t < len(self._tensors) and self._starts[t] < stop:
-            t0 = self._starts[t]
+            t0, tensor = self._starts[t], self._tensors[t]
             lo, hi = max(start, t0) - t0, min(stop, self._starts[t + 1]) - t0
-            if lo < hi:
+            if lo < hi and tensor is not None:
                 target = out[:, t0 + lo - start : t0 + hi - start]
-                self._decode_piece(self._tensors[t], rows, lo, hi, target)
+                self._decode_piece(tensor, rows, lo, hi, target)
             t += 1
 
     def _decode_piece(
@@ -257,8 +256,8 @@ class _SignColumns:
         group, m = tensor.group, len(rows)
         signs = self._gather(tensor.data, rows, v0 // 8, (v1 - v0) // 8, -(-tensor.numel // 8), 1)
         g0, g1 = v0 // group, -(-v1 // group)
-        raw = self._gather(tensor.scales, rows, g0, g1 - g0, tensor.n_groups, self._scale_bytes)
-        scales = torch.from_numpy(raw).view(self._scale_dtype).float()  # (m, g1 - g0)
+        raw = self._gather(tensor.scales, rows, g0, g1 - g0, tensor.n_groups, tensor.scale_bytes)
+        scales = torch.from_numpy(raw).view(tensor.scale_dtype).float()  # (m, g1 - g0)
         values = target.view(m, -1, 8).numpy()  # (m, bytes, 8)
         if values.flags.c_contiguous:
             bitdelta.sign_values_into(signs, values)
@@ -291,3 +290,27 @@ class _SignColumns:
             at = offsets[i] + first * width
             out[j, :real] = self._arrays[i][at : at + real]
         return out
+
+
+def _sign_tensor(headers: Sequence[EnvelopeHeader], t: int) -> _SignTensor | None:
+    """Tensor `t` of every payload for `_SignColumns`, or None unless it is BitDelta with one
+    group and scale dtype in all of them."""
+    sections = [h.sections[t] for h in headers]
+    first = sections[0]
+    spec = first.codec_spec
+    if any(
+        s.codec != "bitdelta"
+        or s.group != first.group
+        or s.codec_spec.scale_dtype != spec.scale_dtype
+        for s in sections
+    ):
+        return None
+    return _SignTensor(
+        numel=first.spec.numel,
+        group=first.group,
+        n_groups=first.n_groups,
+        scale_dtype=codecs.SCALE_TORCH_DTYPES[spec.scale_dtype],
+        scale_bytes=_SCALE_BYTES[spec.scale_dtype],
+        data=tuple(s.data_offset for s in sections),
+        scales=tuple(s.scales_offset for s in sections),
+    )

@@ -1,7 +1,8 @@
 """The versioned envelope that carries one compressed delta.
 
-All integers are little-endian (`struct` format in brackets). `encode` writes version 2;
-readers take versions 1 and 2. Version 1:
+All integers are little-endian (`struct` format in brackets). `encode` writes version 2 when
+every tensor uses the envelope's codec and version 3 when some tensor has its own; readers take
+versions 1, 2 and 3. Version 1:
 
 ==========  ==================================================================================
 bytes       field
@@ -29,6 +30,13 @@ the L bytes follow; the rest is unchanged. A table of LoRA modules repeats its n
 inline and 0.5 KB deflated, which is the difference between 13.8x and 14.2x smaller than bf16
 for the rank-8 update of a 0.5B model. A reader inflates at most `MAX_TABLE_BYTES`.
 
+Version 3 is version 2 with a codec per tensor: each entry of the (deflated) per-tensor table
+ends with that tensor's codec id [B], granularity id [B], group size [I] and scale dtype id [B],
+with the ids and limits of the header's; the tensor's scales and values are in that codec. The
+header's codec parameters are the envelope's own (those `encode` was given), which a reader
+may check against what it expects; decoding follows the entries. The first round of an epoch
+of FFA-LoRA's A sends its carried Bs this way, in a more precise codec than the update's.
+
 The group length of a tensor of n values is the group size (granularity ``group``),
 ``n / shape[0]`` (``row``) or ``n`` (``matrix``); the codecs without scales store none. Every
 size follows from the table, so a reader checks the declared sizes against the byte length
@@ -45,6 +53,7 @@ import struct
 import sys
 import warnings
 import zlib
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -64,14 +73,16 @@ from zoo_gym.compression.spec import (
 from zoo_gym.core.delta import Delta, Layout, TensorSpec
 
 MAGIC = b"ZGDE"
-VERSION = 2  # what `encode` writes
-VERSIONS = (1, 2)  # what `inspect_envelope` reads
+VERSION = 2  # what `encode` writes when every tensor uses the envelope's codec
+MIXED_VERSION = 3  # what it writes when some tensor has a codec of its own
+VERSIONS = (1, 2, 3)  # what `inspect_envelope` reads
 MAX_TABLE_BYTES = 16 << 20  # an inflated version 2 table larger than this is refused
 _TABLE_LENGTH = struct.Struct("<I")
 MAX_NDIM = 8
 _HEAD = struct.Struct("<4sHBBIB3xI")
 _NAME = struct.Struct("<H")
 _DTYPE_NDIM = struct.Struct("<BB")
+_OWN_CODEC = struct.Struct("<BBIB")  # version 3: codec, granularity, group size, scale dtype
 _DIGEST = 32
 DTYPE_IDS = {"float32": 0, "float16": 1, "bfloat16": 2, "float64": 3}
 _SCALE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}
@@ -82,15 +93,20 @@ _TORCH_DTYPE_IDS = {getattr(torch, name): i for name, i in DTYPE_IDS.items()}
 
 @dataclass(frozen=True)
 class TensorSection:
-    """Where one tensor's scales and packed values lie in the payload."""
+    """Where one tensor's scales and packed values lie in the payload, and its codec."""
 
     spec: TensorSpec
+    codec_spec: CodecSpec
     group: int
     n_groups: int
     scales_offset: int
     scales_nbytes: int
     data_offset: int
     data_nbytes: int
+
+    @property
+    def codec(self) -> str:
+        return self.codec_spec.codec
 
 
 @dataclass(frozen=True)
@@ -108,7 +124,13 @@ class EnvelopeHeader:
 
     @property
     def codec(self) -> str:
+        """The envelope's codec (a version 3 envelope's tensors may each have their own)."""
         return self.spec.codec
+
+    @property
+    def mixed(self) -> bool:
+        """Whether some tensor has other codec parameters than the envelope's."""
+        return any(section.codec_spec != self.spec for section in self.sections)
 
 
 def _tensor_bytes(t: Tensor) -> memoryview:
@@ -116,33 +138,62 @@ def _tensor_bytes(t: Tensor) -> memoryview:
     return t.detach().cpu().contiguous().view(torch.uint8).numpy().data
 
 
-def encode(delta: Delta, spec: CodecSpec) -> bytes:
+def encode(delta: Delta, spec: CodecSpec, *, own: Mapping[str, CodecSpec] | None = None) -> bytes:
     """Compress `delta` into one envelope (format in the module docstring).
 
     Tensors may have any floating dtype and live on any device; they are compressed as float32
-    in `layout_of` order (sorted by name). Raises ValueError for non-float or non-finite
-    tensors and for scales that overflow ``spec.scale_dtype``.
+    in `layout_of` order (sorted by name), each with `spec`, or with ``own[name]`` where `own`
+    names it (a version 3 envelope when that differs from `spec`; otherwise version 2, byte
+    for byte what it was before version 3). Raises ValueError for non-float or non-finite
+    tensors, for scales that overflow their scale dtype and for a name in `own` that is not
+    in `delta`.
     """
     if sys.byteorder != "little":
         raise RuntimeError("the envelope is written on little-endian hosts only")
+    own = own or {}
+    unknown = sorted(set(own) - set(delta))
+    if unknown:
+        raise ValueError(f"{unknown[0]}: a codec is given for a tensor the delta does not have")
     names = sorted(delta)
     tensors = [delta[name] for name in names]
-    chunks: list[bytes | memoryview] = [_table(names, tensors, spec)]
-    if spec.codec == "bitdelta" and spec.granularity == "group":
-        chunks += _bitdelta_sections(names, tensors, spec)
-    else:
-        for name, t in zip(names, tensors, strict=True):
-            x = t.detach().reshape(-1).to(torch.float32).contiguous()
-            _check_finite(name, x)
-            scales, data = codecs.encode_tensor(
-                spec.codec, x, group_length(spec, tuple(t.shape)), spec.scale_dtype
-            )
-            chunks += [_tensor_bytes(scales) if spec.scaled else b"", _tensor_bytes(data)]
+    specs = [own.get(name, spec) for name in names]
+    mixed = any(s != spec for s in specs)
+    chunks: list[bytes | memoryview] = [_table(names, tensors, spec, specs if mixed else None)]
+    chunks += _sections(names, tensors, specs)
     digest = hashlib.sha256()
     for chunk in chunks:  # hashed where they lie, joined once with the digest
         digest.update(chunk)
     chunks.append(digest.digest())
     return b"".join(chunks)
+
+
+def _sections(
+    names: list[str], tensors: list[Tensor], specs: list[CodecSpec]
+) -> list[bytes | memoryview]:
+    """Scales and packed values of every tensor, in table order: the BitDelta tensors of one
+    group size and scale dtype from one `pack_many` pass, the others one at a time."""
+    by_spec: dict[CodecSpec, list[int]] = {}
+    for i, spec in enumerate(specs):
+        by_spec.setdefault(spec, []).append(i)
+    parts: list[bytes | memoryview] = [b""] * (2 * len(names))
+    for spec, index in by_spec.items():
+        if spec.codec == "bitdelta" and spec.granularity == "group":
+            packed = _bitdelta_sections(
+                [names[i] for i in index], [tensors[i] for i in index], spec
+            )
+            for j, i in enumerate(index):
+                parts[2 * i : 2 * i + 2] = packed[2 * j : 2 * j + 2]
+            continue
+        for i in index:
+            x = tensors[i].detach().reshape(-1).to(torch.float32).contiguous()
+            _check_finite(names[i], x)
+            group = group_length(spec, tuple(tensors[i].shape))
+            scales, data = codecs.encode_tensor(spec.codec, x, group, spec.scale_dtype)
+            parts[2 * i : 2 * i + 2] = [
+                _tensor_bytes(scales) if spec.scaled else b"",
+                _tensor_bytes(data),
+            ]
+    return parts
 
 
 @functools.cache
@@ -151,25 +202,33 @@ def _entry(name_nbytes: int, ndim: int) -> struct.Struct:
     return struct.Struct(f"<H{name_nbytes}sBB{ndim}Q")
 
 
-def _table(names: list[str], tensors: list[Tensor], spec: CodecSpec) -> bytes:
-    """The header and the deflated tensor table (version 2, module docstring), as one piece."""
-    head = _HEAD.pack(
-        MAGIC,
-        VERSION,
+def _codec_ids(spec: CodecSpec) -> tuple[int, int, int, int]:
+    """The header's (and a version 3 entry's) codec id, granularity id, group size and scale
+    dtype id of `spec`."""
+    return (
         CODEC_IDS[spec.codec],
         GRANULARITIES.index(spec.granularity),
         spec.group_size,
         SCALE_DTYPES.index(spec.scale_dtype),
-        len(names),
     )
-    table = zlib.compress(_entries(names, tensors), 9)
+
+
+def _table(
+    names: list[str], tensors: list[Tensor], spec: CodecSpec, specs: list[CodecSpec] | None
+) -> bytes:
+    """The header and the deflated tensor table (version 2, or version 3 with the codec of each
+    tensor in `specs`; module docstring), as one piece."""
+    version = VERSION if specs is None else MIXED_VERSION
+    head = _HEAD.pack(MAGIC, version, *_codec_ids(spec), len(names))
+    table = zlib.compress(_entries(names, tensors, specs), 9)
     return head + _TABLE_LENGTH.pack(len(table)) + table
 
 
-def _entries(names: list[str], tensors: list[Tensor]) -> bytes:
-    """Version 1's per-tensor table: name, dtype id, ndim and shape of each tensor."""
+def _entries(names: list[str], tensors: list[Tensor], specs: list[CodecSpec] | None) -> bytes:
+    """Version 1's per-tensor table: name, dtype id, ndim and shape of each tensor, and with
+    `specs` (version 3) each tensor's codec parameters after its shape."""
     parts = []
-    for name, t in zip(names, tensors, strict=True):
+    for i, (name, t) in enumerate(zip(names, tensors, strict=True)):
         dtype_id = _TORCH_DTYPE_IDS.get(t.dtype)
         if dtype_id is None:
             raise ValueError(
@@ -181,6 +240,8 @@ def _entries(names: list[str], tensors: list[Tensor]) -> bytes:
         encoded = name.encode("utf-8")
         entry = _entry(len(encoded), len(shape))
         parts.append(entry.pack(len(encoded), encoded, dtype_id, len(shape), *shape))
+        if specs is not None:
+            parts.append(_OWN_CODEC.pack(*_codec_ids(specs[i])))
     return b"".join(parts)
 
 
@@ -244,6 +305,22 @@ def _bitdelta_sections(
     return sections
 
 
+def _codec_spec(codec_id: int, gran_id: int, group_size: int, scale_id: int) -> CodecSpec:
+    """The `CodecSpec` of a header's (or a version 3 entry's) ids; raises `EnvelopeError`."""
+    if codec_id not in _CODEC_NAMES:
+        raise EnvelopeError(f"unknown codec id {codec_id}")
+    if gran_id >= len(GRANULARITIES) or scale_id >= len(SCALE_DTYPES):
+        raise EnvelopeError(f"unknown granularity id {gran_id} or scale dtype id {scale_id}")
+    if group_size < 1:
+        raise EnvelopeError("group size 0 in envelope header")
+    try:
+        return CodecSpec(
+            _CODEC_NAMES[codec_id], group_size, GRANULARITIES[gran_id], SCALE_DTYPES[scale_id]
+        )
+    except ValueError as exc:
+        raise EnvelopeError(f"invalid codec parameters: {exc}") from exc
+
+
 def _parse_spec(payload: bytes) -> tuple[int, CodecSpec, int]:
     if len(payload) < _HEAD.size + _DIGEST:
         raise EnvelopeError(f"truncated envelope: {len(payload)} bytes is shorter than a header")
@@ -254,23 +331,12 @@ def _parse_spec(payload: bytes) -> tuple[int, CodecSpec, int]:
         raise EnvelopeError(
             f"unsupported envelope version {version}, this reader knows {', '.join(map(str, VERSIONS))}"
         )
-    if codec_id not in _CODEC_NAMES:
-        raise EnvelopeError(f"unknown codec id {codec_id}")
-    if gran_id >= len(GRANULARITIES) or scale_id >= len(SCALE_DTYPES):
-        raise EnvelopeError(f"unknown granularity id {gran_id} or scale dtype id {scale_id}")
     if payload[_HEAD.size - 7 : _HEAD.size - 4] != b"\0\0\0":
         raise EnvelopeError("reserved header bytes are not zero")
-    if group_size < 1:
-        raise EnvelopeError("group size 0 in envelope header")
+    spec = _codec_spec(codec_id, gran_id, group_size, scale_id)
     digest = hashlib.sha256(memoryview(payload)[:-_DIGEST]).digest()
     if digest != payload[-_DIGEST:]:
         raise EnvelopeError("SHA-256 mismatch: the envelope is corrupted or was modified")
-    try:
-        spec = CodecSpec(
-            _CODEC_NAMES[codec_id], group_size, GRANULARITIES[gran_id], SCALE_DTYPES[scale_id]
-        )
-    except ValueError as exc:
-        raise EnvelopeError(f"invalid codec parameters: {exc}") from exc
     return version, spec, count
 
 
@@ -296,36 +362,50 @@ def _inflated_table(payload: bytes, end: int) -> tuple[bytes, int]:
 
 
 def _parse_table(
-    payload: bytes, count: int, end: int, start: int = _HEAD.size
-) -> tuple[Layout, int]:
+    payload: bytes, count: int, end: int, start: int = _HEAD.size, *, own: bool = False
+) -> tuple[Layout, list[CodecSpec | None], int]:
+    """The layout, each entry's own codec (version 3, `own`; None otherwise) and where the
+    table ends in `payload`."""
     offset = start
-    if count > (end - offset) // (_NAME.size + _DTYPE_NDIM.size):
+    entry_min = _NAME.size + _DTYPE_NDIM.size + (_OWN_CODEC.size if own else 0)
+    if count > (end - offset) // entry_min:
         raise EnvelopeError(f"tensor count {count} does not fit in {len(payload)} bytes")
     layout: list[TensorSpec] = []
+    specs: list[CodecSpec | None] = []
     try:
         for _ in range(count):
-            (name_len,) = _NAME.unpack_from(payload, offset)
-            offset += _NAME.size
-            if offset + name_len > end:
-                raise EnvelopeError("truncated envelope: tensor name runs past the end")
-            name = payload[offset : offset + name_len].decode("utf-8")
-            offset += name_len
-            dtype_id, ndim = _DTYPE_NDIM.unpack_from(payload, offset)
-            offset += _DTYPE_NDIM.size
-            if dtype_id not in _DTYPE_NAMES or ndim > MAX_NDIM:
-                raise EnvelopeError(f"{name}: unknown dtype id {dtype_id} or {ndim} dimensions")
-            if offset + 8 * ndim > end:
-                raise EnvelopeError("truncated envelope: tensor shape runs past the end")
-            shape = struct.unpack_from(f"<{ndim}Q", payload, offset)
-            offset += 8 * ndim
-            if layout and name <= layout[-1].name:
-                raise EnvelopeError(f"tensor names not strictly increasing at {name!r}")
-            layout.append(TensorSpec(name, tuple(shape), _DTYPE_NAMES[dtype_id]))
+            ts, offset = _parse_entry(payload, offset, end)
+            if layout and ts.name <= layout[-1].name:
+                raise EnvelopeError(f"tensor names not strictly increasing at {ts.name!r}")
+            layout.append(ts)
+            if own:
+                specs.append(_codec_spec(*_OWN_CODEC.unpack_from(payload, offset)))
+                offset += _OWN_CODEC.size
+            else:
+                specs.append(None)
     except struct.error as exc:
         raise EnvelopeError(f"truncated envelope: tensor table runs past the end ({exc})") from exc
     except UnicodeDecodeError as exc:
         raise EnvelopeError("tensor name is not valid UTF-8") from exc
-    return tuple(layout), offset
+    return tuple(layout), specs, offset
+
+
+def _parse_entry(payload: bytes, offset: int, end: int) -> tuple[TensorSpec, int]:
+    """One entry's name, dtype and shape from `offset` on, and where they end."""
+    (name_len,) = _NAME.unpack_from(payload, offset)
+    offset += _NAME.size
+    if offset + name_len > end:
+        raise EnvelopeError("truncated envelope: tensor name runs past the end")
+    name = payload[offset : offset + name_len].decode("utf-8")
+    offset += name_len
+    dtype_id, ndim = _DTYPE_NDIM.unpack_from(payload, offset)
+    offset += _DTYPE_NDIM.size
+    if dtype_id not in _DTYPE_NAMES or ndim > MAX_NDIM:
+        raise EnvelopeError(f"{name}: unknown dtype id {dtype_id} or {ndim} dimensions")
+    if offset + 8 * ndim > end:
+        raise EnvelopeError("truncated envelope: tensor shape runs past the end")
+    shape = struct.unpack_from(f"<{ndim}Q", payload, offset)
+    return TensorSpec(name, tuple(shape), _DTYPE_NAMES[dtype_id]), offset + 8 * ndim
 
 
 def inspect_envelope(payload: bytes, *, max_elements: int) -> EnvelopeHeader:
@@ -341,10 +421,11 @@ def inspect_envelope(payload: bytes, *, max_elements: int) -> EnvelopeHeader:
     version, spec, count = _parse_spec(payload)
     end = len(payload) - _DIGEST
     if version == 1:
-        layout, offset = _parse_table(payload, count, end)
+        layout, specs, offset = _parse_table(payload, count, end)
     else:
         table, offset = _inflated_table(payload, end)
-        layout, used = _parse_table(table, count, len(table), start=0)
+        own = version == MIXED_VERSION
+        layout, specs, used = _parse_table(table, count, len(table), start=0, own=own)
         if used != len(table):
             raise EnvelopeError("the inflated tensor table has bytes after its last entry")
     total = sum(ts.numel for ts in layout)
@@ -354,17 +435,10 @@ def inspect_envelope(payload: bytes, *, max_elements: int) -> EnvelopeHeader:
         )
     header_nbytes = offset
     sections = []
-    scale_bytes = _SCALE_BYTES[spec.scale_dtype] if spec.scaled else 0
-    for ts in layout:
-        group = group_length(spec, ts.shape)
-        groups = n_groups(ts.numel, group) if spec.scaled else 0
-        data = codecs.data_nbytes(spec.codec, ts.numel)
-        sections.append(
-            TensorSection(
-                ts, group, groups, offset, groups * scale_bytes, offset + groups * scale_bytes, data
-            )
-        )
-        offset += groups * scale_bytes + data
+    for ts, own_spec in zip(layout, specs, strict=True):
+        section = _section(ts, spec if own_spec is None else own_spec, offset)
+        sections.append(section)
+        offset = section.data_offset + section.data_nbytes
     if offset != end:
         kind = "truncated" if offset > end else "oversized"
         raise EnvelopeError(
@@ -382,6 +456,15 @@ def inspect_envelope(payload: bytes, *, max_elements: int) -> EnvelopeHeader:
     )
 
 
+def _section(ts: TensorSpec, spec: CodecSpec, offset: int) -> TensorSection:
+    """Where the scales and values of tensor `ts` in codec `spec` lie, from `offset` on."""
+    group = group_length(spec, ts.shape)
+    groups = n_groups(ts.numel, group) if spec.scaled else 0
+    scales = groups * _SCALE_BYTES[spec.scale_dtype] if spec.scaled else 0
+    data = codecs.data_nbytes(spec.codec, ts.numel)
+    return TensorSection(ts, spec, group, groups, offset, scales, offset + scales, data)
+
+
 def _frombuffer(payload: bytes, offset: int, nbytes: int, dtype: torch.dtype) -> Tensor:
     """A read-only tensor view of `payload[offset : offset + nbytes]`."""
     if nbytes == 0:
@@ -392,14 +475,14 @@ def _frombuffer(payload: bytes, offset: int, nbytes: int, dtype: torch.dtype) ->
     return raw.view(dtype)
 
 
-def section_tensors(
-    payload: bytes, header: EnvelopeHeader, section: TensorSection
-) -> tuple[Tensor, Tensor]:
-    """(scales (G,) float32, packed bytes (k,) uint8) of one tensor; raises on bad scales."""
-    scale_dtype = codecs.SCALE_TORCH_DTYPES[header.spec.scale_dtype]
+def section_tensors(payload: bytes, section: TensorSection) -> tuple[Tensor, Tensor]:
+    """(scales (G,) float32, packed bytes (k,) uint8) of one tensor in its codec; raises on
+    bad scales."""
+    spec = section.codec_spec
+    scale_dtype = codecs.SCALE_TORCH_DTYPES[spec.scale_dtype]
     scales = _frombuffer(payload, section.scales_offset, section.scales_nbytes, scale_dtype).float()
-    if header.spec.scaled:
-        bound = scales * codecs.LEVELS[header.spec.codec]
+    if spec.scaled:
+        bound = scales * codecs.LEVELS[spec.codec]
         if not bool(torch.isfinite(bound).all()):
             raise EnvelopeError(f"{section.spec.name}: NaN, Inf or overflowing scale")
         if bool((scales < 0).any()):
@@ -410,8 +493,10 @@ def section_tensors(
 
 def unpacks_together(header: EnvelopeHeader) -> bool:
     """Whether the whole payload unpacks in one `unpack_bitdelta` call (BitDelta, one group
-    size for every tensor)."""
-    return header.codec == "bitdelta" and header.spec.granularity == "group"
+    size and scale dtype for every tensor). A version 3 envelope with other codecs among its
+    tensors does not: its readers decode a tensor at a time, BitDelta tensors through the
+    unpack kernel where it runs and the others through torch."""
+    return header.codec == "bitdelta" and header.spec.granularity == "group" and not header.mixed
 
 
 def unpack_bitdelta(
@@ -435,8 +520,11 @@ def bitdelta_parts(payload: bytes, header: EnvelopeHeader) -> tuple[list[Tensor]
     """(packed signs per tensor, all scales concatenated as float32) of a BitDelta envelope.
 
     Validates every scale (finite, not negative) in one pass and the zero padding of each
-    tensor's last byte; raises `EnvelopeError` naming the first bad tensor.
+    tensor's last byte; raises `EnvelopeError` naming the first bad tensor, and ValueError
+    unless `unpacks_together(header)`.
     """
+    if not unpacks_together(header):
+        raise ValueError("bitdelta_parts needs an envelope of BitDelta tensors of one group size")
     raw = _frombuffer(payload, 0, len(payload), torch.uint8)
     scale_dtype = codecs.SCALE_TORCH_DTYPES[header.spec.scale_dtype]
     pieces = [raw[s.scales_offset : s.scales_offset + s.scales_nbytes] for s in header.sections]
@@ -502,9 +590,9 @@ def decode_into(
     offset = 0
     for section in header.sections:
         n = section.spec.numel
-        scales, data = section_tensors(payload, header, section)
+        scales, data = section_tensors(payload, section)
         target = out[offset : offset + n]
-        codecs.decode_tensor(header.codec, scales, data, section.group, target, triton=triton)
+        codecs.decode_tensor(section.codec, scales, data, section.group, target, triton=triton)
         offset += n
 
 
@@ -533,8 +621,10 @@ def decode(payload: bytes, *, max_elements: int, device: torch.device | str | No
         kernels.unpack_each(packed, scales, header.spec.group_size, outs)
         return delta
     for section in header.sections:
-        scales, data = section_tensors(payload, header, section)
+        scales, data = section_tensors(payload, section)
         out = torch.empty(section.spec.shape, dtype=torch.float32, device=target)
-        codecs.decode_tensor(header.codec, scales, data, section.group, out.view(-1), triton=triton)
+        codecs.decode_tensor(
+            section.codec, scales, data, section.group, out.view(-1), triton=triton
+        )
         delta[section.spec.name] = out
     return delta

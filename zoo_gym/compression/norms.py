@@ -20,7 +20,7 @@ codecs in chunks, so memory stays bounded by one tensor.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 import torch
 
@@ -80,8 +80,11 @@ def codec_growth(spec: CodecSpec, group_lengths: Iterable[int]) -> float:
     - bitdelta: a group x_g (k values) decodes to ``+-s`` with ``s = ||x_g||_1 / k``, so
       ``||C(x_g)|| = ||x_g||_1 / sqrt(k) <= ||x_g||_2`` (Cauchy-Schwarz): BitDelta never grows
       a norm, up to the rounding of the stored scale (relative ``u``): ``1 + u``.
-    - int8, int4, ternary (round to nearest, zero level): a code ``q != 0`` needs
-      ``|x_i| >= s / 2``, and ``|q s| <= |x_i| + s / 2 <= 2 |x_i|``: 2.
+    - int8, int4, ternary (round to nearest, zero level, ``L`` levels a side): a code
+      ``q != 0`` needs ``|x_i| >= s / 2``, and ``|q s| <= |x_i| + s / 2 <= 2 |x_i|``: 2. Also
+      ``||C(x_g) - x_g|| <= sqrt(k) s / 2`` with ``s <= (1 + u) max|x_g| / L``, so
+      ``||C(x_g)|| <= (1 + (1 + u) sqrt(k) / (2 L)) ||x_g||`` (1.045 for int8 at k = 128):
+      the smaller of the two, for the longest group k.
     - int2 (no zero level): ``|q s| <= |x_i| + s`` with ``s <= (1 + u) max|x_g| / 3``, so
       ``||C(x_g)|| <= (1 + (1 + u) sqrt(k) / 3) ||x_g||`` for the longest group k.
     - fp16, bf16: one rounding per value (2^-11, 2^-8); none: 1.
@@ -89,25 +92,42 @@ def codec_growth(spec: CodecSpec, group_lengths: Iterable[int]) -> float:
     u = _SCALE_ROUNDING[spec.scale_dtype]
     if spec.codec == "bitdelta":
         return 1.0 + u
+    longest = max(group_lengths, default=1)
     if spec.codec in ("int8", "int4", "ternary"):
-        return 2.0
+        return min(2.0, 1.0 + (1.0 + u) * math.sqrt(longest) / (2 * codecs.LEVELS[spec.codec]))
     if spec.codec == "int2":
-        longest = max(group_lengths, default=1)
         return 1.0 + (1.0 + u) * math.sqrt(longest) / 3.0
     return 1.0 + _RAW_ROUNDING[spec.codec]
 
 
 def honest_norm_bound(
-    spec: CodecSpec, layout: Layout, *, clip_norm: float, noise_multiplier: float = 0.0
+    spec: CodecSpec,
+    layout: Layout,
+    *,
+    clip_norm: float,
+    noise_multiplier: float = 0.0,
+    own: Mapping[str, CodecSpec] | None = None,
 ) -> float:
     """The largest ``||decode(envelope)||_2`` an honest client following a task sends:
     ``(1 + TOLERANCE) * codec_growth * feedback_cap``, plus ``sqrt(d) * 2^-24`` for float16
-    scales rounded up below their normal range. 0.0 (no bound) when `clip_norm` is 0."""
+    scales rounded up below their normal range. 0.0 (no bound) when `clip_norm` is 0.
+
+    Tensors named in `own` are compressed with that codec instead of `spec` (a version 3
+    envelope): the growth is the largest of any tensor's, since
+    ``sum_t ||C_t(y_t)||² <= max_t g_t² sum_t ||y_t||²``.
+    """
     d = sum(ts.numel for ts in layout)
     cap = feedback_cap(clip_norm, noise_multiplier, d)
     if cap <= 0:
         return 0.0
-    growth = codec_growth(spec, (group_length(spec, ts.shape) for ts in layout))
+    own = own or {}
+    growth = max(
+        (
+            codec_growth(own.get(ts.name, spec), [group_length(own.get(ts.name, spec), ts.shape)])
+            for ts in layout
+        ),
+        default=codec_growth(spec, []),
+    )
     return (1.0 + TOLERANCE) * growth * cap + math.sqrt(d) * 2.0**-24
 
 
@@ -119,28 +139,29 @@ def envelope_norm(payload: bytes, header: EnvelopeHeader) -> float:
     """
     total = 0.0
     for section in header.sections:
-        total += _squared_norm(payload, header, section)
+        total += _squared_norm(payload, section)
     return math.sqrt(total)
 
 
-def _squared_norm(payload: bytes, header: EnvelopeHeader, section: TensorSection) -> float:
+def _squared_norm(payload: bytes, section: TensorSection) -> float:
+    """||decode(section)||² of one tensor, in its own codec."""
     name, n = section.spec.name, section.spec.numel
-    if not header.spec.scaled:
-        return _raw_squared_norm(payload, header.codec, section)
+    if not section.codec_spec.scaled:
+        return _raw_squared_norm(payload, section.codec, section)
     try:
-        scales, data = section_tensors(payload, header, section)
+        scales, data = section_tensors(payload, section)
     except EnvelopeError as exc:
         if "NaN" in str(exc):
             raise NonFiniteUpdate(f"{name}: NaN or Inf scale") from None
         raise
-    if header.codec == "bitdelta":  # every value of group g is +-s_g
+    if section.codec == "bitdelta":  # every value of group g is +-s_g
         codecs.check_padding(data, n, name)
         counts = torch.full((section.n_groups,), float(section.group), dtype=torch.float64)
         if section.n_groups:
             counts[-1] = n - (section.n_groups - 1) * section.group
         return float((scales.double().square() * counts).sum())
     values = torch.empty(n, dtype=torch.float32)
-    codecs.decode_tensor(header.codec, scales, data, section.group, values)
+    codecs.decode_tensor(section.codec, scales, data, section.group, values)
     return _sum_squares(values, name)
 
 

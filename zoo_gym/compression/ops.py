@@ -2,7 +2,8 @@
 
 For BitDelta both are fused: Triton kernels where `kernels.active_for` the target tensor
 (CUDA with Triton installed), chunked torch elsewhere; other codecs decode one tensor at a time
-into a temporary of that tensor's size.
+into a temporary of that tensor's size. Each tensor is read in its own codec, so an envelope
+with several (version 3) takes both paths, a tensor at a time.
 """
 
 from __future__ import annotations
@@ -51,13 +52,13 @@ def decode_accumulate(
         if unpacks_together(header):
             unpack_bitdelta(payload, header, out, weight=float(weight), triton=triton)
             continue
-        parts = [section_tensors(payload, header, s) for s in header.sections]
+        parts = [section_tensors(payload, s) for s in header.sections]
         offset = 0
         for section, (scales, data) in zip(header.sections, parts, strict=True):
             n = section.spec.numel
             target = out[offset : offset + n]
             offset += n
-            if header.codec == "bitdelta":
+            if section.codec == "bitdelta":
                 codecs.check_padding(data, n)
                 add = kernels.accumulate if triton else bitdelta.accumulate
                 add(
@@ -65,7 +66,7 @@ def decode_accumulate(
                 )
             else:
                 step = torch.empty(n, dtype=torch.float32, device=out.device)
-                codecs.decode_tensor(header.codec, scales, data, section.group, step)
+                codecs.decode_tensor(section.codec, scales, data, section.group, step)
                 target.add_(step, alpha=float(weight))
 
 
@@ -88,16 +89,16 @@ def apply_update_(
     for ts in header.layout:
         if ts.name not in params or tuple(params[ts.name].shape) != ts.shape:
             raise EnvelopeError(f"envelope tensor {ts.name} {ts.shape} does not match the weights")
-    parts = [section_tensors(payload, header, s) for s in header.sections]
+    parts = [section_tensors(payload, s) for s in header.sections]
     for section, (scales, data) in zip(header.sections, parts, strict=True):
         weights = params[section.spec.name]
         triton = use_triton(weights, backend)
-        if header.codec == "bitdelta" and (weights.is_contiguous() or not triton):
+        if section.codec == "bitdelta" and (weights.is_contiguous() or not triton):
             codecs.check_padding(data, section.spec.numel)
             apply = kernels.apply_ if triton else bitdelta.apply_
             apply(weights, data.to(weights.device), scales.to(weights.device), section.group, alpha)
             continue
         step = torch.empty(section.spec.numel, dtype=torch.float32, device=weights.device)
-        codecs.decode_tensor(header.codec, scales, data, section.group, step)
+        codecs.decode_tensor(section.codec, scales, data, section.group, step)
         flat = weights.view(-1)
         flat.copy_(step.mul_(alpha).add_(flat.float()))

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from zoo_gym.client.feedback import FfaErrorFeedback, least_squares_carry, summary
-from zoo_gym.compression import CodecSpec, encode, inspect_envelope
+from zoo_gym.compression import CodecSpec, carry_spec, encode, inspect_envelope
 from zoo_gym.core.lora import LoraSpec, frozen_a
 
 SPEC = CodecSpec("bitdelta", group_size=8)
@@ -33,7 +33,7 @@ def _weight_space(b: torch.Tensor, seed: int, rank: int = LORA.rank) -> torch.Te
     return LORA.scaling * b.double() @ frozen_a(seed, MODULE, 16, rank).double()
 
 
-def _compress(feedback: FfaErrorFeedback, update: dict[str, torch.Tensor], seed: int, **kw: float):  # type: ignore[no-untyped-def]
+def _compress(feedback: FfaErrorFeedback, update: dict[str, torch.Tensor], seed: int, **kw: object):  # type: ignore[no-untyped-def]
     return feedback.compress(update, SPEC, lora=LORA, seed=seed, in_features=IN_FEATURES, **kw)  # type: ignore[arg-type]
 
 
@@ -376,3 +376,61 @@ def test_residual_of_another_shape_is_dropped() -> None:
 
     assert payload == encode({DENSE: sent[DENSE]}, SPEC)
     assert feedback.residual[DENSE].shape == (8, 24)
+
+
+def _carry_round(carry_codec: CodecSpec | None) -> tuple[bytes, FfaErrorFeedback]:
+    """Round 4 of `_updates(7, 5)` (the first on the A of seed 1, carrying back the residual
+    of 3 rounds on seed 0), its carried B compressed with `carry_codec`."""
+    feedback = FfaErrorFeedback()
+    for number, update in enumerate(_updates(7, 4), start=1):
+        seed, carry = (0, None) if number <= 3 else (1, 0)
+        payload, _ = _compress(
+            feedback, {KEY: update[KEY]}, seed=seed, carry_seed=carry, carry_codec=carry_codec
+        )
+    return payload, feedback
+
+
+def test_a_carry_codec_compresses_the_carried_bs_and_only_its_error_is_carried_on() -> None:
+    # Prepare / Execute: the same residual sent back in BitDelta (as the update), int8, float32
+    payloads, changes = {}, {}
+    for name, codec in [
+        ("bitdelta", None),
+        ("int8", carry_spec(SPEC, "int8")),
+        ("none", carry_spec(SPEC, "none")),
+    ]:
+        payloads[name], feedback = _carry_round(codec)
+        changes[name] = feedback.last_change
+
+    # Assert: the update stays BitDelta; the carried B is in its own codec (version 3)
+    assert inspect_envelope(payloads["bitdelta"], max_elements=96).version == 2
+    for name in ("int8", "none"):
+        header = inspect_envelope(payloads[name], max_elements=96)
+        assert header.version == 3 and [s.codec for s in header.sections] == ["bitdelta", name]
+        assert header.sections[1].codec_spec == carry_spec(SPEC, name)
+    bitdelta, int8, none = changes["bitdelta"], changes["int8"], changes["none"]
+    assert bitdelta is not None and int8 is not None and none is not None
+    assert bitdelta.residual == int8.residual == none.residual  # the same e went back
+    assert none.remainder == none.dropped == 0.0  # float32 sends e exactly
+    # int8's q is a rounding error: about 1/100 of BitDelta's, and so is what is dropped
+    assert int8.remainder < bitdelta.remainder / 50
+    assert int8.dropped < bitdelta.dropped / 50
+    assert int8.remainder**2 == pytest.approx(int8.carried**2 + int8.dropped**2, rel=1e-6)
+
+
+def test_without_feedback_the_zero_carried_bs_go_out_in_the_carry_codec() -> None:
+    off = FfaErrorFeedback(enabled=False)
+    b = torch.randn(12, 4, generator=torch.Generator().manual_seed(3))
+    int8 = carry_spec(SPEC, "int8")
+
+    payload, sent = off.compress({KEY: b}, SPEC, carry_seed=0, carry_codec=int8)
+
+    assert payload == encode({KEY: b, CARRY: torch.zeros(12, 4)}, SPEC, own={CARRY: int8})
+    assert not sent[CARRY].any() and off.residual == {}
+
+
+def test_the_carry_codec_is_the_update_codec_when_the_task_names_none_or_the_same() -> None:
+    assert carry_spec(SPEC, "") == carry_spec(SPEC, "bitdelta") == SPEC
+    assert carry_spec(SPEC, "int8") == CodecSpec("int8", 8, "group", "float32")
+    assert carry_spec(CodecSpec("int4", 64, "row"), "fp16") == CodecSpec(
+        "fp16", 64, "row", "float32"
+    )

@@ -11,10 +11,11 @@ larger than the float32 update:
   e ← (B + e) - C(B + e): nothing is lost, the sum of what was sent is the sum of
   the updates minus the last residual. The first round of a new epoch of A (the
   task's ``carry_a_seed`` names the previous A) sends e back against the A it belongs
-  to: the update is C(B) and, per module, a carried B C(e) (``.lora_B_carry``,
-  compressed in the same envelope), which the coordinator merges as
-  s·(C(B)·A_new + C(e)·A_old). What that loses is only the carry's own compression
-  error q = e - C(e): it is carried onto the new A by least squares,
+  to: the update is C(B) and, per module, a carried B C'(e) (``.lora_B_carry``, in the
+  same envelope, compressed with the round's carry codec C', `compression.spec.carry_spec`), which the
+  coordinator merges as s·(C(B)·A_new + C'(e)·A_old). What that loses is only the
+  carry's own compression error q = e - C'(e): it is carried onto the new A by least
+  squares,
 
       B_ls = q · (A_old A_newᵀ) · (A_new A_newᵀ)⁻¹        (out, r)
 
@@ -22,9 +23,11 @@ larger than the float32 update:
   residual (B - C(B)) + B_ls, so the residual stays B-sized (the upload of that round
   is two B-sized tensors per module). Dropped is s·q·A_old·(I - P_new), the part of q
   outside the new A's row space (P_new projects onto it; for an A drawn independently
-  of q it keeps about r / in of the squared norm). With BitDelta q is the 1-bit error
-  of e, about 0.6 of its norm: a change of A drops 0.6-0.7 of what carrying e itself
-  by least squares dropped (bench/README.md). A residual that belongs to another A
+  of q it keeps about r / in of the squared norm). With BitDelta as C' q is the 1-bit
+  error of e, about 0.6 of its norm: a change of A drops 0.6-0.7 of what carrying e
+  itself by least squares dropped; with int8 (the coordinator's default carry codec)
+  q is the rounding error of 8-bit codes, and with ``none`` (float32) q = 0 and
+  nothing is dropped (bench/README.md). A residual that belongs to another A
   (the client took part in no round of the previous epoch, the rank changed, a
   version 1 file) cannot be sent back: the carried B is zero and e itself is carried
   by least squares, as it is when A changes outside a first round of an epoch (a
@@ -154,6 +157,7 @@ class FfaErrorFeedback:
         in_features: Mapping[str, int] | None = None,
         max_norm: float = 0.0,
         round: int = 0,
+        carry_codec: CodecSpec | None = None,
     ) -> tuple[bytes, Delta]:
         """Encode `update` plus the carried residuals; keep the new residuals.
 
@@ -162,8 +166,9 @@ class FfaErrorFeedback:
         ``carry_a_seed``, set in the first round of an epoch of A) names the previous epoch's
         A: each ``.lora_B`` key then goes out with a ``.lora_B_carry`` (`carry_key`), the
         residual kept for that A (zeros when the residual belongs to another A, or there is
-        none), compressed with the update. What its compression left is carried onto the new
-        A by least squares and joins the new residual. With `max_norm` > 0 the compensated
+        none), compressed in the same envelope with `carry_codec` (None: `codec`). What its
+        compression left is carried onto the new A by least squares and joins the new
+        residual. With `max_norm` > 0 the compensated
         update is scaled down to that L2 norm before encoding and what was removed stays in
         the residual (sent later), so the coordinator's norm bound
         (`zoo_gym.compression.feedback_cap`) admits it. `round` is recorded for `summary`.
@@ -172,9 +177,10 @@ class FfaErrorFeedback:
         self.update_bytes = sum(t.numel() * 4 for t in update.values())
         ffa = [key for key in update if key.endswith(SUFFIX)]
         if not self.enabled:
-            outgoing = {**update, **_zero_carry(update, ffa, carry_seed)}
-            payload = encode(outgoing, codec)
-            return payload, decode(payload, max_elements=sum(t.numel() for t in outgoing.values()))
+            zeros = _zero_carry(update, ffa, carry_seed)
+            payload = encode({**update, **zeros}, codec, own=_own(zeros, carry_codec))
+            d = sum(t.numel() for t in update.values()) + sum(t.numel() for t in zeros.values())
+            return payload, decode(payload, max_elements=d)
         self.last_change = None
         tally = _Tally()
         if ffa and (lora is None or in_features is None):
@@ -185,7 +191,7 @@ class FfaErrorFeedback:
             self._carry_key(key, update[key], lora, seed, in_features, tally)
         compensated = {key: self._compensated(key, value) for key, value in update.items()}
         compensated.update(back)
-        payload = encode(_capped(compensated, max_norm), codec)
+        payload = encode(_capped(compensated, max_norm), codec, own=_own(back, carry_codec))
         sent = decode(payload, max_elements=sum(t.numel() for t in compensated.values()))
         for key, value in update.items():
             self.residual[key] = compensated[key] - sent[key].to(value.device)  # float32
@@ -424,6 +430,11 @@ def _zero_carry(update: Delta, keys: list[str], carry_seed: int | None) -> dict[
         )
         for key in keys
     }
+
+
+def _own(carried: Mapping[str, torch.Tensor], codec: CodecSpec | None) -> dict[str, CodecSpec]:
+    """`codec` for every carried B (`encode`'s `own`); none when `codec` is None."""
+    return {} if codec is None else dict.fromkeys(carried, codec)
 
 
 def _solve(cross: torch.Tensor, gram: torch.Tensor) -> torch.Tensor:

@@ -26,7 +26,7 @@ from zoo_gym.client.privacy import PrivacyBudget, PrivacyPlan, PrivacyRefusal, p
 from zoo_gym.client.state import LocalState
 from zoo_gym.client.trainers.adapters import DEFAULT_MAX_FULL_PARAMS, make_trainer
 from zoo_gym.client.trainers.sft import DpConfig, RoundResult, StepInfo, Trainer
-from zoo_gym.compression import CodecSpec, feedback_cap
+from zoo_gym.compression import CodecSpec, carry_spec, feedback_cap
 from zoo_gym.core.chat import Conversation
 from zoo_gym.core.delta import Delta
 from zoo_gym.core.identity import Identity
@@ -297,8 +297,10 @@ def compress_for_task(
     honest: bool,
 ) -> bytes:
     """The round's envelope: `update` plus the error-feedback residual in `feedback`, in the
-    task's codec. With a clip norm, an honest compensated update is capped at `feedback_cap`,
-    the norm the coordinator's intake bound is built on (an attacker's is not capped)."""
+    task's codec, and the carried Bs of an epoch's first round in its carry codec
+    (`carry_spec`). With a clip norm, an honest compensated update is capped at
+    `feedback_cap`, the norm the coordinator's intake bound is built on (an attacker's is
+    not capped)."""
     codec = CodecSpec(codec=task.codec, group_size=task.group_size, granularity=task.granularity)
     d = sum(t.numel() for t in update.values())
     cap = feedback_cap(task.clip_norm, task.update_noise_multiplier, d)
@@ -311,6 +313,7 @@ def compress_for_task(
         in_features=in_features,
         max_norm=cap if honest else 0.0,
         round=task.round,
+        carry_codec=carry_spec(codec, task.carry_codec),
     )
     return payload
 

@@ -25,7 +25,7 @@ from zoo_gym.compression.norms import (
     honest_norm_bound,
 )
 from zoo_gym.compression.ops import apply_update_, decode_accumulate
-from zoo_gym.compression.spec import CODECS, CodecSpec
+from zoo_gym.compression.spec import CODECS, CodecSpec, carry_spec
 
 
 def bits_per_value(payload: bytes, *, max_elements: int) -> float:
@@ -45,6 +45,7 @@ __all__ = [
     "apply_update_",
     "bitdelta",
     "bits_per_value",
+    "carry_spec",
     "decode",
     "decode_accumulate",
     "decode_into",

@@ -95,3 +95,15 @@ def group_length(spec: CodecSpec, shape: tuple[int, ...]) -> int:
 def n_groups(n: int, group: int) -> int:
     """Number of groups of `group` values covering `n` values (the last may be partial)."""
     return -(-n // group)
+
+
+def carry_spec(codec: CodecSpec, carry_codec: str) -> CodecSpec:
+    """The codec of the carried Bs of a round whose update uses `codec` (FFA-LoRA's first
+    round of an epoch of A, `zoo_gym.client.feedback`): `codec` itself when `carry_codec`
+    is "" or names it (one codec, a version 2 envelope), else `carry_codec` with `codec`'s
+    group size and granularity and float32 scales (a residual's values can be small enough
+    for a float16 scale max|x| / 127 to fall below float16's normal range, 6.1e-5, where it
+    loses precision)."""
+    if carry_codec in ("", codec.codec):
+        return codec
+    return CodecSpec(carry_codec, codec.group_size, codec.granularity, "float32")

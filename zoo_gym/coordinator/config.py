@@ -60,6 +60,13 @@ class TrainingPolicy(BaseModel):
     max_length: int = Field(96, ge=8)
     clip_norm: float = Field(0.0, ge=0, description="clip each update to this L2 norm; 0 = off")
     codec: str = "bitdelta"
+    carry_codec: str = Field(
+        "int8",
+        description="ffa_lora: codec of the carried Bs an epoch's first round uploads (same "
+        "group size and granularity as codec); int8 drops about 1/100 of what bitdelta drops "
+        "at a change of A for about 8 bits more per carried value, none (float32) nothing "
+        "(bench/README.md)",
+    )
     group_size: int = Field(128, ge=8, le=1 << 20)
     granularity: Granularity = Field(
         "group",
@@ -89,8 +96,10 @@ class TrainingPolicy(BaseModel):
 
     @model_validator(mode="after")
     def _consistent(self) -> TrainingPolicy:
-        if self.codec not in CODECS:
-            raise ValueError(f"codec must be one of {', '.join(CODECS)}, not {self.codec!r}")
+        for key in ("codec", "carry_codec"):
+            value = getattr(self, key)
+            if value not in CODECS:
+                raise ValueError(f"{key} must be one of {', '.join(CODECS)}, not {value!r}")
         unknown = [name for name in self.reward_functions if name not in BUILTIN_REWARDS]
         if unknown:
             raise ValueError(

@@ -20,13 +20,20 @@ from pathlib import Path
 from flwr.app import ConfigRecord, MetricRecord, RecordDict
 
 from zoo_gym import ledger
-from zoo_gym.compression import EnvelopeError, NonFiniteUpdate, envelope_norm, inspect_envelope
+from zoo_gym.compression import (
+    EnvelopeError,
+    EnvelopeHeader,
+    NonFiniteUpdate,
+    envelope_norm,
+    inspect_envelope,
+)
 from zoo_gym.coordinator.authentication import registered_key
 from zoo_gym.coordinator.metrics import CoordinatorMetrics
 from zoo_gym.coordinator.privacy_claims import claimed_epsilon, stated_mechanism
 from zoo_gym.core.delta import Layout
 from zoo_gym.core.hashing import sha256_bytes
 from zoo_gym.core.identity import node_id, verify
+from zoo_gym.core.lora import is_carry
 from zoo_gym.core.protocol import (
     SUBMISSION,
     TRAIN_METRICS,
@@ -50,6 +57,7 @@ class OpenRound:
     layout: Layout
     deadline_ms: int
     codec: str = ""  # the codec the round's task names; "" accepts any
+    carry_codec: str = ""  # the codec of its carried Bs (`is_carry`); "" = `codec`
     max_update_norm: float = 0.0  # the largest L2 norm an update may have; 0.0 = no bound
     accepting: bool = True
     accepted: set[str] = field(default_factory=set)
@@ -265,8 +273,9 @@ class Intake:
 def envelope_reason(data: bytes, current: OpenRound) -> str:
     """Empty string when envelope `data` fits the open round, else why it does not.
 
-    In order of cost: a valid header, exactly the round's tensors, the round's codec, then
-    one pass over the values (a tensor at a time) for NaN / Inf and the L2 norm bound.
+    In order of cost: a valid header, exactly the round's tensors, the round's codec for
+    every tensor (its carry codec for the carried Bs), then one pass over the values (a
+    tensor at a time) for NaN / Inf and the L2 norm bound.
     """
     try:
         header = inspect_envelope(data, max_elements=sum(s.numel for s in current.layout))
@@ -276,11 +285,9 @@ def envelope_reason(data: bytes, current: OpenRound) -> str:
         (s.name, s.shape) for s in current.layout
     ):
         return "update tensors (names or shapes) differ from what this round trains; use the task's LoRA settings"
-    if current.codec and header.codec != current.codec:
-        return (
-            f"update is encoded with {header.codec} but round {current.number} asks for "
-            f"{current.codec}; compress it with the task's codec"
-        )
+    reason = _codec_reason(header, current)
+    if reason:
+        return reason
     try:
         norm = envelope_norm(data, header)
     except NonFiniteUpdate as exc:
@@ -293,4 +300,26 @@ def envelope_reason(data: bytes, current: OpenRound) -> str:
             f"update L2 norm {norm:.4g} exceeds round {current.number}'s norm bound {bound:.4g}; "
             "send a smaller update (clipped to the task's clip_norm when it sets one)"
         )
+    return ""
+
+
+def _codec_reason(header: EnvelopeHeader, current: OpenRound) -> str:
+    """Why a tensor of `header` is not in the open round's codec ("" when every one is): the
+    carried Bs in its carry codec, the rest in its codec."""
+    if not current.codec:
+        return ""
+    carry_codec = current.carry_codec or current.codec
+    for section in header.sections:
+        if is_carry(section.spec.name):
+            if section.codec != carry_codec:
+                return (
+                    f"carried B {section.spec.name} is encoded with {section.codec} but round "
+                    f"{current.number} asks for {carry_codec}; compress the carried Bs with the "
+                    "task's carry_codec"
+                )
+        elif section.codec != current.codec:
+            return (
+                f"update is encoded with {section.codec} but round {current.number} asks for "
+                f"{current.codec}; compress it with the task's codec"
+            )
     return ""

@@ -29,7 +29,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, Message, RecordDict
 from flwr.serverapp import Grid, ServerApp
 
 from zoo_gym import ledger
-from zoo_gym.compression import CodecSpec, honest_norm_bound
+from zoo_gym.compression import CodecSpec, carry_spec, honest_norm_bound
 from zoo_gym.coordinator.config import CoordinatorConfig, TrainingPolicy
 from zoo_gym.coordinator.control import Request, RoundControl
 from zoo_gym.coordinator.evaluation import Evaluator
@@ -42,6 +42,7 @@ from zoo_gym.core.delta import Layout, TensorSpec
 from zoo_gym.core.lora import (
     LoraSpec,
     for_base,
+    is_carry,
     linear_layers_of,
     merge_update,
     module_of,
@@ -188,14 +189,17 @@ def update_norm_bound(config: CoordinatorConfig, layout: Layout) -> float:
     With ``training.clip_norm`` C set, `zoo_gym.compression.honest_norm_bound`: every honest
     update (clipped to C, Gaussian noise of std ``update_noise_multiplier * C`` per value,
     error-feedback residual capped at `FEEDBACK_HEADROOM` times that, then compressed with the
-    task's codec) is below it. Without a clip norm, the ``max_update_norm`` setting.
+    task's codec, its carried Bs with the carry codec) is below it. Without a clip norm, the
+    ``max_update_norm`` setting.
     """
     t = config.training
     if t.clip_norm <= 0:
         return config.max_update_norm
     spec = CodecSpec(codec=t.codec, group_size=t.group_size, granularity=t.granularity)
+    carried = carry_spec(spec, t.carry_codec)
+    own = {ts.name: carried for ts in layout if is_carry(ts.name)}
     return honest_norm_bound(
-        spec, layout, clip_norm=t.clip_norm, noise_multiplier=t.update_noise_multiplier
+        spec, layout, clip_norm=t.clip_norm, noise_multiplier=t.update_noise_multiplier, own=own
     )
 
 
@@ -373,6 +377,7 @@ class RoundLoop:
             self.layout,
             deadline_ms,
             codec=t.codec,
+            carry_codec=t.carry_codec,
             max_update_norm=update_norm_bound(config, self.layout),
         )
         return Opened(number, seed, task.a_seed, carry, self.base.version, messages, started)

@@ -321,7 +321,8 @@ class TaskConfig:
     A after the first: it names the previous epoch's A, and the FFA update then carries the
     client's error-feedback residual for that A as a second B per module
     (``"<module>.lora_B_carry"``); -1 (the default, and an older coordinator's task) carries
-    nothing.
+    nothing. The carried Bs are compressed with `carry_codec` (same group size and
+    granularity as `codec`); "" (an older coordinator's task) means `codec` itself.
     """
 
     round: int
@@ -343,6 +344,7 @@ class TaskConfig:
     codec: str = "bitdelta"
     group_size: int = 128
     granularity: str = "group"  # one scale per group_size values, per row or per matrix
+    carry_codec: str = ""  # of the carried Bs; "" = `codec`
     deadline_ms: int = 0
     # GRPO / GSPO: prompts per step are batch_size, completions per prompt num_generations
     num_generations: int = 4

@@ -12,8 +12,11 @@ from collections.abc import Callable
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from zoo_gym.compression import (
+    CODECS,
     CodecSpec,
     EnvelopeError,
     apply_update_,
@@ -27,6 +30,7 @@ from zoo_gym.compression import (
 )
 from zoo_gym.compression.columns import PayloadColumns
 from zoo_gym.compression.norms import codec_growth, feedback_cap
+from zoo_gym.compression.spec import GRANULARITIES, SCALE_DTYPES
 from zoo_gym.core.delta import Delta, layout_of, numel
 
 MAX = 10**6
@@ -88,10 +92,13 @@ def test_the_version_3_table_is_version_2_with_each_codec_after_the_shape() -> N
     payload = encode(delta, CodecSpec("bitdelta", group_size=4), own={"b": CodecSpec("int8")})
 
     # Execute
+    head = payload[:HEAD]
     (length,) = struct.unpack_from("<I", payload, HEAD)
     table = zlib.decompress(payload[HEAD + 4 : HEAD + 4 + length])
 
-    # Assert: name, dtype, ndim, shape, then codec id, granularity id, group size, scale dtype id
+    # Assert: version 3 with the envelope's own codec (BitDelta, group 4, float16), 2 tensors;
+    # per entry name, dtype, ndim, shape, then codec id, granularity id, group size, scale dtype
+    assert head.hex() == "5a474445" "0300" "03" "00" "04000000" "00" "000000" "02000000"  # fmt: skip
     assert table.hex() == (
         "0100" "61" "00" "01" "0400000000000000" "03" "00" "04000000" "00"
         "0100" "62" "00" "01" "0200000000000000" "04" "00" "80000000" "00"
@@ -102,6 +109,41 @@ def test_the_version_3_table_is_version_2_with_each_codec_after_the_shape() -> N
     assert decode(payload, max_elements=6)["b"].tolist() == pytest.approx(
         [127 * 0.0078735, -64 * 0.0078735], rel=1e-4
     )
+
+
+specs = st.builds(
+    CodecSpec,
+    codec=st.sampled_from(CODECS),
+    group_size=st.sampled_from([8, 16, 128]),
+    granularity=st.sampled_from(GRANULARITIES),
+    scale_dtype=st.sampled_from(SCALE_DTYPES),
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(spec=specs, own=st.lists(st.none() | specs, min_size=6, max_size=6), seed=st.integers(0, 99))
+def test_any_codec_per_tensor_decodes_as_each_tensor_alone(
+    spec: CodecSpec, own: list[CodecSpec | None], seed: int
+) -> None:
+    delta = _delta(seed)
+    chosen = {name: s for name, s in zip(sorted(delta), own, strict=True) if s is not None}
+    payload = encode(delta, spec, own=chosen)
+    layout = layout_of(delta)
+    expected = _flat(
+        {
+            name: decode(encode({name: t}, chosen.get(name, spec)), max_elements=MAX)[name]
+            for name, t in delta.items()
+        }
+    )
+
+    row = torch.empty(numel(layout))
+    decode_into(payload, row, layout, max_elements=MAX)
+    columns = PayloadColumns([payload], layout, max_elements=MAX, budget=1000)
+
+    assert torch.equal(_flat(decode(payload, max_elements=MAX)), expected)
+    assert torch.equal(row, expected)
+    assert torch.equal(columns.columns(0, numel(layout))[0], expected)
+    assert torch.equal(columns.columns(50, 211)[0], expected[50:211])
 
 
 def test_decode_and_decode_into_equal_each_tensor_decoded_alone() -> None:

@@ -120,3 +120,33 @@ def test_coordinator_functions_on_cuda_match_the_cpu() -> None:
     assert torch.equal(summed.cpu(), ref_sum)
     for name, value in params.items():
         assert torch.equal(value.cpu(), ref_params[name]), name
+
+
+def test_a_carry_round_s_mixed_envelope_on_cuda_matches_the_cpu() -> None:
+    # Prepare: 192 B matrices and their carried Bs in int8 (float32 scales), as a round that
+    # changes A sends them; the Bs go through the kernels, the carried Bs through torch
+    carried = {name + "_carry": t * 0.1 for name, t in _lora(5).items()}
+    deltas = [{**_lora(seed), **carried} for seed in (3, 4)]
+    layout = layout_of(deltas[0])
+    d = numel(layout)
+    own = dict.fromkeys(carried, CodecSpec("int8", scale_dtype="float32"))
+
+    # Execute
+    payload = encode({name: t.cuda() for name, t in deltas[0].items()}, CodecSpec(), own=own)
+    decoded = decode(payload, max_elements=d, device="cuda")
+    other = encode(deltas[1], CodecSpec(), own=own)
+    row = torch.empty(d, device="cuda")
+    decode_into(payload, row, layout, max_elements=d)
+    summed = torch.zeros(d, device="cuda")
+    decode_accumulate([payload, other], [0.6, 0.4], summed, layout, max_elements=d)
+
+    # Assert: the CPU's bytes and values (sums up to the rounding of one multiply-add)
+    assert payload == encode(deltas[0], CodecSpec(), own=own)
+    for name, value in decode(payload, max_elements=d).items():
+        assert torch.equal(decoded[name].cpu(), value), name
+    ref_row = torch.empty(d)
+    decode_into(payload, ref_row, layout, max_elements=d)
+    ref_sum = torch.zeros(d)
+    decode_accumulate([payload, other], [0.6, 0.4], ref_sum, layout, max_elements=d)
+    assert torch.equal(row.cpu(), ref_row)
+    torch.testing.assert_close(summed.cpu(), ref_sum, rtol=1e-6, atol=1e-7)

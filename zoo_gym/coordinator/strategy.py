@@ -247,7 +247,8 @@ class ZooStrategy(FedAvg):
             data = self.backend.payload_path(intake.payload_sha256).read_bytes()
             try:
                 header = PayloadColumns.check(data, layout, d)
-                finite = header.codec not in RAW_CODECS or _all_finite(
+                raw = any(section.codec in RAW_CODECS for section in header.sections)
+                finite = not raw or _all_finite(
                     PayloadColumns(
                         [data], layout, max_elements=d, budget=self.memory, headers=[header]
                     ),

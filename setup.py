@@ -1,9 +1,11 @@
-"""Build of the optional C extension; the package's metadata is in pyproject.toml.
+"""Build of the optional C extensions; the package's metadata is in pyproject.toml.
 
 `zoo_gym.compression._bitpack` packs BitDelta signs and group sums of |x| in one pass on the
-CPU. It is optional: without a C compiler the build goes on without it and
-`zoo_gym.compression.bitdelta` packs with numpy and torch instead (the same bytes, slower).
-Never build it with -ffast-math: the group sums must be added in torch.sum's order.
+CPU; `zoo_gym.aggregation._orderstat` computes the coordinate-wise median and trimmed mean of
+column chunks with sorting networks on the CPU. Both are optional: without a C compiler the
+build goes on without them and `zoo_gym.compression.bitdelta` packs with numpy and torch, and
+`zoo_gym.aggregation._select` sorts with NumPy, instead (the same results, slower). Never build
+them with -ffast-math: their sums must be added in torch.sum's order.
 """
 
 from setuptools import Extension, setup
@@ -15,6 +17,12 @@ setup(
             sources=["zoo_gym/compression/_bitpack.c"],
             extra_compile_args=["-O3", "-ffp-contract=off"],
             optional=True,
-        )
+        ),
+        Extension(
+            "zoo_gym.aggregation._orderstat",
+            sources=["zoo_gym/aggregation/_orderstat.c"],
+            extra_compile_args=["-O3", "-ffp-contract=off"],
+            optional=True,
+        ),
     ]
 )

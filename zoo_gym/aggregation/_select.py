@@ -17,11 +17,23 @@ threads, which keeps a busy shared machine from stalling the rule. The sort is m
 the time (for n = 50 about 1.7 ns per value against 0.4 ns for NumPy's sum over the rows
 of the same data); the transpose, the comparisons and the counts (byte-wide, one add per
 value) are the rest. On other devices: the same steps in torch.
+
+Where the C extension `_orderstat` was built (`zoo_gym/aggregation/_orderstat.c`), the CPU
+engine hands each chunk to it instead: it sorts tiles of 16 columns (8 in float64) with a
+sorting network across the rows, without a transpose, and forms the results and counts
+while the tile is in cache; the columns it flags (a tie at a cut, or a NaN) go through the
+NumPy steps above. Both give the same bits; `use_compiled(False)` turns it off.
+
+A zero median is +0.0 whatever the signs of the zeros it comes from (0.0 is added to the
+mean of the middle values), so that it does not depend on where a sort puts -0.0 among
+equal zeros; a trimmed mean's sum starts from +0.0 and is +0.0 when zero.
 """
 
 from __future__ import annotations
 
+import importlib
 import threading
+from types import ModuleType
 from typing import Any
 
 import numpy as np
@@ -35,6 +47,33 @@ from .columns import Columns, Updates
 Array = NDArray[Any]  # a NumPy array of the working dtype
 
 _SUM_PIECE = 32_768  # values summed at once by `kept_sums`: torch's grain size, one thread
+
+
+def _load_compiled() -> ModuleType | None:
+    """The compiled kernels (`_orderstat.c`), or None where the package was built without them."""
+    try:
+        return importlib.import_module("zoo_gym.aggregation._orderstat")
+    except ImportError:
+        return None
+
+
+_COMPILED = _load_compiled()
+_use_compiled = _COMPILED is not None
+
+
+def compiled_available() -> bool:
+    """Whether the compiled kernels (`zoo_gym/aggregation/_orderstat.c`) were built and import."""
+    return _COMPILED is not None
+
+
+def use_compiled(enabled: bool) -> bool:
+    """Run the CPU engine's median and trimmed mean through the compiled kernels when
+    `enabled` (and they were built), through NumPy otherwise; both give the same bits.
+    Returns the previous setting."""
+    global _use_compiled
+    previous = _use_compiled
+    _use_compiled = enabled and _COMPILED is not None
+    return previous
 
 
 class Scratch:
@@ -122,7 +161,7 @@ def median_columns(x: Tensor, scratch: Scratch, out: Tensor) -> Tensor:
     middle positions `(n,)` float64 each row holds, summed over the columns.
 
     The middle positions are lo = (n - 1) // 2 and hi = n // 2 (one position for odd n);
-    the median is the mean of the values there, formed in float64.
+    the median is the mean of the values there, formed in float64, plus 0.0.
     """
     n, c = x.shape
     lo, hi = (n - 1) // 2, n // 2
@@ -131,7 +170,7 @@ def median_columns(x: Tensor, scratch: Scratch, out: Tensor) -> Tensor:
     v_lo, v_hi = s[:, lo], s[:, hi]  # (c,)
     acc = scratch.acc[:c]
     acc.copy_(v_lo)
-    out.copy_(acc.add_(v_hi).mul_(0.5))
+    out.copy_(acc.add_(v_hi).mul_(0.5).add_(0.0))  # + 0.0: a zero median is +0.0
     pairs = [(p, p + 1) for p in (lo - 1, hi) if p >= 0 and p + 1 < n]
     tie = _ties(s, pairs, scratch)
     # without a tie at the cuts, the rows holding the middle values are those in [v_lo, v_hi]
@@ -211,6 +250,8 @@ class _NpScratch:
         self.tally = np.zeros((n, width), dtype=np.uint8)  # (n, c) counts since the flush
         self.tallied = 0  # chunks in `tally`
         self.totals = np.zeros(n, dtype=np.float64)  # (n,)
+        self.counts = np.zeros(n, dtype=np.int64)  # (n,) counts of the compiled kernels
+        self.flags = np.empty(width, dtype=np.uint8)  # (c,) columns the kernels left out
 
     def count(self, mask: NDArray[np.bool_]) -> None:
         """Add the `(n, c)` 0/1 `mask` to each row's count."""
@@ -221,11 +262,14 @@ class _NpScratch:
             self.flush()
 
     def flush(self) -> NDArray[np.float64]:
-        """Move the tallied counts into `totals` and return them."""
+        """Move the tallied counts (and the compiled kernels') into `totals` and return them;
+        the integer counts are added up before they meet the float64 shares."""
         if self.tallied:
-            self.totals += self.tally.sum(axis=1, dtype=np.int64)
+            self.counts += self.tally.sum(axis=1, dtype=np.int64)
             self.tally[...] = 0
             self.tallied = 0
+        self.totals += self.counts
+        self.counts[...] = 0
         return self.totals
 
 
@@ -256,7 +300,7 @@ def _np_median(x: Array, scratch: _NpScratch, out: NDArray[np.float32]) -> None:
     v_lo, v_hi = s[:, lo].copy(), s[:, hi].copy()  # (c,) contiguous
     acc = scratch.acc[:c]
     np.add(v_lo, v_hi, out=acc, dtype=np.float64)
-    out[...] = acc * 0.5
+    out[...] = acc * 0.5 + 0.0  # + 0.0: a zero median is +0.0
     tie = np.zeros(c, dtype=np.bool_)
     if lo >= 1:
         tie |= s[:, lo - 1] == v_lo
@@ -306,6 +350,37 @@ def _np_trimmed(x: Array, f: int, scratch: _NpScratch, out: NDArray[np.float32])
         scratch.totals += np.count_nonzero(tie) - shares
 
 
+def _network(n: int, kind: str, f: int) -> bytes:
+    """The compiled kernels' sorting network for the sorted positions `kind` reads: the
+    middle ones (median) or the kept ones (trimmed), with their neighbours for the ties."""
+    assert _COMPILED is not None
+    lo, hi = ((n - 1) // 2, n // 2) if kind == "median" else (f, n - f - 1)
+    network: bytes = _COMPILED.network(n, max(lo - 1, 0), min(hi + 1, n - 1))
+    return network
+
+
+def _c_rule(
+    x: Array, kind: str, f: int, network: bytes, scratch: _NpScratch, out: NDArray[np.float32]
+) -> None:
+    """The compiled kernel of `kind` on `x` `(n, c)`: results to `out`, counts to the
+    scratch's; the columns it flags (a tie at a cut, or a NaN) again through the NumPy twin."""
+    assert _COMPILED is not None
+    flags = scratch.flags[: x.shape[1]]
+    if kind == "median":
+        _COMPILED.median(x, network, out, scratch.counts, flags)
+    else:
+        _COMPILED.trimmed(x, f, network, out, scratch.counts, flags)
+    if not flags.any():
+        return
+    cols = np.flatnonzero(flags)
+    part = np.empty(cols.size, dtype=np.float32)
+    if kind == "median":
+        _np_median(np.ascontiguousarray(x[:, cols]), scratch, part)
+    else:
+        _np_trimmed(np.ascontiguousarray(x[:, cols]), f, scratch, part)
+    out[cols] = part
+
+
 def np_closest_to_median(v: NDArray[np.float64], beta: int) -> tuple[Array, Array]:
     """NumPy twin of `closest_to_median` on `v` `(theta, c)` float64: the mean `(c,)`
     float64 and each row's share `(theta,)` float64.
@@ -340,8 +415,9 @@ def coordinatewise(
     """Run the `kind` ("median" or "trimmed") kernel over all column chunks of `width`
     columns, one pass: the `(d,)` float32 result and the per-row sums `(n,)` float64
     (middle positions held, or values dropped). `engine` "numpy" (CPU only) or "torch"; by
-    default NumPy on CPU and torch elsewhere. The NumPy engine reads chunks from
-    `torch.get_num_threads()` threads at once. A chunk wider than the sort budget (from a
+    default NumPy on CPU and torch elsewhere. The NumPy engine (the compiled kernels where
+    built, see `use_compiled`) reads chunks from `torch.get_num_threads()` threads at
+    once. A chunk wider than the sort budget (from a
     source with a budget, which decodes wide chunks) is sorted in spans of that budget,
     so the kernel's data stays in cache."""
     source = as_columns(updates, "coordinatewise")
@@ -377,6 +453,8 @@ def _np_coordinatewise(
     np_dtype = np.float64 if dtype == torch.float64 else np.float32
     local = threading.local()
     buffers: list[_NpScratch] = []
+    compiled = _use_compiled and (kind == "median" or f > 0)
+    network = _network(n, kind, f) if compiled else b""
 
     def run(span: tuple[int, int]) -> None:
         own = getattr(local, "buffers", None)
@@ -388,7 +466,9 @@ def _np_coordinatewise(
         x = chunk.numpy() if chunk.dtype == dtype else chunk.to(dtype).numpy()
         for a, b in spans(stop - start, inner):
             o = out_np[start + a : start + b]
-            if kind == "median":
+            if compiled:
+                _c_rule(x[:, a:b], kind, f, network, own, o)
+            elif kind == "median":
                 _np_median(x[:, a:b], own, o)
             else:
                 _np_trimmed(x[:, a:b], f, own, o)

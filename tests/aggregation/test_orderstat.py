@@ -1,0 +1,245 @@
+"""The compiled median and trimmed mean (`zoo_gym/aggregation/_orderstat.c`) against the
+NumPy and torch engines of `_select`.
+
+Results are compared on their raw float32 bits (so -0.0, NaN and the last bit of a float64
+sum show), per-row counts exactly: the compiled engine must be the NumPy engine, faster.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import hypothesis.strategies as st
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from numpy.typing import NDArray
+
+from zoo_gym.aggregation import _select
+from zoo_gym.aggregation._select import coordinatewise, kept_sums
+
+try:
+    from zoo_gym.aggregation import _orderstat
+except ImportError:  # the build failed: test_the_development_install_built_the_extension fails
+    _orderstat = None
+
+KERNELS: tuple[str, ...] = _orderstat.kernels if _orderstat is not None else ()
+compiled = pytest.mark.skipif(_orderstat is None, reason="the C extension was not built")
+
+# zeros of both signs, subnormals, and values near the ends of float32
+SPECIALS = np.array([0.0, -0.0, 1e-45, -1e-45, 1e-40, 3e38, -3e38], dtype=np.float64)
+
+
+@pytest.fixture(autouse=True)
+def _one_thread_compiled_on(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    # one thread: the float64 shares of tied runs are then added in one order by every engine
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    yield
+    _select.use_compiled(True)
+
+
+def _raw(x: torch.Tensor | NDArray[Any]) -> NDArray[np.int32]:
+    """The float32 bits of `x` as int32."""
+    a = x.numpy() if isinstance(x, torch.Tensor) else x
+    return np.ascontiguousarray(a, dtype=np.float32).view(np.int32)
+
+
+def _matrix(
+    rng: np.random.Generator, n: int, c: int, ties: float, special: float, spread: float = 2.0
+) -> NDArray[Any]:
+    """(n, c) float64 values: normal ones spread over 2 x `spread` decades (a few decades
+    make every float64 addition round, so that the order of a sum shows), a share `ties`
+    drawn from five small integers (ties at the cuts), a share `special` from SPECIALS."""
+    x = rng.standard_normal((n, c)) * 10.0 ** rng.uniform(-spread, spread, (n, c))
+    draw = rng.random((n, c))
+    x[draw < ties] = rng.integers(-2, 3, int((draw < ties).sum()))
+    x[draw > 1.0 - special] = rng.choice(SPECIALS, int((draw > 1.0 - special).sum()))
+    return x
+
+
+def _engines(x: torch.Tensor, kind: str, f: int, width: int) -> list[tuple[torch.Tensor, Any]]:
+    """(result, rows) of the compiled, NumPy and torch engines."""
+    _select.use_compiled(True)
+    ours = coordinatewise(x, kind, f, width, engine="numpy")
+    _select.use_compiled(False)
+    numpy_engine = coordinatewise(x, kind, f, width, engine="numpy")
+    torch_engine = coordinatewise(x, kind, f, width, engine="torch")
+    _select.use_compiled(True)
+    return [ours, numpy_engine, torch_engine]
+
+
+def test_the_development_install_built_the_extension() -> None:
+    # A compiler was present where the package was installed (CI, development): the build must
+    # not have failed silently into the NumPy engine.
+    assert _select.compiled_available(), (
+        "zoo_gym.aggregation._orderstat was not built: install a C compiler, then pip install -e ."
+    )
+    assert "portable" in KERNELS
+
+
+@compiled
+@settings(max_examples=150, deadline=None)
+@given(
+    n=st.integers(1, 70),
+    c=st.integers(1, 45),
+    kind=st.sampled_from(["median", "trimmed"]),
+    f_share=st.floats(0.0, 1.0),
+    float64=st.booleans(),
+    ties=st.sampled_from([0.0, 0.2, 0.9]),
+    special=st.sampled_from([0.0, 0.1, 0.6]),
+    width=st.sampled_from([3, 16, 64]),
+    spread=st.sampled_from([0.0, 2.0, 30.0]),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_compiled_equals_the_numpy_and_torch_engines_bit_for_bit(
+    n: int,
+    c: int,
+    kind: str,
+    f_share: float,
+    float64: bool,
+    ties: float,
+    special: float,
+    width: int,
+    spread: float,
+    seed: int,
+) -> None:
+    f = int(f_share * ((n - 1) // 2)) if kind == "trimmed" else 0
+    x = _matrix(np.random.default_rng(seed), n, c, ties, special, spread)
+    data = torch.from_numpy(x if float64 else x.astype(np.float32))
+    (out, rows), (np_out, np_rows), (t_out, t_rows) = _engines(data, kind, f, width)
+    assert np.array_equal(_raw(out), _raw(np_out))
+    assert torch.equal(rows, np_rows)
+    if kind == "trimmed" and f == 0:
+        return  # a plain mean, no kernel: NumPy's np.sum and the torch engine's row loop
+    assert np.array_equal(_raw(out), _raw(t_out))
+    assert torch.allclose(rows, t_rows, rtol=1e-12, atol=1e-9)
+
+
+@compiled
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize(("n", "f"), [(1, 0), (2, 0), (3, 1), (50, 10), (101, 1), (101, 50)])
+def test_every_kernel_gives_the_same_bits_on_a_view_with_strided_rows(
+    kernel: str, dtype: type[np.floating[Any]], n: int, f: int
+) -> None:
+    # rows 100 values apart, 37 columns from column 5: two whole tiles and a partial one
+    assert _orderstat is not None
+    rng = np.random.default_rng(n)
+    x = _matrix(rng, n, 100, 0.0, 0.0).astype(dtype)[:, 5:42]
+    for kind in ("median", "trimmed") if f else ("median",):
+        _select.use_compiled(False)
+        ref, ref_rows = coordinatewise(torch.from_numpy(x), kind, f, 64, engine="numpy")
+        out = np.zeros(37, dtype=np.float32)
+        counts = np.zeros(n, dtype=np.int64)
+        flags = np.full(37, 7, dtype=np.uint8)
+        network = _select._network(n, kind, f)
+        if kind == "median":
+            _orderstat.median(x, network, out, counts, flags, kernel)
+        else:
+            _orderstat.trimmed(x, f, network, out, counts, flags, kernel)
+        assert not flags.any()  # no ties, no NaN
+        assert np.array_equal(_raw(out), _raw(ref))
+        assert np.array_equal(counts, ref_rows.numpy())
+
+
+@compiled
+@pytest.mark.parametrize(("n", "f"), [(1000, 100), (1031, 515), (4200, 1)])
+def test_large_n_and_the_sum_order_of_long_rows(n: int, f: int) -> None:
+    # 4,198 kept values reach the third level of torch.sum's cascade (256 quads of 16)
+    g = torch.Generator().manual_seed(n)
+    x = torch.randn(n, 19, generator=g) * 2.0 ** torch.randint(-8, 8, (n, 19), generator=g)
+    for kind in ("median", "trimmed"):
+        (out, rows), (np_out, np_rows), _ = _engines(x, kind, f, 64)
+        assert np.array_equal(_raw(out), _raw(np_out))
+        assert torch.equal(rows, np_rows)
+    kept = torch.sort(x.double(), dim=0).values[f : n - f].T.contiguous()  # (c, k)
+    sums = kept_sums(kept, torch.empty(19, dtype=torch.float64))
+    out, _ = coordinatewise(x, "trimmed", f, 64)
+    assert np.array_equal(_raw(out), _raw((sums / (n - 2 * f)).float()))
+
+
+@compiled
+def test_a_zero_median_is_positive_zero_whatever_the_zeros_signs() -> None:
+    # columns of -0.0 and +0.0 in several arrangements; and a -0.0 between -1 and 2
+    x = torch.tensor(
+        [
+            [-0.0, -0.0, 0.0, -0.0, -1.0],
+            [-0.0, 0.0, -0.0, -0.0, 2.0],
+            [-0.0, -0.0, -0.0, 0.0, -0.0],
+        ]
+    )
+    for out, _ in _engines(x, "median", 0, 64):
+        assert _raw(out).tolist() == [0] * 5  # +0.0
+
+
+@compiled
+def test_columns_with_nan_or_ties_are_flagged_and_left_out_of_the_counts() -> None:
+    assert _orderstat is not None
+    x = np.array([[1.0, np.nan, 2.0, 5.0], [3.0, 0.0, 2.0, 6.0], [2.0, 1.0, 7.0, 4.0]], np.float32)
+    out = np.zeros(4, dtype=np.float32)
+    counts = np.zeros(3, dtype=np.int64)
+    flags = np.zeros(4, dtype=np.uint8)
+    _orderstat.median(x, _select._network(3, "median", 0), out, counts, flags)
+    # column 2 ties at the middle cut (2, 2), column 1 holds a NaN
+    assert flags.tolist() == [0, 1, 1, 0]
+    assert out[[0, 3]].tolist() == [2.0, 5.0]
+    assert counts.tolist() == [1, 0, 1]  # row 0 holds 5.0, row 2 holds 2.0
+    (ours, rows), (np_out, np_rows), _ = _engines(torch.from_numpy(x), "median", 0, 64)
+    assert np.array_equal(_raw(ours), _raw(np_out))
+    assert torch.equal(rows, np_rows)
+
+
+@compiled
+def test_hand_computed_trimmed_mean_and_counts() -> None:
+    assert _orderstat is not None
+    # column 0: 10, 1, 4, 3, 2 -> drop 1 and 10, keep 2, 3, 4 -> 3.0; column 1: 5, 4, 3, 2, 1
+    # -> drop 5 and 1 -> 3.0; row 0 loses a value in both columns, rows 1 and 4 in one
+    x = np.array([[10.0, 5.0], [1.0, 4.0], [4.0, 3.0], [3.0, 2.0], [2.0, 1.0]], np.float32)
+    out = np.zeros(2, dtype=np.float32)
+    counts = np.zeros(5, dtype=np.int64)
+    flags = np.zeros(2, dtype=np.uint8)
+    _orderstat.trimmed(x, 1, _select._network(5, "trimmed", 1), out, counts, flags)
+    assert out.tolist() == [3.0, 3.0]
+    assert counts.tolist() == [2, 1, 0, 0, 1] and not flags.any()
+
+
+@compiled
+def test_bad_arguments_get_one_clear_line() -> None:
+    assert _orderstat is not None
+    x = np.zeros((4, 3), dtype=np.float32)
+    out, counts, flags = np.zeros(3, np.float32), np.zeros(4, np.int64), np.zeros(3, np.uint8)
+    with pytest.raises(ValueError, match="not a network for these n rows"):
+        _orderstat.median(x, _orderstat.network(9, 0, 8), out, counts, flags)
+    with pytest.raises(ValueError, match="1 <= f < n / 2"):
+        _orderstat.trimmed(x, 2, _orderstat.network(4, 0, 3), out, counts, flags)
+    with pytest.raises(TypeError, match="each row contiguous"):
+        _orderstat.median(x[:, ::2], _orderstat.network(4, 0, 3), out, counts, flags)
+    with pytest.raises(TypeError, match="counts int64"):
+        _orderstat.median(x, _orderstat.network(4, 0, 3), out, counts[:2], flags)
+    with pytest.raises(ValueError, match="unknown kernel"):
+        _orderstat.median(x, _orderstat.network(4, 0, 3), out, counts, flags, "sse9")
+
+
+@compiled
+@pytest.mark.parametrize("n", [2, 3, 16, 17, 33])
+def test_the_network_sorts_every_zero_one_input(n: int) -> None:
+    # the 0-1 principle: a comparator network that sorts every 0/1 input sorts every input
+    assert _orderstat is not None
+    pairs = np.frombuffer(_orderstat.network(n, 0, n - 1), dtype=np.int32).reshape(-1, 2)
+    if n <= 17:
+        bits = (np.arange(2**n)[:, None] >> np.arange(n)) & 1  # every input
+    else:
+        bits = np.random.default_rng(0).integers(0, 2, (200_000, n))
+    v = bits.astype(np.int8).T.copy()  # (n, inputs)
+    for i, j in pairs:
+        v[i], v[j] = np.minimum(v[i], v[j]), np.maximum(v[i], v[j])
+    assert (np.diff(v, axis=0) >= 0).all()
+
+
+def test_use_compiled_returns_the_previous_setting() -> None:
+    available = _select.compiled_available()
+    assert _select.use_compiled(False) is available
+    assert _select.use_compiled(True) is False
+    assert _select.use_compiled(True) is available

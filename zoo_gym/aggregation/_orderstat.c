@@ -1,0 +1,687 @@
+/* Per-coordinate median and trimmed mean of a column chunk (n, c) in one pass over it (CPU).
+ *
+ * The chunk's rows are the n updates, each contiguous along the columns (its rows may lie
+ * any fixed number of bytes apart). For every tile of W consecutive columns (W values are one
+ * vector), the n row vectors are copied into a cache-resident tile and sorted by a sorting
+ * network with vector min/max, which sorts the W columns at once without a transpose:
+ * Batcher's odd-even merge sort for the next power of two, with the wires above n dropped (an
+ * input padded with +inf there would keep them, so their comparators never act), and with the
+ * comparators dropped that cannot reach the sorted positions the rule reads (`network`).
+ * While the tile is in cache the kernel forms the results of its columns:
+ *
+ * - median: the mean of the values at sorted positions lo = (n - 1) / 2 and hi = n / 2, their
+ *   sum formed in float64, halved, plus 0.0 (so that a zero median is +0.0 whatever the signs
+ *   of the zeros in the column), rounded to float32; each row's count of columns in which its
+ *   value lies in [v_lo, v_hi] (it holds a middle position);
+ * - trimmed mean (f >= 1): the sorted values at positions f .. n - f - 1, each converted to
+ *   float64 and summed in the order of PyTorch's CPU `torch.sum` over a contiguous float64 row
+ *   (`cascade_sum` in aten/src/ATen/native/cpu/SumKernel.cpp with 4-lane vectors, see
+ *   `torch_order_sum`), divided by n - 2f and rounded to float32; each row's count of columns
+ *   in which its value lies outside [v_f, v_(n-f-1)] (it was dropped).
+ *
+ * A column whose cut splits a run of equal values (a tie: then which rows hold the cut
+ * positions is a matter of shares), or that holds a NaN, is flagged instead: its counts are
+ * left out and the caller computes that column again on its own.
+ *
+ * Three kernels perform the same operations: a portable one (GCC/Clang vector extensions,
+ * lowered to whatever the target has) and, on x86 with GCC or Clang, AVX2 and AVX-512 ones
+ * chosen at run time from what the CPU supports. Only the machine instructions differ. The
+ * file must be compiled without -ffast-math (which would reorder the float64 additions) and
+ * with -ffp-contract=off (which keeps a multiply and an add from being fused).
+ */
+
+#ifndef ORDERSTAT_TEMPLATE
+
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__))
+#define ORDERSTAT_HAVE_X86 1
+#include <immintrin.h>
+#endif
+
+#if defined(__GNUC__) && !defined(__clang__)
+/* vectors pass between always-inlined helpers only: no call ABI is involved */
+#pragma GCC diagnostic ignored "-Wpsabi"
+#endif
+
+#define LANE_BYTES 64 /* the most bytes of one tile row (AVX-512: 16 float32 or 8 float64) */
+
+/* Vectors of each width B bytes: a tile row of float32 (f32_B) or float64 (f64_B) values, the
+ * comparison masks of the same width (i32_B, i64_B), and half a row of float32 (h32_B), which
+ * float64 arithmetic takes half by half so that no vector is wider than the machine's. */
+#define VECTORS(B)                                                                             \
+    typedef float f32_##B __attribute__((vector_size(B)));                                     \
+    typedef int32_t i32_##B __attribute__((vector_size(B)));                                   \
+    typedef float h32_##B __attribute__((vector_size(B / 2)));                                 \
+    typedef double f64_##B __attribute__((vector_size(B)));                                    \
+    typedef int64_t i64_##B __attribute__((vector_size(B)));
+VECTORS(16) /* portable: SSE2, NEON, ... */
+VECTORS(32) /* AVX2 */
+VECTORS(64) /* AVX-512 */
+
+/* A kernel sorts the chunk's tiles and writes its results; returns nothing, cannot fail. */
+typedef void (*kernel_fn)(const char *x, Py_ssize_t stride, int n, Py_ssize_t c, int f,
+                          const int32_t *pairs, Py_ssize_t npairs, float *out, int64_t *counts,
+                          uint8_t *flags, void *work);
+
+/* The additions of PyTorch's `multi_row_sum` cascade: a level step of 2^power quads. */
+static int level_power(Py_ssize_t quads)
+{
+    int log = 0;
+    while (((Py_ssize_t)1 << log) < quads)
+        log++;
+    return log / 4 > 4 ? log / 4 : 4;
+}
+
+/* The instantiations: each dtype (float32, float64) for each instruction set. */
+#define ORDERSTAT_TEMPLATE 1
+
+#define ATTR
+#define T float
+#define V f32_16
+#define VI i32_16
+#define VD f64_16
+#define VH h32_16
+#define SUFFIX f32_portable
+#include "_orderstat.c" /* this file, as the template */
+#define T double
+#define V f64_16
+#define VI i64_16
+#define VD f64_16
+#define VH f64_16
+#define SUFFIX f64_portable
+#include "_orderstat.c"
+#undef ATTR
+
+#ifdef ORDERSTAT_HAVE_X86
+#define ATTR __attribute__((target("avx2")))
+#define VMIN(x, y) ((V)_mm256_min_ps((__m256)(x), (__m256)(y)))
+#define VMAX(x, y) ((V)_mm256_max_ps((__m256)(x), (__m256)(y)))
+#define T float
+#define V f32_32
+#define VI i32_32
+#define VD f64_32
+#define VH h32_32
+#define SUFFIX f32_avx2
+#include "_orderstat.c"
+#define VMIN(x, y) ((V)_mm256_min_pd((__m256d)(x), (__m256d)(y)))
+#define VMAX(x, y) ((V)_mm256_max_pd((__m256d)(x), (__m256d)(y)))
+#define T double
+#define V f64_32
+#define VI i64_32
+#define VD f64_32
+#define VH f64_32
+#define SUFFIX f64_avx2
+#include "_orderstat.c"
+#undef ATTR
+
+#define ATTR __attribute__((target("avx512f,avx512dq,avx512bw,avx512vl")))
+/* AVX-512 compares into mask registers: the default INSIDE would go lane by lane */
+#define VMIN(x, y) ((V)_mm512_min_ps((__m512)(x), (__m512)(y)))
+#define VMAX(x, y) ((V)_mm512_max_ps((__m512)(x), (__m512)(y)))
+#define INSIDE(v, low, high)                                                                   \
+    ((VI)_mm512_movm_epi32(_mm512_cmp_ps_mask((__m512)(v), (__m512)(low), _CMP_GE_OQ) &        \
+                           _mm512_cmp_ps_mask((__m512)(v), (__m512)(high), _CMP_LE_OQ)))
+#define T float
+#define V f32_64
+#define VI i32_64
+#define VD f64_64
+#define VH h32_64
+#define SUFFIX f32_avx512
+#include "_orderstat.c"
+#define VMIN(x, y) ((V)_mm512_min_pd((__m512d)(x), (__m512d)(y)))
+#define VMAX(x, y) ((V)_mm512_max_pd((__m512d)(x), (__m512d)(y)))
+#define INSIDE(v, low, high)                                                                   \
+    ((VI)_mm512_movm_epi64(_mm512_cmp_pd_mask((__m512d)(v), (__m512d)(low), _CMP_GE_OQ) &      \
+                           _mm512_cmp_pd_mask((__m512d)(v), (__m512d)(high), _CMP_LE_OQ)))
+#define T double
+#define V f64_64
+#define VI i64_64
+#define VD f64_64
+#define VH f64_64
+#define SUFFIX f64_avx512
+#include "_orderstat.c"
+#undef ATTR
+#endif
+
+#undef ORDERSTAT_TEMPLATE
+
+/* ---- the module ------------------------------------------------------------------------ */
+
+enum { MEDIAN = 0, TRIMMED = 1 };
+
+typedef struct {
+    const char *name;
+    kernel_fn fns[2][2]; /* [dtype: float32, float64][rule: median, trimmed] */
+} kernel_set;
+
+static const kernel_set kernel_sets[] = {
+    {"portable",
+     {{median_f32_portable, trimmed_f32_portable}, {median_f64_portable, trimmed_f64_portable}}},
+#ifdef ORDERSTAT_HAVE_X86
+    {"avx2", {{median_f32_avx2, trimmed_f32_avx2}, {median_f64_avx2, trimmed_f64_avx2}}},
+    {"avx512",
+     {{median_f32_avx512, trimmed_f32_avx512}, {median_f64_avx512, trimmed_f64_avx512}}},
+#endif
+};
+#define N_KERNELS ((int)(sizeof(kernel_sets) / sizeof(kernel_sets[0])))
+static int usable[N_KERNELS];
+static int best = 0;
+
+/* Batcher's odd-even merge sort (Knuth, TAOCP 5.3.4, algorithm M) for the next power of two
+ * above n wires, without the comparators on wires >= n, then without those that cannot
+ * reach wires lo .. hi: the (i, j) pairs, i < j, in the order they act. */
+static PyObject *orderstat_network(PyObject *self, PyObject *args)
+{
+    Py_ssize_t n, lo, hi;
+    if (!PyArg_ParseTuple(args, "nnn:network", &n, &lo, &hi))
+        return NULL;
+    if (n < 1 || n > (1 << 24) || lo < 0 || hi < lo || hi >= n) {
+        PyErr_Format(PyExc_ValueError,
+                     "network needs 1 <= n <= 2^24 and 0 <= lo <= hi < n, got n=%zd lo=%zd "
+                     "hi=%zd",
+                     n, lo, hi);
+        return NULL;
+    }
+    Py_ssize_t wires = 1, log = 0;
+    while (wires < n) {
+        wires <<= 1;
+        log++;
+    }
+    /* Batcher's count is (log^2 - log + 4) 2^(log - 2) - 1 */
+    const Py_ssize_t bound = (log * log - log + 4) * wires / 4 + 1;
+    int32_t *pairs = PyMem_Malloc(sizeof(int32_t) * 2 * (size_t)bound);
+    uint8_t *needed = PyMem_Calloc((size_t)n, 1);
+    if (pairs == NULL || needed == NULL) {
+        PyMem_Free(pairs);
+        PyMem_Free(needed);
+        return PyErr_NoMemory();
+    }
+    Py_ssize_t count = 0;
+    for (Py_ssize_t p = wires / 2; p >= 1; p /= 2) {
+        Py_ssize_t q = wires / 2, r = 0, d = p;
+        for (;;) {
+            for (Py_ssize_t i = 0; i + d < n; i++) {
+                if ((i & p) == r) {
+                    pairs[2 * count] = (int32_t)i;
+                    pairs[2 * count + 1] = (int32_t)(i + d);
+                    count++;
+                }
+            }
+            if (q == p)
+                break;
+            d = q - p;
+            q /= 2;
+            r = p;
+        }
+    }
+    for (Py_ssize_t w = lo; w <= hi; w++)
+        needed[w] = 1;
+    Py_ssize_t kept = 0;
+    for (Py_ssize_t k = count - 1; k >= 0; k--) { /* backwards: keep, then compact */
+        const int32_t i = pairs[2 * k], j = pairs[2 * k + 1];
+        if (needed[i] || needed[j]) {
+            needed[i] = needed[j] = 1;
+            pairs[2 * (count - 1 - kept)] = i;
+            pairs[2 * (count - 1 - kept) + 1] = j;
+            kept++;
+        }
+    }
+    PyObject *result = PyBytes_FromStringAndSize((const char *)(pairs + 2 * (count - kept)),
+                                                 (Py_ssize_t)(2 * kept * sizeof(int32_t)));
+    PyMem_Free(pairs);
+    PyMem_Free(needed);
+    return result;
+}
+
+static int kernel_index(const char *name)
+{
+    if (name == NULL)
+        return best;
+    for (int k = 0; k < N_KERNELS; k++) {
+        if (strcmp(name, kernel_sets[k].name) == 0) {
+            if (usable[k])
+                return k;
+            PyErr_Format(PyExc_ValueError, "kernel %s is not supported by this CPU", name);
+            return -1;
+        }
+    }
+    PyErr_Format(PyExc_ValueError, "unknown kernel %s; see `kernels`", name);
+    return -1;
+}
+
+/* The element format of a buffer: 'f' (float32), 'd' (float64), 'q' (int64), 'B' or 0. */
+static char format_of(const Py_buffer *view)
+{
+    const char *f = view->format == NULL ? "B" : view->format;
+    if (f[0] == '<' || f[0] == '=' || f[0] == '@')
+        f++;
+    if (f[1] != '\0')
+        return 0;
+    if ((f[0] == 'f' && view->itemsize == 4) || (f[0] == 'd' && view->itemsize == 8))
+        return f[0];
+    if ((f[0] == 'q' || f[0] == 'l') && view->itemsize == 8)
+        return 'q';
+    if ((f[0] == 'B' || f[0] == '?') && view->itemsize == 1)
+        return 'B';
+    return 0;
+}
+
+/* Checks of the arguments; 0 when they are usable, -1 with an exception set otherwise. */
+static int check_args(const Py_buffer *x, Py_ssize_t f, const Py_buffer *pairs,
+                      const Py_buffer *out, const Py_buffer *counts, const Py_buffer *flags,
+                      int rule)
+{
+    const char fx = format_of(x);
+    if (x->ndim != 2 || (fx != 'f' && fx != 'd') || x->strides[1] != x->itemsize) {
+        PyErr_SetString(PyExc_TypeError,
+                        "x must be a 2-d float32 or float64 array (n, c), each row contiguous");
+        return -1;
+    }
+    const Py_ssize_t n = x->shape[0], c = x->shape[1];
+    if (format_of(out) != 'f' || format_of(counts) != 'q' || format_of(flags) != 'B' ||
+        out->len / 4 < c || counts->len / 8 != n || flags->len < c) {
+        PyErr_Format(PyExc_TypeError,
+                     "out must be float32 (>= %zd,), counts int64 (%zd,), flags bytes (>= %zd,)",
+                     c, n, c);
+        return -1;
+    }
+    if (n < 1 || n > (1 << 24) || (rule == TRIMMED && (f < 1 || 2 * f >= n))) {
+        PyErr_Format(PyExc_ValueError, "n = %zd rows and f = %zd: need n >= 1 and 1 <= f < n / 2",
+                     n, f);
+        return -1;
+    }
+    const int32_t *p = (const int32_t *)pairs->buf;
+    for (Py_ssize_t k = 0; k < pairs->len / 4; k++) {
+        if (p[k] < 0 || p[k] >= n || (k % 2 == 1 && p[k - 1] >= p[k])) {
+            PyErr_SetString(PyExc_ValueError, "pairs is not a network for these n rows");
+            return -1;
+        }
+    }
+    if (pairs->len % 8 != 0) {
+        PyErr_SetString(PyExc_ValueError, "pairs must hold int32 (i, j) pairs");
+        return -1;
+    }
+    return 0;
+}
+
+static PyObject *run_rule(PyObject *args, int rule)
+{
+    PyObject *x_obj, *pairs_obj, *out_obj, *counts_obj, *flags_obj;
+    Py_ssize_t f = 0;
+    const char *kernel = NULL;
+    if (rule == MEDIAN) {
+        if (!PyArg_ParseTuple(args, "OOOOO|z:median", &x_obj, &pairs_obj, &out_obj, &counts_obj,
+                              &flags_obj, &kernel))
+            return NULL;
+    } else if (!PyArg_ParseTuple(args, "OnOOOO|z:trimmed", &x_obj, &f, &pairs_obj, &out_obj,
+                                 &counts_obj, &flags_obj, &kernel)) {
+        return NULL;
+    }
+    const int k = kernel_index(kernel);
+    if (k < 0)
+        return NULL;
+    Py_buffer views[5];
+    PyObject *objs[5] = {x_obj, pairs_obj, out_obj, counts_obj, flags_obj};
+    const int modes[5] = {PyBUF_STRIDES | PyBUF_FORMAT, PyBUF_SIMPLE,
+                          PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE | PyBUF_FORMAT,
+                          PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE | PyBUF_FORMAT,
+                          PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE | PyBUF_FORMAT};
+    int got = 0;
+    for (; got < 5; got++)
+        if (PyObject_GetBuffer(objs[got], &views[got], modes[got]) < 0)
+            break;
+    PyObject *result = NULL;
+    if (got == 5 && check_args(&views[0], f, &views[1], &views[2], &views[3], &views[4], rule) == 0) {
+        const Py_ssize_t n = views[0].shape[0], c = views[0].shape[1];
+        const int dtype = format_of(&views[0]) == 'd';
+        /* the tile, its unsorted copy and the per-lane counts, 64-byte aligned */
+        void *work = NULL;
+        if (posix_memalign(&work, LANE_BYTES, (size_t)(3 * n + 1) * LANE_BYTES) != 0) {
+            PyErr_NoMemory();
+        } else {
+            kernel_fn fn = kernel_sets[k].fns[dtype][rule];
+            Py_BEGIN_ALLOW_THREADS
+            fn((const char *)views[0].buf, views[0].strides[0], (int)n, c, (int)f,
+               (const int32_t *)views[1].buf, views[1].len / 8, (float *)views[2].buf,
+               (int64_t *)views[3].buf, (uint8_t *)views[4].buf, work);
+            Py_END_ALLOW_THREADS
+            free(work);
+            result = Py_NewRef(Py_None);
+        }
+    }
+    for (int i = 0; i < got; i++)
+        PyBuffer_Release(&views[i]);
+    return result;
+}
+
+static PyObject *orderstat_median(PyObject *self, PyObject *args)
+{
+    return run_rule(args, MEDIAN);
+}
+
+static PyObject *orderstat_trimmed(PyObject *self, PyObject *args)
+{
+    return run_rule(args, TRIMMED);
+}
+
+PyDoc_STRVAR(network_doc,
+             "network(n, lo, hi)\n--\n\n"
+             "The sorting network the kernels run for n rows, as bytes of int32 (i, j) pairs\n"
+             "(i < j; afterwards wire i holds the smaller value): Batcher's odd-even merge sort\n"
+             "for n wires, keeping only the comparators that can reach sorted positions lo..hi.");
+
+PyDoc_STRVAR(median_doc,
+             "median(x, pairs, out, counts, flags, kernel=None)\n--\n\n"
+             "Per-column median of x (n, c) float32 or float64 (rows contiguous) into out[:c]\n"
+             "float32: (v_lo + v_hi) in float64, times 0.5, plus 0.0, rounded. counts (n,) int64\n"
+             "gets each row's number of columns whose middle positions it holds; flags[:c] is 1\n"
+             "for a column with a tie at a middle cut or a NaN (left out of counts), else 0.\n"
+             "pairs: network(n, max(lo - 1, 0), min(hi + 1, n - 1)).");
+
+PyDoc_STRVAR(trimmed_doc,
+             "trimmed(x, f, pairs, out, counts, flags, kernel=None)\n--\n\n"
+             "Per-column mean of x (n, c) without its f smallest and f largest values, into\n"
+             "out[:c] float32: the kept values in float64, added in torch.sum's order, divided by\n"
+             "n - 2f. counts (n,) int64 gets each row's number of dropped values; flags[:c] is 1\n"
+             "for a column with a tie at a cut or a NaN (left out of counts), else 0.\n"
+             "pairs: network(n, f - 1, n - f).");
+
+static PyMethodDef orderstat_methods[] = {
+    {"network", orderstat_network, METH_VARARGS, network_doc},
+    {"median", orderstat_median, METH_VARARGS, median_doc},
+    {"trimmed", orderstat_trimmed, METH_VARARGS, trimmed_doc},
+    {NULL, NULL, 0, NULL},
+};
+
+static int orderstat_exec(PyObject *module)
+{
+    usable[0] = 1;
+#ifdef ORDERSTAT_HAVE_X86
+    __builtin_cpu_init();
+    usable[1] = __builtin_cpu_supports("avx2") ? 1 : 0;
+    usable[2] = (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq") &&
+                 __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl"))
+                    ? 1
+                    : 0;
+    best = usable[2] ? 2 : (usable[1] ? 1 : 0);
+#endif
+    int count = 0;
+    for (int k = 0; k < N_KERNELS; k++)
+        count += usable[k];
+    PyObject *names = PyTuple_New(count);
+    if (names == NULL)
+        return -1;
+    for (int k = 0, at = 0; k < N_KERNELS; k++) {
+        if (!usable[k])
+            continue;
+        PyObject *name = PyUnicode_FromString(kernel_sets[k].name);
+        if (name == NULL) {
+            Py_DECREF(names);
+            return -1;
+        }
+        PyTuple_SET_ITEM(names, at++, name);
+    }
+    if (PyModule_AddObject(module, "kernels", names) < 0) {
+        Py_DECREF(names);
+        return -1;
+    }
+    return 0;
+}
+
+static PyModuleDef_Slot orderstat_slots[] = {
+    {Py_mod_exec, orderstat_exec},
+    {0, NULL},
+};
+
+static struct PyModuleDef orderstat_module = {
+    PyModuleDef_HEAD_INIT,
+    .m_name = "zoo_gym.aggregation._orderstat",
+    .m_doc = "Per-coordinate median and trimmed mean of column chunks by sorting networks (CPU).",
+    .m_size = 0,
+    .m_methods = orderstat_methods,
+    .m_slots = orderstat_slots,
+};
+
+PyMODINIT_FUNC PyInit__orderstat(void)
+{
+    return PyModuleDef_Init(&orderstat_module);
+}
+
+#else /* ORDERSTAT_TEMPLATE: the kernels for one dtype T and one instruction set (ATTR) */
+
+/* Defaults (GCC/Clang vector extensions): min and max of x and y, and -1 in the lanes where
+ * low <= v <= high; an instruction set may define its own forms before including. */
+#ifndef VMIN
+#define VMIN(x, y) ((V)(((VI)(y) & (VI)((y) < (x))) | ((VI)(x) & ~(VI)((y) < (x)))))
+#define VMAX(x, y) ((V)(((VI)(x) & (VI)((y) < (x))) | ((VI)(y) & ~(VI)((y) < (x)))))
+#endif
+#ifndef INSIDE
+#define INSIDE(v, low, high) ((VI)((v) >= (low)) & (VI)((v) <= (high)))
+#endif
+
+#define CAT_(a, b) a##_##b
+#define CAT(a, b) CAT_(a, b)
+#define NAME(base) CAT(base, SUFFIX)
+#define W ((int)(sizeof(V) / sizeof(T)))       /* columns per tile */
+#define HALVES ((int)(sizeof(V) / sizeof(VH))) /* float64 vectors per tile row */
+#define HW (W / HALVES)                         /* columns per float64 vector */
+
+/* Copy columns c0 .. c0 + cw of the n rows into the tile t and its copy u (lanes past cw are
+ * 0.0); return the lanes that hold a NaN in some row. */
+static inline __attribute__((always_inline)) ATTR VI NAME(load_tile)(const char *x, Py_ssize_t stride,
+                                                                 int n, Py_ssize_t c0, int cw,
+                                                                 V *t, V *u)
+{
+    VI nan = {0};
+    const char *at = x + c0 * (Py_ssize_t)sizeof(T);
+    for (int r = 0; r < n; r++, at += stride) {
+        V v = {0};
+        if (cw == W)
+            memcpy(&v, at, sizeof(V)); /* one vector load */
+        else
+            memcpy(&v, at, (size_t)cw * sizeof(T));
+        t[r] = v;
+        u[r] = v;
+        nan |= (VI)(v != v);
+    }
+    return nan;
+}
+
+/* The comparators in order: wire i gets the smaller value, wire j the larger (of equal values
+ * either may go either way: they are the same number but for the sign of a zero). */
+static inline __attribute__((always_inline)) ATTR void NAME(sort_tile)(V *t, const int32_t *pairs,
+                                                                  Py_ssize_t npairs)
+{
+    for (Py_ssize_t k = 0; k < npairs; k++) {
+        V *a = t + pairs[2 * k], *b = t + pairs[2 * k + 1];
+        const V x = *a, y = *b;
+        *a = VMIN(x, y);
+        *b = VMAX(x, y);
+    }
+}
+
+/* -1 in the lanes (of those `ok` selects) where v lies inside [low, high] (or, if not
+ * `inside`, outside it), else 0. */
+static inline __attribute__((always_inline)) ATTR VI NAME(lane_count)(V v, V low, V high, VI ok,
+                                                                  int inside)
+{
+    const VI in = INSIDE(v, low, high);
+    return (inside ? in : ~in) & ok;
+}
+
+/* Each row's per-lane counts into counts (n,). */
+static inline __attribute__((always_inline)) ATTR void NAME(flush_counts)(const VI *lanes, int n,
+                                                                     int64_t *counts)
+{
+    for (int r = 0; r < n; r++) {
+        int64_t s = 0;
+        for (int l = 0; l < W; l++)
+            s += lanes[r][l];
+        counts[r] += s;
+    }
+}
+
+/* Write 1 to flags for the lanes of `tie` (nonzero), 0 for the others, up to lane cw;
+ * return -1 in the lanes below cw without a tie, 0 elsewhere. */
+static inline __attribute__((always_inline)) ATTR VI NAME(flag_lanes)(VI tie, int cw, VI lane,
+                                                                 uint8_t *flags)
+{
+    typedef uint8_t vflag __attribute__((vector_size(W)));
+    const vflag bytes = __builtin_convertvector(tie != 0, vflag) & 1;
+    memcpy(flags, &bytes, (size_t)cw);
+    return ~tie & (lane < cw);
+}
+
+/* 0, 1, ..., W - 1. */
+static inline __attribute__((always_inline)) ATTR VI NAME(lane_numbers)(void)
+{
+    VI lane;
+    for (int l = 0; l < W; l++)
+        lane[l] = l;
+    return lane;
+}
+
+/* Lanes h * HW .. (h + 1) * HW - 1 of v as float64. */
+static inline __attribute__((always_inline)) ATTR VD NAME(half)(V v, int h)
+{
+    VH part;
+    memcpy(&part, (const char *)&v + h * sizeof(VH), sizeof(VH));
+    return __builtin_convertvector(part, VD);
+}
+
+/* Round `value`, lanes h * HW .. of the tile, to float32 into out, those below lane cw. */
+static inline __attribute__((always_inline)) ATTR void NAME(store_half)(VD value, int h, int cw,
+                                                                   float *out)
+{
+    typedef float vout __attribute__((vector_size(HW * sizeof(float))));
+    const vout v = __builtin_convertvector(value, vout);
+    const int count = cw - h * HW < HW ? cw - h * HW : HW;
+    if (count > 0)
+        memcpy(out + h * HW, &v, (size_t)count * sizeof(float));
+}
+
+ATTR static void NAME(median)(const char *x, Py_ssize_t stride, int n, Py_ssize_t c, int f,
+                              const int32_t *pairs, Py_ssize_t npairs, float *out,
+                              int64_t *counts, uint8_t *flags, void *work)
+{
+    (void)f;
+    V *t = (V *)work, *u = t + n;
+    VI *lanes = (VI *)(u + n);
+    const int lo = (n - 1) / 2, hi = n / 2;
+    const VI lane = NAME(lane_numbers)();
+    memset(lanes, 0, (size_t)n * sizeof(VI));
+    for (Py_ssize_t c0 = 0; c0 < c; c0 += W) {
+        const int cw = c - c0 < W ? (int)(c - c0) : W;
+        VI tie = NAME(load_tile)(x, stride, n, c0, cw, t, u);
+        NAME(sort_tile)(t, pairs, npairs);
+        const V v_lo = t[lo], v_hi = t[hi];
+        if (lo >= 1)
+            tie |= (VI)(t[lo - 1] == v_lo);
+        if (hi + 1 < n)
+            tie |= (VI)(t[hi + 1] == v_hi);
+        for (int h = 0; h < HALVES; h++) {
+            const VD zero = {0};
+            const VD sum = NAME(half)(v_lo, h) + NAME(half)(v_hi, h);
+            NAME(store_half)(sum * 0.5 + zero, h, cw, out + c0);
+        }
+        const VI ok = NAME(flag_lanes)(tie, cw, lane, flags + c0);
+        for (int r = 0; r < n; r++)
+            lanes[r] -= NAME(lane_count)(u[r], v_lo, v_hi, ok, 1);
+    }
+    NAME(flush_counts)(lanes, n, counts);
+}
+
+/* The float64 sum of t[first .. first + k - 1] per lane, in the order of PyTorch's CPU sum over
+ * a contiguous float64 row of k values (vectorized_inner_sum, 4-lane vectors, 4 accumulators):
+ * value m of each quad of 16 goes to accumulator m; every 2^p quads the accumulators cascade
+ * into up to three levels above (multi_row_sum); at the end the levels are added into the
+ * first, the 1 to 3 vectors after the last whole quad into accumulators 0..3, accumulators
+ * 4..15 into 0..3 vector by vector, and the sum is 0.0 plus the values after the last whole
+ * vector, then plus accumulators 0, 1, 2 and 3. Below 4 values: 0.0 plus the values in order. */
+static inline __attribute__((always_inline)) ATTR VD NAME(torch_order_sum)(const V *t, int first,
+                                                                      int k, int h)
+{
+    VD acc[4][16];
+    memset(acc, 0, sizeof(acc));
+    const V *xs = t + first;
+    const Py_ssize_t vectors = k / 4, quads = vectors / 4;
+    const int power = level_power(quads);
+    const Py_ssize_t step = (Py_ssize_t)1 << power, mask = step - 1;
+    Py_ssize_t i = 0;
+    while (i + step <= quads) {
+        for (Py_ssize_t j = 0; j < step; j++, i++)
+            for (int m = 0; m < 16; m++)
+                acc[0][m] += NAME(half)(xs[16 * i + m], h);
+        for (int level = 1; level < 4; level++) {
+            for (int m = 0; m < 16; m++) {
+                acc[level][m] += acc[level - 1][m];
+                memset(&acc[level - 1][m], 0, sizeof(VD));
+            }
+            if ((i & (mask << (level * power))) != 0)
+                break;
+        }
+    }
+    for (; i < quads; i++)
+        for (int m = 0; m < 16; m++)
+            acc[0][m] += NAME(half)(xs[16 * i + m], h);
+    for (int level = 1; level < 4; level++)
+        for (int m = 0; m < 16; m++)
+            acc[0][m] += acc[level][m];
+    for (Py_ssize_t v = quads * 4; v < vectors; v++)
+        for (int l = 0; l < 4; l++)
+            acc[0][l] += NAME(half)(xs[4 * v + l], h);
+    for (int m = 4; m < 16; m++)
+        acc[0][m % 4] += acc[0][m];
+    VD total = {0};
+    for (Py_ssize_t r = vectors * 4; r < k; r++)
+        total += NAME(half)(xs[r], h);
+    for (int l = 0; l < 4; l++)
+        total += acc[0][l];
+    return total;
+}
+
+ATTR static void NAME(trimmed)(const char *x, Py_ssize_t stride, int n, Py_ssize_t c, int f,
+                               const int32_t *pairs, Py_ssize_t npairs, float *out,
+                               int64_t *counts, uint8_t *flags, void *work)
+{
+    V *t = (V *)work, *u = t + n;
+    VI *lanes = (VI *)(u + n);
+    const int k = n - 2 * f;
+    const VI lane = NAME(lane_numbers)();
+    memset(lanes, 0, (size_t)n * sizeof(VI));
+    for (Py_ssize_t c0 = 0; c0 < c; c0 += W) {
+        const int cw = c - c0 < W ? (int)(c - c0) : W;
+        VI tie = NAME(load_tile)(x, stride, n, c0, cw, t, u);
+        NAME(sort_tile)(t, pairs, npairs);
+        const V first = t[f], last = t[n - f - 1]; /* smallest and largest kept values */
+        tie |= (VI)(t[f - 1] == first) | (VI)(t[n - f] == last);
+        for (int h = 0; h < HALVES; h++)
+            NAME(store_half)(NAME(torch_order_sum)(t, f, k, h) / (double)k, h, cw, out + c0);
+        const VI ok = NAME(flag_lanes)(tie, cw, lane, flags + c0);
+        for (int r = 0; r < n; r++)
+            lanes[r] -= NAME(lane_count)(u[r], first, last, ok, 0);
+    }
+    NAME(flush_counts)(lanes, n, counts);
+}
+
+#undef W
+#undef HALVES
+#undef HW
+#undef NAME
+#undef T
+#undef V
+#undef VI
+#undef VD
+#undef VH
+#undef SUFFIX
+#undef VMIN
+#undef VMAX
+#undef INSIDE
+
+#endif /* ORDERSTAT_TEMPLATE */

@@ -1,5 +1,5 @@
 """The compiled median and trimmed mean (`zoo_gym/aggregation/_orderstat.c`) against the
-NumPy and torch engines of `_select`.
+NumPy and torch engines of `_select`, ties at the cuts and their shares included.
 
 Results are compared on their raw float32 bits (so -0.0, NaN and the last bit of a float64
 sum show), per-row counts exactly: the compiled engine must be the NumPy engine, faster.
@@ -133,13 +133,13 @@ def test_every_kernel_gives_the_same_bits_on_a_view_with_strided_rows(
         ref, ref_rows = coordinatewise(torch.from_numpy(x), kind, f, 64, engine="numpy")
         out = np.zeros(37, dtype=np.float32)
         counts = np.zeros(n, dtype=np.int64)
-        flags = np.full(37, 7, dtype=np.uint8)
+        shares = np.zeros(n, dtype=np.float64)
         network = _select._network(n, kind, f)
         if kind == "median":
-            _orderstat.median(x, network, out, counts, flags, kernel)
+            tied = _orderstat.median(x, network, out, counts, shares, kernel)
         else:
-            _orderstat.trimmed(x, f, network, out, counts, flags, kernel)
-        assert not flags.any()  # no ties, no NaN
+            tied = _orderstat.trimmed(x, f, network, out, counts, shares, kernel)
+        assert tied == 0  # no ties, no NaN
         assert np.array_equal(_raw(out), _raw(ref))
         assert np.array_equal(counts, ref_rows.numpy())
 
@@ -175,20 +175,42 @@ def test_a_zero_median_is_positive_zero_whatever_the_zeros_signs() -> None:
 
 
 @compiled
-def test_columns_with_nan_or_ties_are_flagged_and_left_out_of_the_counts() -> None:
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_tied_columns_give_shares_and_a_nan_leaves_the_chunk_to_numpy(kernel: str) -> None:
     assert _orderstat is not None
-    x = np.array([[1.0, np.nan, 2.0, 5.0], [3.0, 0.0, 2.0, 6.0], [2.0, 1.0, 7.0, 4.0]], np.float32)
-    out = np.zeros(4, dtype=np.float32)
+    # column 0: 1, 3, 2 -> median 2, held by row 2; column 1: 2, 2, 7 -> the run of two 2s at
+    # sorted positions [0, 2) holds the middle position 1, half each for rows 0 and 1; column
+    # 2: 5, 6, 4 -> 5, row 0
+    x = np.array([[1.0, 2.0, 5.0], [3.0, 2.0, 6.0], [2.0, 7.0, 4.0]], np.float32)
+    out = np.zeros(3, dtype=np.float32)
     counts = np.zeros(3, dtype=np.int64)
-    flags = np.zeros(4, dtype=np.uint8)
-    _orderstat.median(x, _select._network(3, "median", 0), out, counts, flags)
-    # column 2 ties at the middle cut (2, 2), column 1 holds a NaN
-    assert flags.tolist() == [0, 1, 1, 0]
-    assert out[[0, 3]].tolist() == [2.0, 5.0]
-    assert counts.tolist() == [1, 0, 1]  # row 0 holds 5.0, row 2 holds 2.0
+    shares = np.zeros(3, dtype=np.float64)
+    network = _select._network(3, "median", 0)
+    assert _orderstat.median(x, network, out, counts, shares, kernel) == 1
+    assert out.tolist() == [2.0, 2.0, 5.0]
+    assert counts.tolist() == [1, 0, 1]
+    assert shares.tolist() == [0.5, 0.5, 0.0]
+    x[1, 2] = np.nan
+    assert _orderstat.median(x, network, out, counts, shares, kernel) == -1
+    assert counts.tolist() == [1, 0, 1]  # untouched
     (ours, rows), (np_out, np_rows), _ = _engines(torch.from_numpy(x), "median", 0, 64)
     assert np.array_equal(_raw(ours), _raw(np_out))
     assert torch.equal(rows, np_rows)
+
+
+@compiled
+@pytest.mark.parametrize(("n", "f"), [(100, 10), (1000, 100)])
+def test_bitdelta_like_columns_full_of_ties(n: int, f: int) -> None:
+    # decoded BitDelta updates: +-scale of each update's group, the scales few and repeated
+    rng = np.random.default_rng(n)
+    scales = rng.choice(np.float32([0.75, 0.8125, 0.875, 1.0, 1.25]), (n, 1))
+    x = torch.from_numpy(np.where(rng.random((n, 300)) < 0.5, -scales, scales))
+    for kind in ("median", "trimmed"):
+        (out, rows), (np_out, np_rows), (t_out, t_rows) = _engines(x, kind, f, 128)
+        assert np.array_equal(_raw(out), _raw(np_out))
+        assert np.array_equal(_raw(out), _raw(t_out))
+        assert torch.equal(rows, np_rows)
+        assert torch.allclose(rows, t_rows, rtol=1e-12, atol=1e-9)
 
 
 @compiled
@@ -199,27 +221,27 @@ def test_hand_computed_trimmed_mean_and_counts() -> None:
     x = np.array([[10.0, 5.0], [1.0, 4.0], [4.0, 3.0], [3.0, 2.0], [2.0, 1.0]], np.float32)
     out = np.zeros(2, dtype=np.float32)
     counts = np.zeros(5, dtype=np.int64)
-    flags = np.zeros(2, dtype=np.uint8)
-    _orderstat.trimmed(x, 1, _select._network(5, "trimmed", 1), out, counts, flags)
+    shares = np.zeros(5, dtype=np.float64)
+    assert _orderstat.trimmed(x, 1, _select._network(5, "trimmed", 1), out, counts, shares) == 0
     assert out.tolist() == [3.0, 3.0]
-    assert counts.tolist() == [2, 1, 0, 0, 1] and not flags.any()
+    assert counts.tolist() == [2, 1, 0, 0, 1]
 
 
 @compiled
 def test_bad_arguments_get_one_clear_line() -> None:
     assert _orderstat is not None
     x = np.zeros((4, 3), dtype=np.float32)
-    out, counts, flags = np.zeros(3, np.float32), np.zeros(4, np.int64), np.zeros(3, np.uint8)
+    out, counts, shares = np.zeros(3, np.float32), np.zeros(4, np.int64), np.zeros(4)
     with pytest.raises(ValueError, match="not a network for these n rows"):
-        _orderstat.median(x, _orderstat.network(9, 0, 8), out, counts, flags)
+        _orderstat.median(x, _orderstat.network(9, 0, 8), out, counts, shares)
     with pytest.raises(ValueError, match="1 <= f < n / 2"):
-        _orderstat.trimmed(x, 2, _orderstat.network(4, 0, 3), out, counts, flags)
+        _orderstat.trimmed(x, 2, _orderstat.network(4, 0, 3), out, counts, shares)
     with pytest.raises(TypeError, match="each row contiguous"):
-        _orderstat.median(x[:, ::2], _orderstat.network(4, 0, 3), out, counts, flags)
-    with pytest.raises(TypeError, match="counts int64"):
-        _orderstat.median(x, _orderstat.network(4, 0, 3), out, counts[:2], flags)
+        _orderstat.median(x[:, ::2], _orderstat.network(4, 0, 3), out, counts, shares)
+    with pytest.raises(TypeError, match="shares float64"):
+        _orderstat.median(x, _orderstat.network(4, 0, 3), out, counts, shares[:2])
     with pytest.raises(ValueError, match="unknown kernel"):
-        _orderstat.median(x, _orderstat.network(4, 0, 3), out, counts, flags, "sse9")
+        _orderstat.median(x, _orderstat.network(4, 0, 3), out, counts, shares, "sse9")
 
 
 @compiled

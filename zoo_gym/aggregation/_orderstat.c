@@ -50,6 +50,7 @@
 #endif
 
 #define LANE_BYTES 64 /* the most bytes of one tile row (AVX-512: 16 float32 or 8 float64) */
+#define PREFETCH_TILES 8 /* tiles ahead that each row's loads are requested */
 
 /* Vectors of each width B bytes: a tile row of float32 (f32_B) or float64 (f64_B) values, the
  * comparison masks of the same width (i32_B, i64_B), and half a row of float32 (h32_B), which
@@ -64,10 +65,20 @@ VECTORS(16) /* portable: SSE2, NEON, ... */
 VECTORS(32) /* AVX2 */
 VECTORS(64) /* AVX-512 */
 
-/* A kernel sorts the chunk's tiles and writes its results; returns nothing, cannot fail. */
-typedef void (*kernel_fn)(const char *x, Py_ssize_t stride, int n, Py_ssize_t c, int f,
-                          const int32_t *pairs, Py_ssize_t npairs, float *out, int64_t *counts,
-                          uint8_t *flags, void *work);
+enum { MEDIAN = 0, TRIMMED = 1 };
+
+/* A kernel runs one rule over a chunk: see `chunk` in the template below. */
+typedef Py_ssize_t (*kernel_fn)(const char *x, Py_ssize_t stride, int n, Py_ssize_t c, int f,
+                                const int32_t *pairs, Py_ssize_t npairs, float *out,
+                                int64_t *counts, double *shares, void *work);
+
+/* A column whose window of sorted positions [p, q) starts or ends inside a run of equal
+ * values: the values at its ends and the share of the window each member of their runs
+ * holds (`_select.window_shares`). */
+typedef struct {
+    double first, last, s_first, s_last;
+    Py_ssize_t col;
+} tied_column;
 
 /* The additions of PyTorch's `multi_row_sum` cascade: a level step of 2^power quads. */
 static int level_power(Py_ssize_t quads)
@@ -76,6 +87,63 @@ static int level_power(Py_ssize_t quads)
     while (((Py_ssize_t)1 << log) < quads)
         log++;
     return log / 4 > 4 ? log / 4 : 4;
+}
+
+/* The share of the window [p, q) that each of a run of equal values at sorted positions
+ * [below, upto) holds: |[below, upto) n [p, q)| / (upto - below), divided in float64. */
+static double overlap(Py_ssize_t below, Py_ssize_t upto, int p, int q)
+{
+    const Py_ssize_t from = below > p ? below : p, to = upto < q ? upto : q;
+    return (double)(to > from ? to - from : 0) / (double)(upto - below);
+}
+
+/* The float64 sum of x[0 .. k - 1] with the additions of PyTorch's CPU `torch.sum` over a
+ * contiguous float64 row (`cascade_sum` in aten/src/ATen/native/cpu/SumKernel.cpp: its AVX2
+ * kernel, 4-lane vectors, 4 of them at a time): value m of each quad of 16 values goes to
+ * accumulator m; every 2^p quads (p = max(4, ceil(log2(quads)) / 4)) the accumulators cascade
+ * into up to three levels above (`multi_row_sum`); at the end the levels are added into the
+ * first in turn, the 1 to 3 vectors after the last whole quad into accumulators 0..3,
+ * accumulators 4..15 into 0..3 a vector at a time, and the sum is 0.0 plus the values after
+ * the last whole vector, then plus accumulators 0, 1, 2 and 3. Below 4 values: 0.0 plus the
+ * values in order (`scalar_inner_sum`, the same additions). */
+static double torch_sum(const double *x, Py_ssize_t k)
+{
+    double acc[4][16];
+    memset(acc, 0, sizeof(acc));
+    const Py_ssize_t vectors = k / 4, quads = vectors / 4;
+    const int power = level_power(quads);
+    const Py_ssize_t step = (Py_ssize_t)1 << power, mask = step - 1;
+    Py_ssize_t i = 0;
+    while (i + step <= quads) {
+        for (Py_ssize_t j = 0; j < step; j++, i++)
+            for (int m = 0; m < 16; m++)
+                acc[0][m] += x[16 * i + m];
+        for (int level = 1; level < 4; level++) {
+            for (int m = 0; m < 16; m++) {
+                acc[level][m] += acc[level - 1][m];
+                acc[level - 1][m] = 0.0;
+            }
+            if ((i & (mask << (level * power))) != 0)
+                break;
+        }
+    }
+    for (; i < quads; i++)
+        for (int m = 0; m < 16; m++)
+            acc[0][m] += x[16 * i + m];
+    for (int level = 1; level < 4; level++)
+        for (int m = 0; m < 16; m++)
+            acc[0][m] += acc[level][m];
+    for (Py_ssize_t v = quads * 4; v < vectors; v++)
+        for (int l = 0; l < 4; l++)
+            acc[0][l] += x[4 * v + l];
+    for (int m = 4; m < 16; m++)
+        acc[0][m % 4] += acc[0][m];
+    double total = 0.0;
+    for (Py_ssize_t r = vectors * 4; r < k; r++)
+        total += x[r];
+    for (int l = 0; l < 4; l++)
+        total += acc[0][l];
+    return total;
 }
 
 /* The instantiations: each dtype (float32, float64) for each instruction set. */
@@ -127,6 +195,10 @@ static int level_power(Py_ssize_t quads)
 #define INSIDE(v, low, high)                                                                   \
     ((VI)_mm512_movm_epi32(_mm512_cmp_ps_mask((__m512)(v), (__m512)(low), _CMP_GE_OQ) &        \
                            _mm512_cmp_ps_mask((__m512)(v), (__m512)(high), _CMP_LE_OQ)))
+#define AVX512_CMP(a, b, op) ((VI)_mm512_movm_epi32(_mm512_cmp_ps_mask((__m512)(a), (__m512)(b), op)))
+#define LESS(a, b) AVX512_CMP(a, b, _CMP_LT_OQ)
+#define LESS_EQ(a, b) AVX512_CMP(a, b, _CMP_LE_OQ)
+#define EQUAL(a, b) AVX512_CMP(a, b, _CMP_EQ_OQ)
 #define T float
 #define V f32_64
 #define VI i32_64
@@ -139,6 +211,11 @@ static int level_power(Py_ssize_t quads)
 #define INSIDE(v, low, high)                                                                   \
     ((VI)_mm512_movm_epi64(_mm512_cmp_pd_mask((__m512d)(v), (__m512d)(low), _CMP_GE_OQ) &      \
                            _mm512_cmp_pd_mask((__m512d)(v), (__m512d)(high), _CMP_LE_OQ)))
+#define AVX512_CMP(a, b, op)                                                                   \
+    ((VI)_mm512_movm_epi64(_mm512_cmp_pd_mask((__m512d)(a), (__m512d)(b), op)))
+#define LESS(a, b) AVX512_CMP(a, b, _CMP_LT_OQ)
+#define LESS_EQ(a, b) AVX512_CMP(a, b, _CMP_LE_OQ)
+#define EQUAL(a, b) AVX512_CMP(a, b, _CMP_EQ_OQ)
 #define T double
 #define V f64_64
 #define VI i64_64
@@ -152,8 +229,6 @@ static int level_power(Py_ssize_t quads)
 #undef ORDERSTAT_TEMPLATE
 
 /* ---- the module ------------------------------------------------------------------------ */
-
-enum { MEDIAN = 0, TRIMMED = 1 };
 
 typedef struct {
     const char *name;
@@ -274,7 +349,7 @@ static char format_of(const Py_buffer *view)
 
 /* Checks of the arguments; 0 when they are usable, -1 with an exception set otherwise. */
 static int check_args(const Py_buffer *x, Py_ssize_t f, const Py_buffer *pairs,
-                      const Py_buffer *out, const Py_buffer *counts, const Py_buffer *flags,
+                      const Py_buffer *out, const Py_buffer *counts, const Py_buffer *shares,
                       int rule)
 {
     const char fx = format_of(x);
@@ -284,11 +359,11 @@ static int check_args(const Py_buffer *x, Py_ssize_t f, const Py_buffer *pairs,
         return -1;
     }
     const Py_ssize_t n = x->shape[0], c = x->shape[1];
-    if (format_of(out) != 'f' || format_of(counts) != 'q' || format_of(flags) != 'B' ||
-        out->len / 4 < c || counts->len / 8 != n || flags->len < c) {
+    if (format_of(out) != 'f' || format_of(counts) != 'q' || format_of(shares) != 'd' ||
+        out->len / 4 < c || counts->len / 8 != n || shares->len / 8 != n) {
         PyErr_Format(PyExc_TypeError,
-                     "out must be float32 (>= %zd,), counts int64 (%zd,), flags bytes (>= %zd,)",
-                     c, n, c);
+                     "out must be float32 (>= %zd,), counts int64 (%zd,), shares float64 (%zd,)",
+                     c, n, n);
         return -1;
     }
     if (n < 1 || n > (1 << 24) || (rule == TRIMMED && (f < 1 || 2 * f >= n))) {
@@ -312,22 +387,22 @@ static int check_args(const Py_buffer *x, Py_ssize_t f, const Py_buffer *pairs,
 
 static PyObject *run_rule(PyObject *args, int rule)
 {
-    PyObject *x_obj, *pairs_obj, *out_obj, *counts_obj, *flags_obj;
+    PyObject *x_obj, *pairs_obj, *out_obj, *counts_obj, *shares_obj;
     Py_ssize_t f = 0;
     const char *kernel = NULL;
     if (rule == MEDIAN) {
         if (!PyArg_ParseTuple(args, "OOOOO|z:median", &x_obj, &pairs_obj, &out_obj, &counts_obj,
-                              &flags_obj, &kernel))
+                              &shares_obj, &kernel))
             return NULL;
     } else if (!PyArg_ParseTuple(args, "OnOOOO|z:trimmed", &x_obj, &f, &pairs_obj, &out_obj,
-                                 &counts_obj, &flags_obj, &kernel)) {
+                                 &counts_obj, &shares_obj, &kernel)) {
         return NULL;
     }
     const int k = kernel_index(kernel);
     if (k < 0)
         return NULL;
     Py_buffer views[5];
-    PyObject *objs[5] = {x_obj, pairs_obj, out_obj, counts_obj, flags_obj};
+    PyObject *objs[5] = {x_obj, pairs_obj, out_obj, counts_obj, shares_obj};
     const int modes[5] = {PyBUF_STRIDES | PyBUF_FORMAT, PyBUF_SIMPLE,
                           PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE | PyBUF_FORMAT,
                           PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE | PyBUF_FORMAT,
@@ -340,19 +415,23 @@ static PyObject *run_rule(PyObject *args, int rule)
     if (got == 5 && check_args(&views[0], f, &views[1], &views[2], &views[3], &views[4], rule) == 0) {
         const Py_ssize_t n = views[0].shape[0], c = views[0].shape[1];
         const int dtype = format_of(&views[0]) == 'd';
-        /* the tile, its unsorted copy and the per-lane counts, 64-byte aligned */
+        /* the tile, its unsorted copy, the per-lane counts (64-byte aligned), then the tied
+         * columns and a row of their shares */
+        const size_t bytes = (size_t)(3 * n + 1) * LANE_BYTES +
+                             (size_t)c * (sizeof(tied_column) + sizeof(double));
         void *work = NULL;
-        if (posix_memalign(&work, LANE_BYTES, (size_t)(3 * n + 1) * LANE_BYTES) != 0) {
+        if (posix_memalign(&work, LANE_BYTES, bytes) != 0) {
             PyErr_NoMemory();
         } else {
             kernel_fn fn = kernel_sets[k].fns[dtype][rule];
+            Py_ssize_t tied;
             Py_BEGIN_ALLOW_THREADS
-            fn((const char *)views[0].buf, views[0].strides[0], (int)n, c, (int)f,
-               (const int32_t *)views[1].buf, views[1].len / 8, (float *)views[2].buf,
-               (int64_t *)views[3].buf, (uint8_t *)views[4].buf, work);
+            tied = fn((const char *)views[0].buf, views[0].strides[0], (int)n, c, (int)f,
+                      (const int32_t *)views[1].buf, views[1].len / 8, (float *)views[2].buf,
+                      (int64_t *)views[3].buf, (double *)views[4].buf, work);
             Py_END_ALLOW_THREADS
             free(work);
-            result = Py_NewRef(Py_None);
+            result = PyLong_FromSsize_t(tied);
         }
     }
     for (int i = 0; i < got; i++)
@@ -377,19 +456,23 @@ PyDoc_STRVAR(network_doc,
              "for n wires, keeping only the comparators that can reach sorted positions lo..hi.");
 
 PyDoc_STRVAR(median_doc,
-             "median(x, pairs, out, counts, flags, kernel=None)\n--\n\n"
+             "median(x, pairs, out, counts, shares, kernel=None)\n--\n\n"
              "Per-column median of x (n, c) float32 or float64 (rows contiguous) into out[:c]\n"
              "float32: (v_lo + v_hi) in float64, times 0.5, plus 0.0, rounded. counts (n,) int64\n"
-             "gets each row's number of columns whose middle positions it holds; flags[:c] is 1\n"
-             "for a column with a tie at a middle cut or a NaN (left out of counts), else 0.\n"
+             "gets each row's number of columns whose middle positions it holds, but for the\n"
+             "columns whose middle cuts split a run of equal values (ties): shares (n,) float64\n"
+             "is set to each row's sum of its shares of their middle positions. Returns the\n"
+             "number of such columns, or -1 if x holds a NaN (counts and shares untouched).\n"
              "pairs: network(n, max(lo - 1, 0), min(hi + 1, n - 1)).");
 
 PyDoc_STRVAR(trimmed_doc,
-             "trimmed(x, f, pairs, out, counts, flags, kernel=None)\n--\n\n"
+             "trimmed(x, f, pairs, out, counts, shares, kernel=None)\n--\n\n"
              "Per-column mean of x (n, c) without its f smallest and f largest values, into\n"
              "out[:c] float32: the kept values in float64, added in torch.sum's order, divided by\n"
-             "n - 2f. counts (n,) int64 gets each row's number of dropped values; flags[:c] is 1\n"
-             "for a column with a tie at a cut or a NaN (left out of counts), else 0.\n"
+             "n - 2f. counts (n,) int64 gets each row's number of dropped values, but for the\n"
+             "columns whose cuts split a run of equal values (ties): shares (n,) float64 is set\n"
+             "to each row's sum of its shares of their kept positions. Returns the number of\n"
+             "such columns, or -1 if x holds a NaN (counts and shares untouched).\n"
              "pairs: network(n, f - 1, n - f).");
 
 static PyMethodDef orderstat_methods[] = {
@@ -463,6 +546,9 @@ PyMODINIT_FUNC PyInit__orderstat(void)
 #endif
 #ifndef INSIDE
 #define INSIDE(v, low, high) ((VI)((v) >= (low)) & (VI)((v) <= (high)))
+#define LESS(a, b) ((VI)((a) < (b)))
+#define LESS_EQ(a, b) ((VI)((a) <= (b)))
+#define EQUAL(a, b) ((VI)((a) == (b)))
 #endif
 
 #define CAT_(a, b) a##_##b
@@ -489,6 +575,8 @@ static inline __attribute__((always_inline)) ATTR VI NAME(load_tile)(const char 
         t[r] = v;
         u[r] = v;
         nan |= (VI)(v != v);
+        /* rows lie far apart: too many streams for the hardware prefetcher to follow */
+        __builtin_prefetch(at + PREFETCH_TILES * (Py_ssize_t)sizeof(V), 0, 3);
     }
     return nan;
 }
@@ -509,7 +597,7 @@ static inline __attribute__((always_inline)) ATTR void NAME(sort_tile)(V *t, con
 /* -1 in the lanes (of those `ok` selects) where v lies inside [low, high] (or, if not
  * `inside`, outside it), else 0. */
 static inline __attribute__((always_inline)) ATTR VI NAME(lane_count)(V v, V low, V high, VI ok,
-                                                                  int inside)
+                                                                      int inside)
 {
     const VI in = INSIDE(v, low, high);
     return (inside ? in : ~in) & ok;
@@ -517,25 +605,24 @@ static inline __attribute__((always_inline)) ATTR VI NAME(lane_count)(V v, V low
 
 /* Each row's per-lane counts into counts (n,). */
 static inline __attribute__((always_inline)) ATTR void NAME(flush_counts)(const VI *lanes, int n,
-                                                                     int64_t *counts)
+                                                                          int64_t *counts)
 {
     for (int r = 0; r < n; r++) {
         int64_t s = 0;
         for (int l = 0; l < W; l++)
-            s += lanes[r][l];
+            s -= lanes[r][l]; /* a hit is -1 */
         counts[r] += s;
     }
 }
 
-/* Write 1 to flags for the lanes of `tie` (nonzero), 0 for the others, up to lane cw;
- * return -1 in the lanes below cw without a tie, 0 elsewhere. */
-static inline __attribute__((always_inline)) ATTR VI NAME(flag_lanes)(VI tie, int cw, VI lane,
-                                                                 uint8_t *flags)
+/* Whether any lane of m is nonzero. */
+static inline __attribute__((always_inline)) ATTR int NAME(any)(VI m)
 {
-    typedef uint8_t vflag __attribute__((vector_size(W)));
-    const vflag bytes = __builtin_convertvector(tie != 0, vflag) & 1;
-    memcpy(flags, &bytes, (size_t)cw);
-    return ~tie & (lane < cw);
+    VI folded = m;
+    int hit = 0;
+    for (int l = 0; l < W; l++)
+        hit |= folded[l] != 0;
+    return hit;
 }
 
 /* 0, 1, ..., W - 1. */
@@ -557,7 +644,7 @@ static inline __attribute__((always_inline)) ATTR VD NAME(half)(V v, int h)
 
 /* Round `value`, lanes h * HW .. of the tile, to float32 into out, those below lane cw. */
 static inline __attribute__((always_inline)) ATTR void NAME(store_half)(VD value, int h, int cw,
-                                                                   float *out)
+                                                                       float *out)
 {
     typedef float vout __attribute__((vector_size(HW * sizeof(float))));
     const vout v = __builtin_convertvector(value, vout);
@@ -566,46 +653,10 @@ static inline __attribute__((always_inline)) ATTR void NAME(store_half)(VD value
         memcpy(out + h * HW, &v, (size_t)count * sizeof(float));
 }
 
-ATTR static void NAME(median)(const char *x, Py_ssize_t stride, int n, Py_ssize_t c, int f,
-                              const int32_t *pairs, Py_ssize_t npairs, float *out,
-                              int64_t *counts, uint8_t *flags, void *work)
-{
-    (void)f;
-    V *t = (V *)work, *u = t + n;
-    VI *lanes = (VI *)(u + n);
-    const int lo = (n - 1) / 2, hi = n / 2;
-    const VI lane = NAME(lane_numbers)();
-    memset(lanes, 0, (size_t)n * sizeof(VI));
-    for (Py_ssize_t c0 = 0; c0 < c; c0 += W) {
-        const int cw = c - c0 < W ? (int)(c - c0) : W;
-        VI tie = NAME(load_tile)(x, stride, n, c0, cw, t, u);
-        NAME(sort_tile)(t, pairs, npairs);
-        const V v_lo = t[lo], v_hi = t[hi];
-        if (lo >= 1)
-            tie |= (VI)(t[lo - 1] == v_lo);
-        if (hi + 1 < n)
-            tie |= (VI)(t[hi + 1] == v_hi);
-        for (int h = 0; h < HALVES; h++) {
-            const VD zero = {0};
-            const VD sum = NAME(half)(v_lo, h) + NAME(half)(v_hi, h);
-            NAME(store_half)(sum * 0.5 + zero, h, cw, out + c0);
-        }
-        const VI ok = NAME(flag_lanes)(tie, cw, lane, flags + c0);
-        for (int r = 0; r < n; r++)
-            lanes[r] -= NAME(lane_count)(u[r], v_lo, v_hi, ok, 1);
-    }
-    NAME(flush_counts)(lanes, n, counts);
-}
-
-/* The float64 sum of t[first .. first + k - 1] per lane, in the order of PyTorch's CPU sum over
- * a contiguous float64 row of k values (vectorized_inner_sum, 4-lane vectors, 4 accumulators):
- * value m of each quad of 16 goes to accumulator m; every 2^p quads the accumulators cascade
- * into up to three levels above (multi_row_sum); at the end the levels are added into the
- * first, the 1 to 3 vectors after the last whole quad into accumulators 0..3, accumulators
- * 4..15 into 0..3 vector by vector, and the sum is 0.0 plus the values after the last whole
- * vector, then plus accumulators 0, 1, 2 and 3. Below 4 values: 0.0 plus the values in order. */
+/* The float64 sum of t[first .. first + k - 1] per lane (half h of the lanes), in the order of
+ * `torch_sum`, with the 16 accumulators of each lane in vectors across the lanes. */
 static inline __attribute__((always_inline)) ATTR VD NAME(torch_order_sum)(const V *t, int first,
-                                                                      int k, int h)
+                                                                          int k, int h)
 {
     VD acc[4][16];
     memset(acc, 0, sizeof(acc));
@@ -646,28 +697,113 @@ static inline __attribute__((always_inline)) ATTR VD NAME(torch_order_sum)(const
     return total;
 }
 
-ATTR static void NAME(trimmed)(const char *x, Py_ssize_t stride, int n, Py_ssize_t c, int f,
-                               const int32_t *pairs, Py_ssize_t npairs, float *out,
-                               int64_t *counts, uint8_t *flags, void *work)
+/* Record the tied lanes of a tile (columns c0 + l): the values at the window's ends and the
+ * shares of the runs equal to them, from each lane's counts of values below and up to them. */
+static inline __attribute__((always_inline)) ATTR Py_ssize_t
+NAME(record_ties)(const V *u, int n, V first, V last, VI tie, int p, int q, Py_ssize_t c0,
+                  tied_column *tied, Py_ssize_t ntied)
+{
+    VI below_first = {0}, upto_first = {0}, below_last = {0}, upto_last = {0};
+    for (int r = 0; r < n; r++) { /* each hit is -1 */
+        below_first += LESS(u[r], first);
+        upto_first += LESS_EQ(u[r], first);
+        below_last += LESS(u[r], last);
+        upto_last += LESS_EQ(u[r], last);
+    }
+    for (int l = 0; l < W; l++) {
+        if (!tie[l])
+            continue;
+        tied[ntied].first = first[l];
+        tied[ntied].last = last[l];
+        tied[ntied].s_first = overlap(-below_first[l], -upto_first[l], p, q);
+        tied[ntied].s_last = overlap(-below_last[l], -upto_last[l], p, q);
+        tied[ntied].col = c0 + l;
+        ntied++;
+    }
+    return ntied;
+}
+
+/* Each row's sum of its shares of the window over the tied columns, added in `torch_sum`'s
+ * order, into shares (n,): the sum `_select.window_shares(...).sum(1)` forms. */
+static inline __attribute__((always_inline)) ATTR void
+NAME(tie_shares)(const char *x, Py_ssize_t stride, int n, const tied_column *tied,
+                 Py_ssize_t ntied, double *row, double *shares)
+{
+    for (int r = 0; r < n; r++) {
+        const T *xr = (const T *)(x + r * stride);
+        for (Py_ssize_t j = 0; j < ntied; j++) {
+            const double v = (double)xr[tied[j].col];
+            const tied_column *at = tied + j;
+            row[j] = v == at->first  ? at->s_first
+                     : v == at->last ? at->s_last
+                     : (v > at->first && v < at->last) ? 1.0
+                                                       : 0.0;
+        }
+        shares[r] = torch_sum(row, ntied);
+    }
+}
+
+/* One chunk (n, c) of either rule; the window of sorted positions [p, q) is the middle
+ * (median) or the kept values (trimmed). Returns the number of tied columns, or -1 where a
+ * column holds a NaN (then counts and shares are left as they were). */
+static inline __attribute__((always_inline)) ATTR Py_ssize_t
+NAME(chunk)(const char *x, Py_ssize_t stride, int n, Py_ssize_t c, int f, int rule,
+            const int32_t *pairs, Py_ssize_t npairs, float *out, int64_t *counts, double *shares,
+            void *work)
 {
     V *t = (V *)work, *u = t + n;
     VI *lanes = (VI *)(u + n);
-    const int k = n - 2 * f;
+    tied_column *tied = (tied_column *)(lanes + n);
+    double *row = (double *)(tied + c);
+    const int p = rule == MEDIAN ? (n - 1) / 2 : f, q = rule == MEDIAN ? n / 2 + 1 : n - f;
     const VI lane = NAME(lane_numbers)();
+    VI nan = {0};
+    Py_ssize_t ntied = 0;
     memset(lanes, 0, (size_t)n * sizeof(VI));
     for (Py_ssize_t c0 = 0; c0 < c; c0 += W) {
         const int cw = c - c0 < W ? (int)(c - c0) : W;
-        VI tie = NAME(load_tile)(x, stride, n, c0, cw, t, u);
+        nan |= NAME(load_tile)(x, stride, n, c0, cw, t, u);
         NAME(sort_tile)(t, pairs, npairs);
-        const V first = t[f], last = t[n - f - 1]; /* smallest and largest kept values */
-        tie |= (VI)(t[f - 1] == first) | (VI)(t[n - f] == last);
-        for (int h = 0; h < HALVES; h++)
-            NAME(store_half)(NAME(torch_order_sum)(t, f, k, h) / (double)k, h, cw, out + c0);
-        const VI ok = NAME(flag_lanes)(tie, cw, lane, flags + c0);
+        const V first = t[p], last = t[q - 1];
+        VI tie = {0};
+        if (p >= 1)
+            tie |= EQUAL(t[p - 1], first);
+        if (q < n)
+            tie |= EQUAL(t[q], last);
+        tie &= (VI)(lane < cw);
+        for (int h = 0; h < HALVES; h++) {
+            const VD zero = {0};
+            const VD value = rule == MEDIAN
+                                 ? (NAME(half)(first, h) + NAME(half)(last, h)) * 0.5 + zero
+                                 : NAME(torch_order_sum)(t, p, q - p, h) / (double)(q - p);
+            NAME(store_half)(value, h, cw, out + c0);
+        }
+        const VI ok = ~tie & (VI)(lane < cw);
         for (int r = 0; r < n; r++)
-            lanes[r] -= NAME(lane_count)(u[r], first, last, ok, 0);
+            lanes[r] += NAME(lane_count)(u[r], first, last, ok, rule == MEDIAN);
+        if (NAME(any)(tie))
+            ntied = NAME(record_ties)(u, n, first, last, tie, p, q, c0, tied, ntied);
     }
+    if (NAME(any)(nan))
+        return -1;
     NAME(flush_counts)(lanes, n, counts);
+    if (ntied > 0)
+        NAME(tie_shares)(x, stride, n, tied, ntied, row, shares);
+    return ntied;
+}
+
+ATTR static Py_ssize_t NAME(median)(const char *x, Py_ssize_t stride, int n, Py_ssize_t c,
+                                    int f, const int32_t *pairs, Py_ssize_t npairs, float *out,
+                                    int64_t *counts, double *shares, void *work)
+{
+    return NAME(chunk)(x, stride, n, c, f, MEDIAN, pairs, npairs, out, counts, shares, work);
+}
+
+ATTR static Py_ssize_t NAME(trimmed)(const char *x, Py_ssize_t stride, int n, Py_ssize_t c,
+                                     int f, const int32_t *pairs, Py_ssize_t npairs, float *out,
+                                     int64_t *counts, double *shares, void *work)
+{
+    return NAME(chunk)(x, stride, n, c, f, TRIMMED, pairs, npairs, out, counts, shares, work);
 }
 
 #undef W
@@ -680,8 +816,12 @@ ATTR static void NAME(trimmed)(const char *x, Py_ssize_t stride, int n, Py_ssize
 #undef VD
 #undef VH
 #undef SUFFIX
+#undef AVX512_CMP
 #undef VMIN
 #undef VMAX
 #undef INSIDE
+#undef LESS
+#undef LESS_EQ
+#undef EQUAL
 
 #endif /* ORDERSTAT_TEMPLATE */

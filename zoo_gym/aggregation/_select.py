@@ -21,8 +21,8 @@ value) are the rest. On other devices: the same steps in torch.
 Where the C extension `_orderstat` was built (`zoo_gym/aggregation/_orderstat.c`), the CPU
 engine hands each chunk to it instead: it sorts tiles of 16 columns (8 in float64) with a
 sorting network across the rows, without a transpose, and forms the results and counts
-while the tile is in cache; the columns it flags (a tie at a cut, or a NaN) go through the
-NumPy steps above. Both give the same bits; `use_compiled(False)` turns it off.
+while the tile is in cache, tie shares included (a chunk holding a NaN goes through the
+NumPy steps above). Both give the same bits; `use_compiled(False)` turns it off.
 
 A zero median is +0.0 whatever the signs of the zeros it comes from (0.0 is added to the
 mean of the middle values), so that it does not depend on where a sort puts -0.0 among
@@ -250,8 +250,8 @@ class _NpScratch:
         self.tally = np.zeros((n, width), dtype=np.uint8)  # (n, c) counts since the flush
         self.tallied = 0  # chunks in `tally`
         self.totals = np.zeros(n, dtype=np.float64)  # (n,)
-        self.counts = np.zeros(n, dtype=np.int64)  # (n,) counts of the compiled kernels
-        self.flags = np.empty(width, dtype=np.uint8)  # (c,) columns the kernels left out
+        self.counts = np.zeros(n, dtype=np.int64)  # (n,) counts since the last flush
+        self.shares = np.empty(n, dtype=np.float64)  # (n,) tie shares of a compiled chunk
 
     def count(self, mask: NDArray[np.bool_]) -> None:
         """Add the `(n, c)` 0/1 `mask` to each row's count."""
@@ -259,15 +259,20 @@ class _NpScratch:
         np.add(self.tally[:, :c], mask.view(np.uint8), out=self.tally[:, :c])
         self.tallied += 1
         if self.tallied == _COUNT_LIMIT:
-            self.flush()
+            self._fold()
 
-    def flush(self) -> NDArray[np.float64]:
-        """Move the tallied counts (and the compiled kernels') into `totals` and return them;
-        the integer counts are added up before they meet the float64 shares."""
+    def _fold(self) -> None:
+        """Move the byte tallies into the int64 `counts`."""
         if self.tallied:
             self.counts += self.tally.sum(axis=1, dtype=np.int64)
             self.tally[...] = 0
             self.tallied = 0
+
+    def flush(self) -> NDArray[np.float64]:
+        """Add the counts to `totals` and return them. The float64 shares of tied runs went
+        into `totals` chunk by chunk, the integer counts go in once at the end: the order in
+        which the NumPy and the compiled kernels both add them."""
+        self._fold()
         self.totals += self.counts
         self.counts[...] = 0
         return self.totals
@@ -362,23 +367,22 @@ def _network(n: int, kind: str, f: int) -> bytes:
 def _c_rule(
     x: Array, kind: str, f: int, network: bytes, scratch: _NpScratch, out: NDArray[np.float32]
 ) -> None:
-    """The compiled kernel of `kind` on `x` `(n, c)`: results to `out`, counts to the
-    scratch's; the columns it flags (a tie at a cut, or a NaN) again through the NumPy twin."""
+    """The compiled kernel of `kind` on `x` `(n, c)`: results to `out`, counts and tie shares
+    to the scratch's, as the NumPy twin adds them; a chunk holding a NaN through the twin."""
     assert _COMPILED is not None
-    flags = scratch.flags[: x.shape[1]]
     if kind == "median":
-        _COMPILED.median(x, network, out, scratch.counts, flags)
+        tied = _COMPILED.median(x, network, out, scratch.counts, scratch.shares)
     else:
-        _COMPILED.trimmed(x, f, network, out, scratch.counts, flags)
-    if not flags.any():
-        return
-    cols = np.flatnonzero(flags)
-    part = np.empty(cols.size, dtype=np.float32)
-    if kind == "median":
-        _np_median(np.ascontiguousarray(x[:, cols]), scratch, part)
-    else:
-        _np_trimmed(np.ascontiguousarray(x[:, cols]), f, scratch, part)
-    out[cols] = part
+        tied = _COMPILED.trimmed(x, f, network, out, scratch.counts, scratch.shares)
+    if tied < 0:
+        if kind == "median":
+            _np_median(x, scratch, out)
+        else:
+            _np_trimmed(x, f, scratch, out)
+    elif tied and kind == "median":
+        scratch.totals += scratch.shares
+    elif tied:
+        scratch.totals += tied - scratch.shares
 
 
 def np_closest_to_median(v: NDArray[np.float64], beta: int) -> tuple[Array, Array]:

@@ -1,8 +1,10 @@
 /* Per-coordinate median and trimmed mean of a column chunk (n, c) in one pass over it (CPU).
  *
  * The chunk's rows are the n updates, each contiguous along the columns (its rows may lie
- * any fixed number of bytes apart). For every tile of W consecutive columns (W values are one
- * vector), the n row vectors are copied into a cache-resident tile and sorted by a sorting
+ * any fixed number of bytes apart). For every tile of W consecutive columns (one vector: 16
+ * float32 with AVX-512, 8 with AVX2, 4 in the portable kernel, half as many float64), the n row
+ * vectors are copied into a cache-resident tile (each row's loads requested PREFETCH_TILES
+ * tiles ahead: n streams are more than the hardware prefetcher follows) and sorted by a sorting
  * network with vector min/max, which sorts the W columns at once without a transpose:
  * Batcher's odd-even merge sort for the next power of two, with the wires above n dropped (an
  * input padded with +inf there would keep them, so their comparators never act), and with the
@@ -15,13 +17,17 @@
  *   value lies in [v_lo, v_hi] (it holds a middle position);
  * - trimmed mean (f >= 1): the sorted values at positions f .. n - f - 1, each converted to
  *   float64 and summed in the order of PyTorch's CPU `torch.sum` over a contiguous float64 row
- *   (`cascade_sum` in aten/src/ATen/native/cpu/SumKernel.cpp with 4-lane vectors, see
- *   `torch_order_sum`), divided by n - 2f and rounded to float32; each row's count of columns
+ *   (see `torch_sum`), divided by n - 2f and rounded to float32; each row's count of columns
  *   in which its value lies outside [v_f, v_(n-f-1)] (it was dropped).
  *
- * A column whose cut splits a run of equal values (a tie: then which rows hold the cut
- * positions is a matter of shares), or that holds a NaN, is flagged instead: its counts are
- * left out and the caller computes that column again on its own.
+ * A column whose window of sorted positions (the middle ones, or the kept ones) starts or ends
+ * inside a run of equal values (a tie) leaves which rows hold those positions to shares: each
+ * member of a run covering positions [a, b) gets |[a, b) n window| / (b - a), as
+ * `_select.window_shares` defines them. Such a column is left out of the counts; the kernel
+ * counts, per tied column, the values below and up to each end of the window, and at the end of
+ * the chunk sums each row's shares over the tied columns, in column order and in the order of
+ * torch.sum over a row (as `_select` sums the matrix of shares it forms). A chunk that holds a
+ * NaN is handed back (-1): the caller runs it through the NumPy steps.
  *
  * Three kernels perform the same operations: a portable one (GCC/Clang vector extensions,
  * lowered to whatever the target has) and, on x86 with GCC or Clang, AVX2 and AVX-512 ones
@@ -575,7 +581,6 @@ static inline __attribute__((always_inline)) ATTR VI NAME(load_tile)(const char 
         t[r] = v;
         u[r] = v;
         nan |= (VI)(v != v);
-        /* rows lie far apart: too many streams for the hardware prefetcher to follow */
         __builtin_prefetch(at + PREFETCH_TILES * (Py_ssize_t)sizeof(V), 0, 3);
     }
     return nan;

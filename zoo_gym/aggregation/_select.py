@@ -19,8 +19,8 @@ of the same data); the transpose, the comparisons and the counts (byte-wide, one
 value) are the rest. On other devices: the same steps in torch.
 
 Where the C extension `_orderstat` was built (`zoo_gym/aggregation/_orderstat.c`), the CPU
-engine hands each chunk to it instead: it sorts tiles of 16 columns (8 in float64) with a
-sorting network across the rows, without a transpose, and forms the results and counts
+engine hands each chunk to it instead: it sorts tiles of 16 columns (AVX-512; 8 with AVX2)
+with a sorting network across the rows, without a transpose, and forms the results and counts
 while the tile is in cache, tie shares included (a chunk holding a NaN goes through the
 NumPy steps above). Both give the same bits; `use_compiled(False)` turns it off.
 

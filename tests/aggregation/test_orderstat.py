@@ -46,6 +46,12 @@ def _raw(x: torch.Tensor | NDArray[Any]) -> NDArray[np.int32]:
     return np.ascontiguousarray(a, dtype=np.float32).view(np.int32)
 
 
+def _work(x: NDArray[Any]) -> NDArray[np.uint8]:
+    """A work buffer for the kernels on `x` `(n, c)`."""
+    assert _orderstat is not None
+    return np.empty(_orderstat.work_size(*x.shape), dtype=np.uint8)
+
+
 def _matrix(
     rng: np.random.Generator, n: int, c: int, ties: float, special: float, spread: float = 2.0
 ) -> NDArray[Any]:
@@ -136,9 +142,9 @@ def test_every_kernel_gives_the_same_bits_on_a_view_with_strided_rows(
         shares = np.zeros(n, dtype=np.float64)
         network = _select._network(n, kind, f)
         if kind == "median":
-            tied = _orderstat.median(x, network, out, counts, shares, kernel)
+            tied = _orderstat.median(x, network, out, counts, shares, _work(x), kernel)
         else:
-            tied = _orderstat.trimmed(x, f, network, out, counts, shares, kernel)
+            tied = _orderstat.trimmed(x, f, network, out, counts, shares, _work(x), kernel)
         assert tied == 0  # no ties, no NaN
         assert np.array_equal(_raw(out), _raw(ref))
         assert np.array_equal(counts, ref_rows.numpy())
@@ -186,12 +192,12 @@ def test_tied_columns_give_shares_and_a_nan_leaves_the_chunk_to_numpy(kernel: st
     counts = np.zeros(3, dtype=np.int64)
     shares = np.zeros(3, dtype=np.float64)
     network = _select._network(3, "median", 0)
-    assert _orderstat.median(x, network, out, counts, shares, kernel) == 1
+    assert _orderstat.median(x, network, out, counts, shares, _work(x), kernel) == 1
     assert out.tolist() == [2.0, 2.0, 5.0]
     assert counts.tolist() == [1, 0, 1]
     assert shares.tolist() == [0.5, 0.5, 0.0]
     x[1, 2] = np.nan
-    assert _orderstat.median(x, network, out, counts, shares, kernel) == -1
+    assert _orderstat.median(x, network, out, counts, shares, _work(x), kernel) == -1
     assert counts.tolist() == [1, 0, 1]  # untouched
     (ours, rows), (np_out, np_rows), _ = _engines(torch.from_numpy(x), "median", 0, 64)
     assert np.array_equal(_raw(ours), _raw(np_out))
@@ -222,7 +228,10 @@ def test_hand_computed_trimmed_mean_and_counts() -> None:
     out = np.zeros(2, dtype=np.float32)
     counts = np.zeros(5, dtype=np.int64)
     shares = np.zeros(5, dtype=np.float64)
-    assert _orderstat.trimmed(x, 1, _select._network(5, "trimmed", 1), out, counts, shares) == 0
+    assert (
+        _orderstat.trimmed(x, 1, _select._network(5, "trimmed", 1), out, counts, shares, _work(x))
+        == 0
+    )
     assert out.tolist() == [3.0, 3.0]
     assert counts.tolist() == [2, 1, 0, 0, 1]
 
@@ -233,15 +242,19 @@ def test_bad_arguments_get_one_clear_line() -> None:
     x = np.zeros((4, 3), dtype=np.float32)
     out, counts, shares = np.zeros(3, np.float32), np.zeros(4, np.int64), np.zeros(4)
     with pytest.raises(ValueError, match="not a network for these n rows"):
-        _orderstat.median(x, _orderstat.network(9, 0, 8), out, counts, shares)
+        _orderstat.median(x, _orderstat.network(9, 0, 8), out, counts, shares, _work(x))
     with pytest.raises(ValueError, match="1 <= f < n / 2"):
-        _orderstat.trimmed(x, 2, _orderstat.network(4, 0, 3), out, counts, shares)
+        _orderstat.trimmed(x, 2, _orderstat.network(4, 0, 3), out, counts, shares, _work(x))
     with pytest.raises(TypeError, match="each row contiguous"):
-        _orderstat.median(x[:, ::2], _orderstat.network(4, 0, 3), out, counts, shares)
+        _orderstat.median(x[:, ::2], _orderstat.network(4, 0, 3), out, counts, shares, _work(x))
     with pytest.raises(TypeError, match="shares float64"):
-        _orderstat.median(x, _orderstat.network(4, 0, 3), out, counts, shares[:2])
+        _orderstat.median(x, _orderstat.network(4, 0, 3), out, counts, shares[:2], _work(x))
+    with pytest.raises(ValueError, match="work holds 10 bytes"):
+        _orderstat.median(
+            x, _orderstat.network(4, 0, 3), out, counts, shares, np.zeros(10, np.uint8)
+        )
     with pytest.raises(ValueError, match="unknown kernel"):
-        _orderstat.median(x, _orderstat.network(4, 0, 3), out, counts, shares, "sse9")
+        _orderstat.median(x, _orderstat.network(4, 0, 3), out, counts, shares, _work(x), "sse9")
 
 
 @compiled

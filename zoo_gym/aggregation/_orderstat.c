@@ -391,54 +391,81 @@ static int check_args(const Py_buffer *x, Py_ssize_t f, const Py_buffer *pairs,
     return 0;
 }
 
+/* Bytes of the work buffer a kernel needs for n rows and c columns: the tile, its unsorted
+ * copy and the per-lane counts (n vectors each), the tied columns and a row of their shares
+ * (c each), and room to align the start to 64 bytes. The caller keeps one per thread: a
+ * kernel allocates nothing (blocks freed from several threads would raise glibc's mmap
+ * threshold, and the heap would then keep the decoded chunks' memory). */
+static Py_ssize_t work_size(Py_ssize_t n, Py_ssize_t c)
+{
+    return (3 * n + 1) * LANE_BYTES + c * (Py_ssize_t)(sizeof(tied_column) + sizeof(double));
+}
+
+static int check_work(const Py_buffer *work, Py_ssize_t n, Py_ssize_t c)
+{
+    if (work->len < work_size(n, c)) {
+        PyErr_Format(PyExc_ValueError, "work holds %zd bytes; %zd rows x %zd columns need %zd",
+                     work->len, n, c, work_size(n, c));
+        return -1;
+    }
+    return 0;
+}
+
+static PyObject *orderstat_work_size(PyObject *self, PyObject *args)
+{
+    Py_ssize_t n, c;
+    if (!PyArg_ParseTuple(args, "nn:work_size", &n, &c))
+        return NULL;
+    if (n < 0 || c < 0 || n > (1 << 24) || c > PY_SSIZE_T_MAX / 64) {
+        PyErr_Format(PyExc_ValueError, "work_size needs 0 <= n <= 2^24 rows, c >= 0 columns");
+        return NULL;
+    }
+    return PyLong_FromSsize_t(work_size(n, c));
+}
+
 static PyObject *run_rule(PyObject *args, int rule)
 {
-    PyObject *x_obj, *pairs_obj, *out_obj, *counts_obj, *shares_obj;
+    PyObject *x_obj, *pairs_obj, *out_obj, *counts_obj, *shares_obj, *work_obj;
     Py_ssize_t f = 0;
     const char *kernel = NULL;
     if (rule == MEDIAN) {
-        if (!PyArg_ParseTuple(args, "OOOOO|z:median", &x_obj, &pairs_obj, &out_obj, &counts_obj,
-                              &shares_obj, &kernel))
+        if (!PyArg_ParseTuple(args, "OOOOOO|z:median", &x_obj, &pairs_obj, &out_obj,
+                              &counts_obj, &shares_obj, &work_obj, &kernel))
             return NULL;
-    } else if (!PyArg_ParseTuple(args, "OnOOOO|z:trimmed", &x_obj, &f, &pairs_obj, &out_obj,
-                                 &counts_obj, &shares_obj, &kernel)) {
+    } else if (!PyArg_ParseTuple(args, "OnOOOOO|z:trimmed", &x_obj, &f, &pairs_obj, &out_obj,
+                                 &counts_obj, &shares_obj, &work_obj, &kernel)) {
         return NULL;
     }
     const int k = kernel_index(kernel);
     if (k < 0)
         return NULL;
-    Py_buffer views[5];
-    PyObject *objs[5] = {x_obj, pairs_obj, out_obj, counts_obj, shares_obj};
-    const int modes[5] = {PyBUF_STRIDES | PyBUF_FORMAT, PyBUF_SIMPLE,
+    Py_buffer views[6];
+    PyObject *objs[6] = {x_obj, pairs_obj, out_obj, counts_obj, shares_obj, work_obj};
+    const int modes[6] = {PyBUF_STRIDES | PyBUF_FORMAT, PyBUF_SIMPLE,
                           PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE | PyBUF_FORMAT,
                           PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE | PyBUF_FORMAT,
-                          PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE | PyBUF_FORMAT};
+                          PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE | PyBUF_FORMAT,
+                          PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE};
     int got = 0;
-    for (; got < 5; got++)
+    for (; got < 6; got++)
         if (PyObject_GetBuffer(objs[got], &views[got], modes[got]) < 0)
             break;
     PyObject *result = NULL;
-    if (got == 5 && check_args(&views[0], f, &views[1], &views[2], &views[3], &views[4], rule) == 0) {
+    if (got == 6 && check_args(&views[0], f, &views[1], &views[2], &views[3], &views[4], rule) == 0 &&
+        check_work(&views[5], views[0].shape[0], views[0].shape[1]) == 0) {
         const Py_ssize_t n = views[0].shape[0], c = views[0].shape[1];
         const int dtype = format_of(&views[0]) == 'd';
-        /* the tile, its unsorted copy, the per-lane counts (64-byte aligned), then the tied
-         * columns and a row of their shares */
-        const size_t bytes = (size_t)(3 * n + 1) * LANE_BYTES +
-                             (size_t)c * (sizeof(tied_column) + sizeof(double));
-        void *work = NULL;
-        if (posix_memalign(&work, LANE_BYTES, bytes) != 0) {
-            PyErr_NoMemory();
-        } else {
-            kernel_fn fn = kernel_sets[k].fns[dtype][rule];
-            Py_ssize_t tied;
-            Py_BEGIN_ALLOW_THREADS
-            tied = fn((const char *)views[0].buf, views[0].strides[0], (int)n, c, (int)f,
-                      (const int32_t *)views[1].buf, views[1].len / 8, (float *)views[2].buf,
-                      (int64_t *)views[3].buf, (double *)views[4].buf, work);
-            Py_END_ALLOW_THREADS
-            free(work);
-            result = PyLong_FromSsize_t(tied);
-        }
+        /* within `work`, 64-byte aligned: see work_size */
+        char *work = (char *)views[5].buf;
+        work += (LANE_BYTES - (uintptr_t)work % LANE_BYTES) % LANE_BYTES;
+        kernel_fn fn = kernel_sets[k].fns[dtype][rule];
+        Py_ssize_t tied;
+        Py_BEGIN_ALLOW_THREADS
+        tied = fn((const char *)views[0].buf, views[0].strides[0], (int)n, c, (int)f,
+                  (const int32_t *)views[1].buf, views[1].len / 8, (float *)views[2].buf,
+                  (int64_t *)views[3].buf, (double *)views[4].buf, work);
+        Py_END_ALLOW_THREADS
+        result = PyLong_FromSsize_t(tied);
     }
     for (int i = 0; i < got; i++)
         PyBuffer_Release(&views[i]);
@@ -462,29 +489,36 @@ PyDoc_STRVAR(network_doc,
              "for n wires, keeping only the comparators that can reach sorted positions lo..hi.");
 
 PyDoc_STRVAR(median_doc,
-             "median(x, pairs, out, counts, shares, kernel=None)\n--\n\n"
+             "median(x, pairs, out, counts, shares, work, kernel=None)\n--\n\n"
              "Per-column median of x (n, c) float32 or float64 (rows contiguous) into out[:c]\n"
              "float32: (v_lo + v_hi) in float64, times 0.5, plus 0.0, rounded. counts (n,) int64\n"
              "gets each row's number of columns whose middle positions it holds, but for the\n"
              "columns whose middle cuts split a run of equal values (ties): shares (n,) float64\n"
              "is set to each row's sum of its shares of their middle positions. Returns the\n"
              "number of such columns, or -1 if x holds a NaN (counts and shares untouched).\n"
-             "pairs: network(n, max(lo - 1, 0), min(hi + 1, n - 1)).");
+             "pairs: network(n, max(lo - 1, 0), min(hi + 1, n - 1)); work: a writable buffer\n"
+             "of work_size(n, c) bytes.");
 
 PyDoc_STRVAR(trimmed_doc,
-             "trimmed(x, f, pairs, out, counts, shares, kernel=None)\n--\n\n"
+             "trimmed(x, f, pairs, out, counts, shares, work, kernel=None)\n--\n\n"
              "Per-column mean of x (n, c) without its f smallest and f largest values, into\n"
              "out[:c] float32: the kept values in float64, added in torch.sum's order, divided by\n"
              "n - 2f. counts (n,) int64 gets each row's number of dropped values, but for the\n"
              "columns whose cuts split a run of equal values (ties): shares (n,) float64 is set\n"
              "to each row's sum of its shares of their kept positions. Returns the number of\n"
              "such columns, or -1 if x holds a NaN (counts and shares untouched).\n"
-             "pairs: network(n, f - 1, n - f).");
+             "pairs: network(n, f - 1, n - f); work: a writable buffer of work_size(n, c)\n"
+             "bytes.");
+
+PyDoc_STRVAR(work_size_doc,
+             "work_size(n, c)\n--\n\n"
+             "Bytes of the work buffer median and trimmed need for n rows and c columns.");
 
 static PyMethodDef orderstat_methods[] = {
     {"network", orderstat_network, METH_VARARGS, network_doc},
     {"median", orderstat_median, METH_VARARGS, median_doc},
     {"trimmed", orderstat_trimmed, METH_VARARGS, trimmed_doc},
+    {"work_size", orderstat_work_size, METH_VARARGS, work_size_doc},
     {NULL, NULL, 0, NULL},
 };
 

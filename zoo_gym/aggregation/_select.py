@@ -252,6 +252,8 @@ class _NpScratch:
         self.totals = np.zeros(n, dtype=np.float64)  # (n,)
         self.counts = np.zeros(n, dtype=np.int64)  # (n,) counts since the last flush
         self.shares = np.empty(n, dtype=np.float64)  # (n,) tie shares of a compiled chunk
+        work = 0 if _COMPILED is None else _COMPILED.work_size(n, width)
+        self.work = np.empty(work, dtype=np.uint8)  # the compiled kernels' buffers
 
     def count(self, mask: NDArray[np.bool_]) -> None:
         """Add the `(n, c)` 0/1 `mask` to each row's count."""
@@ -371,9 +373,9 @@ def _c_rule(
     to the scratch's, as the NumPy twin adds them; a chunk holding a NaN through the twin."""
     assert _COMPILED is not None
     if kind == "median":
-        tied = _COMPILED.median(x, network, out, scratch.counts, scratch.shares)
+        tied = _COMPILED.median(x, network, out, scratch.counts, scratch.shares, scratch.work)
     else:
-        tied = _COMPILED.trimmed(x, f, network, out, scratch.counts, scratch.shares)
+        tied = _COMPILED.trimmed(x, f, network, out, scratch.counts, scratch.shares, scratch.work)
     if tied < 0:
         if kind == "median":
             _np_median(x, scratch, out)

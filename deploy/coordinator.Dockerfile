@@ -9,7 +9,8 @@ ARG PYTHON_IMAGE=python:3.11.13-slim-bookworm
 FROM ${PYTHON_IMAGE} AS build
 ARG TORCH_VERSION=2.13.0
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
-# a C compiler builds the BitDelta pack extension (zoo_gym/compression/_bitpack.c)
+# a C compiler builds the C extensions: BitDelta packing (zoo_gym/compression/_bitpack.c) and
+# the median / trimmed mean kernel (zoo_gym/aggregation/_orderstat.c)
 RUN apt-get update \
  && apt-get install -y --no-install-recommends gcc libc6-dev \
  && rm -rf /var/lib/apt/lists/*

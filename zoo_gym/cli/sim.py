@@ -330,6 +330,21 @@ StorageOption = Annotated[
 ]
 
 
+# `run`'s options for the task and how its records are split across clients
+TaskOption = Annotated[
+    str | None, typer.Option(help="addition, or arithmetic (add, subtract, multiply, compare)")
+]
+PartitionOption = Annotated[
+    str | None, typer.Option(help="how records are split: iid (round robin), dirichlet or labels")
+]
+AlphaOption = Annotated[
+    float | None, typer.Option(help="Dirichlet concentration (--partition dirichlet)")
+]
+ClassesPerClientOption = Annotated[
+    int | None, typer.Option(help="classes each client holds (--partition labels)")
+]
+
+
 @app.command()
 @friendly
 def run(
@@ -345,6 +360,10 @@ def run(
     clients: Annotated[int | None, typer.Option(help="virtual clients per federation")] = None,
     rounds: Annotated[int | None, typer.Option(help="rounds per federation")] = None,
     steps: Annotated[int | None, typer.Option(help="local training steps per round")] = None,
+    task: TaskOption = None,
+    partition: PartitionOption = None,
+    alpha: AlphaOption = None,
+    classes_per_client: ClassesPerClientOption = None,
     f: Annotated[
         int | None, typer.Option("--f", help="Byzantine updates the rules tolerate")
     ] = None,
@@ -366,9 +385,6 @@ def run(
 ) -> None:
     """Run an attack matrix (aggregators x attacks x Byzantine shares) and write tables and plots."""
     setup_logging(False)
-    from rich.markdown import Markdown
-
-    from zoo_gym.simulation.report import write_report
     from zoo_gym.simulation.sweep import load_sweep
 
     # after flwr's import: one warning per federation otherwise
@@ -380,6 +396,10 @@ def run(
         "clients": clients,
         "rounds": rounds,
         "steps": steps,
+        "task": task,
+        "partition": partition,
+        "alpha": alpha,
+        "classes_per_client": classes_per_client,
         "f": f,
         "engine": engine,
         "jobs": jobs,
@@ -388,7 +408,15 @@ def run(
         "seed": seed,
     }
     sweep = load_sweep(config, {k: v for k, v in flags.items() if v is not None})
-    results = _run_sweep(sweep, out)
+    _report(_run_sweep(sweep, out), sweep, out)
+
+
+def _report(results: list[CellResult], sweep: SweepConfig, out: Path) -> None:
+    """Write the sweep's tables and plots to `out` and show its Markdown table."""
+    from rich.markdown import Markdown
+
+    from zoo_gym.simulation.report import write_report
+
     paths = write_report(results, sweep, out)
     console.print(Markdown((out / "results.md").read_text()))
     console.print("wrote " + ", ".join(str(p) for p in paths))

@@ -46,6 +46,7 @@ from zoo_gym.simulation.sweep import (
     byzantine_indices,
     cell_overrides,
     shards_for,
+    validation_records,
 )
 
 if TYPE_CHECKING:
@@ -56,16 +57,17 @@ log = logging.getLogger(__name__)
 
 
 def make_template(workdir: Path, config: SweepConfig) -> Path:
-    """The coordinator home every cell copies: the tiny model, tokenizer and validation split,
-    after `warmup_rounds` honest FedAvg rounds on the sweep's data (published as v0001, ...)."""
+    """The coordinator home every cell copies: the tiny model, tokenizer and the task's validation
+    split, after `warmup_rounds` honest FedAvg rounds on the sweep's data (published as v0001, ...)."""
     from zoo_gym.coordinator.setup import init_home
+    from zoo_gym.core.synthetic import write_jsonl
     from zoo_gym.simulation.batched import BatchedFederation
     from zoo_gym.simulation.inprocess import InProcessFederation
 
     key = (
         f"{config.seed}|{config.clients}|{config.examples_per_client}|{config.warmup_rounds}|{config.steps}|"
-        f"{config.learning_rate}|{config.batch_size}|{config.codec}|"
-        f"{json.dumps(config.coordinator, sort_keys=True)}"
+        f"{config.learning_rate}|{config.batch_size}|{config.codec}|{config.task}|{config.partition}|"
+        f"{config.alpha}|{config.classes_per_client}|{json.dumps(config.coordinator, sort_keys=True)}"
     )
     if config.engine == "batched":  # its warm-up trains batched too (the same up to rounding)
         key += "|batched"
@@ -75,6 +77,9 @@ def make_template(workdir: Path, config: SweepConfig) -> Path:
     building = template.with_name(template.name + ".part")
     shutil.rmtree(building, ignore_errors=True)
     init_home(building, tiny=True, settings="", seed=config.seed)
+    validation = validation_records(config)
+    if validation is not None:
+        write_jsonl(validation, building / "validation.jsonl")
     if config.warmup_rounds:
         overrides = {
             **cell_overrides(config, Cell("fedavg", "none", 0.0)),

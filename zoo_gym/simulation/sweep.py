@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import random
 import tomllib
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -20,7 +21,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from zoo_gym.aggregation import RULES, min_clients
 from zoo_gym.client.byzantine import DATA_ATTACKS
-from zoo_gym.core.synthetic import make_examples, shard
+from zoo_gym.core.partition import dirichlet_counts, label_counts, split
+from zoo_gym.core.synthetic import TASKS, Record, shard
 from zoo_gym.simulation.adversary import UPDATE_ATTACKS
 
 ATTACK_NAMES = ("none", *UPDATE_ATTACKS, *DATA_ATTACKS)
@@ -55,6 +57,20 @@ class SweepConfig(BaseModel):
     learning_rate: float = Field(0.01, gt=0)
     batch_size: int = Field(8, ge=1)
     examples_per_client: int = Field(60, ge=4)
+    task: Literal["addition", "arithmetic"] = Field(
+        "addition",
+        description="addition: sums in a few phrasings; arithmetic: add, subtract, multiply and "
+        "compare, one class each (validation holds all four alike)",
+    )
+    partition: Literal["iid", "dirichlet", "labels"] = Field(
+        "iid",
+        description="iid: round robin; dirichlet: each client's class proportions from "
+        "Dir(alpha * prior); labels: each client holds classes_per_client classes",
+    )
+    alpha: float = Field(0.5, gt=0, description="Dirichlet concentration (partition dirichlet)")
+    classes_per_client: int = Field(
+        1, ge=1, description="classes each client holds (partition labels)"
+    )
     f: int | None = Field(
         None,
         ge=0,
@@ -107,6 +123,11 @@ class SweepConfig(BaseModel):
                 raise ValueError(
                     f"unknown attack {attack!r}; choose from {', '.join(ATTACK_NAMES[1:])}"
                 )
+        classes = len(TASKS[self.task].classes)
+        if self.partition == "labels" and self.classes_per_client > classes:
+            raise ValueError(
+                f"the {self.task} task has {classes} classes; set classes_per_client to 1..{classes}"
+            )
         for share in self.byzantine_shares:
             if not 0.0 < share < 0.5:
                 raise ValueError(f"Byzantine shares must lie in (0, 0.5), got {share}")
@@ -275,6 +296,31 @@ def merged(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def shards_for(config: SweepConfig) -> list[list[dict[str, str]]]:
-    records = make_examples(config.clients * config.examples_per_client, seed=config.seed + 1)
-    return shard(records, config.clients)
+def shards_for(config: SweepConfig) -> list[list[Record]]:
+    """Each client's records: `examples_per_client` of the sweep's task, split by its partition.
+
+    IID is the round robin of `shard` over the task's records. The non-IID partitions draw a
+    pool holding exactly the records of each class the counts ask for, then deal it out.
+    """
+    task = TASKS[config.task]
+    n, size = config.clients, config.examples_per_client
+    if config.partition == "iid":
+        return shard(task.examples(n * size, seed=config.seed + 1), n)
+    if config.partition == "dirichlet":
+        counts = dirichlet_counts(task.prior, n, size, alpha=config.alpha, seed=config.seed + 2)
+    else:
+        counts = label_counts(
+            task.prior, n, size, classes_per_client=config.classes_per_client, seed=config.seed + 2
+        )
+    rng = random.Random(config.seed + 1)
+    labels = [c for c in range(len(task.prior)) for _ in range(sum(row[c] for row in counts))]
+    pool = [task.example(c, rng) for c in labels]
+    return [[pool[i] for i in indices] for indices in split(labels, counts, seed=config.seed + 3)]
+
+
+def validation_records(config: SweepConfig) -> list[Record] | None:
+    """The coordinator's validation split for the sweep's task, or None for the addition task
+    (the tiny home's own `validation.jsonl`). Every class is there alike, whatever the partition."""
+    if config.task == "addition":
+        return None
+    return TASKS[config.task].balanced(200, seed=config.seed + 10_000)

@@ -41,6 +41,20 @@ def write_csv(results: Sequence[CellResult], path: Path) -> None:
             writer.writerow(as_row(r, base.get(r.aggregator)))
 
 
+def data_split(config: SweepConfig) -> str:
+    """How the sweep's records are split, in words.
+
+    >>> data_split(SweepConfig(partition="labels", classes_per_client=2))
+    '2 classes per client'
+    """
+    if config.partition == "dirichlet":
+        return f"Dirichlet alpha = {config.alpha:g} split"
+    if config.partition == "labels":
+        k = config.classes_per_client
+        return f"{k} class{'es' if k > 1 else ''} per client"
+    return "IID split"
+
+
 def _pct(value: float) -> str:
     return "n/a" if math.isnan(value) else f"{100 * value:.0f}%"
 
@@ -52,8 +66,8 @@ def markdown(results: Sequence[CellResult], config: SweepConfig) -> str:
     by_cell = {(r.aggregator, r.attack, r.byzantine_share): r for r in results}
     lines = [
         f"Relative quality: validation-loss reduction under attack / without attack, same aggregator "
-        f"({config.clients} clients, {config.rounds} rounds after {config.warmup_rounds} honest warm-up rounds, "
-        f"f = {config.tolerated}, seed {config.seed}). "
+        f"({config.task} task, {data_split(config)}, {config.clients} clients, {config.rounds} rounds "
+        f"after {config.warmup_rounds} honest warm-up rounds, f = {config.tolerated}, seed {config.seed}). "
         "100% = no harm; 0% = no progress; negative = worse than the start. "
         "In brackets: share of Byzantine updates the rule selected.",
         "",

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import doctest
 import json
 from collections import Counter
 from pathlib import Path
@@ -12,7 +11,6 @@ from typer.testing import CliRunner
 
 from zoo_gym.cli.sim import app
 from zoo_gym.core.synthetic import make_examples, operation_of, shard, sum_bucket
-from zoo_gym.simulation import report
 from zoo_gym.simulation.experiment import make_template
 from zoo_gym.simulation.sweep import (
     SweepConfig,
@@ -115,19 +113,3 @@ def test_run_flags_reach_the_sweep() -> None:
 
     assert result.exit_code != 0
     assert "task: Input should be 'addition' or 'arithmetic'" in result.output
-
-
-def test_report_names_the_task_and_its_split() -> None:
-    assert doctest.testmod(report).failed == 0
-    header = {
-        kw["partition"]: report.markdown([], _config(task="arithmetic", **kw)).splitlines()[0]
-        for kw in (
-            {"partition": "labels", "classes_per_client": 1},
-            {"partition": "dirichlet", "alpha": 0.3},
-            {"partition": "iid"},
-        )
-    }
-
-    assert "(arithmetic task, 1 class per client, 10 clients," in header["labels"]
-    assert "(arithmetic task, Dirichlet alpha = 0.3 split, 10 clients," in header["dirichlet"]
-    assert "(arithmetic task, IID split, 10 clients," in header["iid"]

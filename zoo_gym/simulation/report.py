@@ -59,6 +59,12 @@ def _pct(value: float) -> str:
     return "n/a" if math.isnan(value) else f"{100 * value:.0f}%"
 
 
+def _quality(result: CellResult, baseline: CellResult | None) -> str:
+    """Relative quality, or the cell's own quality where the baseline gives no scale."""
+    share = relative(result, baseline)
+    return f"q {result.quality:+.3f}" if math.isnan(share) else _pct(share)
+
+
 def markdown(results: Sequence[CellResult], config: SweepConfig) -> str:
     """Relative quality per aggregator and attack (rows) and Byzantine share (columns)."""
     base = baselines(results)
@@ -69,6 +75,8 @@ def markdown(results: Sequence[CellResult], config: SweepConfig) -> str:
         f"({config.task} task, {data_split(config)}, {config.clients} clients, {config.rounds} rounds "
         f"after {config.warmup_rounds} honest warm-up rounds, f = {config.tolerated}, seed {config.seed}). "
         "100% = no harm; 0% = no progress; negative = worse than the start. "
+        "Where a rule made no progress without attack, its cells give their own quality "
+        "q = L_0 - L_R (loss reduction) instead. "
         "In brackets: share of Byzantine updates the rule selected.",
         "",
         "| aggregator | attack | "
@@ -88,9 +96,7 @@ def markdown(results: Sequence[CellResult], config: SweepConfig) -> str:
             for share in shares:
                 r = by_cell.get((rule, attack, share))
                 cells.append(
-                    ""
-                    if r is None
-                    else f"{_pct(relative(r, baseline))} ({_pct(r.byzantine_selected)})"
+                    "" if r is None else f"{_quality(r, baseline)} ({_pct(r.byzantine_selected)})"
                 )
             lines.append(f"| {rule} | {attack} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"

@@ -385,11 +385,9 @@ def run(
 ) -> None:
     """Run an attack matrix (aggregators x attacks x Byzantine shares) and write tables and plots."""
     setup_logging(False)
-    from zoo_gym.simulation.sweep import load_sweep
-
     # after flwr's import: one warning per federation otherwise
     logging.getLogger("flwr").setLevel(logging.ERROR)
-    flags: dict[str, Any] = {
+    flags = {
         "aggregators": aggregators and _items(aggregators),
         "attacks": attacks and _items(attacks),
         "byzantine_shares": shares and _shares(shares),
@@ -407,8 +405,15 @@ def run(
         "storage": storage,
         "seed": seed,
     }
-    sweep = load_sweep(config, {k: v for k, v in flags.items() if v is not None})
+    sweep = _load(config, flags)
     _report(_run_sweep(sweep, out), sweep, out)
+
+
+def _load(config: Path | None, flags: dict[str, Any]) -> SweepConfig:
+    """The sweep in `config` (or the defaults) with the flags that were given on top."""
+    from zoo_gym.simulation.sweep import load_sweep
+
+    return load_sweep(config, {k: v for k, v in flags.items() if v is not None})
 
 
 def _report(results: list[CellResult], sweep: SweepConfig, out: Path) -> None:

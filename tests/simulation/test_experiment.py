@@ -43,6 +43,9 @@ def test_scaling_attack_breaks_fedavg_but_not_median(tmp_path: Path) -> None:
     assert by["fedavg", "none"].quality > 0.1 and by["median", "none"].quality > 0.1
     assert by["fedavg", "scaling"].quality < 0 < by["median", "scaling"].quality
     assert by["fedavg", "scaling"].byzantine_selected == 1.0
+    # the median never took the boosted update in the cell's rounds (the warm-up's FedAvg
+    # round, which selected everyone, does not count)
+    assert by["median", "scaling"].byzantine_selected == 0.0
     assert all(len(r.losses) == 3 and r.f == 1 for r in results)
 
     # the report: CSV rows, a Markdown table, one PNG per share

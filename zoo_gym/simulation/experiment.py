@@ -128,8 +128,13 @@ def cell_result(
     """What a cell's rounds and its ledger say about the rule under its attack."""
     if not summaries:
         raise RuntimeError(f"cell {cell.name} ran no round; see its coordinator home under cells/")
+    rounds = {s.round for s in summaries}  # the cell's own, not the template's warm-up
     with Session(co.engine) as session:
-        subs = [s for s in ledger.list_submissions(session) if s.contributor_id in bad]
+        subs = [
+            s
+            for s in ledger.list_submissions(session)
+            if s.contributor_id in bad and s.round_number in rounds
+        ]
     co.engine.dispose()  # a worker runs many cells: close this one's database connections
     selected = sum(1 for s in subs if s.selected) / len(subs) if subs else 0.0
     return CellResult(

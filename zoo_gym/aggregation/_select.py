@@ -31,15 +31,15 @@ equal zeros; a trimmed mean's sum starts from +0.0 and is +0.0 when zero.
 
 from __future__ import annotations
 
-import importlib
 import threading
-from types import ModuleType
 from typing import Any
 
 import numpy as np
 import torch
 from numpy.typing import NDArray
 from torch import Tensor
+
+from zoo_gym.core.extension import Extension
 
 from ._core import as_columns, run_threaded, sort_budget, spans
 from .columns import Columns, Updates
@@ -49,31 +49,19 @@ Array = NDArray[Any]  # a NumPy array of the working dtype
 _SUM_PIECE = 32_768  # values summed at once by `kept_sums`: torch's grain size, one thread
 
 
-def _load_compiled() -> ModuleType | None:
-    """The compiled kernels (`_orderstat.c`), or None where the package was built without them."""
-    try:
-        return importlib.import_module("zoo_gym.aggregation._orderstat")
-    except ImportError:
-        return None
-
-
-_COMPILED = _load_compiled()
-_use_compiled = _COMPILED is not None
+_COMPILED = Extension("zoo_gym.aggregation._orderstat")
 
 
 def compiled_available() -> bool:
     """Whether the compiled kernels (`zoo_gym/aggregation/_orderstat.c`) were built and import."""
-    return _COMPILED is not None
+    return _COMPILED.available
 
 
 def use_compiled(enabled: bool) -> bool:
     """Run the CPU engine's median and trimmed mean through the compiled kernels when
     `enabled` (and they were built), through NumPy otherwise; both give the same bits.
     Returns the previous setting."""
-    global _use_compiled
-    previous = _use_compiled
-    _use_compiled = enabled and _COMPILED is not None
-    return previous
+    return _COMPILED.use(enabled)
 
 
 class Scratch:
@@ -252,7 +240,7 @@ class _NpScratch:
         self.totals = np.zeros(n, dtype=np.float64)  # (n,)
         self.counts = np.zeros(n, dtype=np.int64)  # (n,) counts since the last flush
         self.shares = np.empty(n, dtype=np.float64)  # (n,) tie shares of a compiled chunk
-        work = 0 if _COMPILED is None else _COMPILED.work_size(n, width)
+        work = 0 if _COMPILED.module is None else _COMPILED.module.work_size(n, width)
         self.work = np.empty(work, dtype=np.uint8)  # the compiled kernels' buffers
 
     def count(self, mask: NDArray[np.bool_]) -> None:
@@ -360,9 +348,9 @@ def _np_trimmed(x: Array, f: int, scratch: _NpScratch, out: NDArray[np.float32])
 def _network(n: int, kind: str, f: int) -> bytes:
     """The compiled kernels' sorting network for the sorted positions `kind` reads: the
     middle ones (median) or the kept ones (trimmed), with their neighbours for the ties."""
-    assert _COMPILED is not None
+    assert _COMPILED.module is not None
     lo, hi = ((n - 1) // 2, n // 2) if kind == "median" else (f, n - f - 1)
-    network: bytes = _COMPILED.network(n, max(lo - 1, 0), min(hi + 1, n - 1))
+    network: bytes = _COMPILED.module.network(n, max(lo - 1, 0), min(hi + 1, n - 1))
     return network
 
 
@@ -371,11 +359,15 @@ def _c_rule(
 ) -> None:
     """The compiled kernel of `kind` on `x` `(n, c)`: results to `out`, counts and tie shares
     to the scratch's, as the NumPy twin adds them; a chunk holding a NaN through the twin."""
-    assert _COMPILED is not None
+    assert _COMPILED.module is not None
     if kind == "median":
-        tied = _COMPILED.median(x, network, out, scratch.counts, scratch.shares, scratch.work)
+        tied = _COMPILED.module.median(
+            x, network, out, scratch.counts, scratch.shares, scratch.work
+        )
     else:
-        tied = _COMPILED.trimmed(x, f, network, out, scratch.counts, scratch.shares, scratch.work)
+        tied = _COMPILED.module.trimmed(
+            x, f, network, out, scratch.counts, scratch.shares, scratch.work
+        )
     if tied < 0:
         if kind == "median":
             _np_median(x, scratch, out)
@@ -459,7 +451,7 @@ def _np_coordinatewise(
     np_dtype = np.float64 if dtype == torch.float64 else np.float32
     local = threading.local()
     buffers: list[_NpScratch] = []
-    compiled = _use_compiled and (kind == "median" or f > 0)
+    compiled = _COMPILED.enabled and (kind == "median" or f > 0)
     network = _network(n, kind, f) if compiled else b""
 
     def run(span: tuple[int, int]) -> None:

@@ -27,11 +27,9 @@ byte ``p`` spreads back into eight 0/1 bytes as ``((p * 0x8040201008040201) >> 7
 
 from __future__ import annotations
 
-import importlib
 import itertools
 import math
 from collections.abc import Iterator, Sequence
-from types import ModuleType
 
 import numpy as np
 import torch
@@ -39,6 +37,7 @@ from numpy.typing import NDArray
 from torch import Tensor
 
 from zoo_gym.compression.kernels import MAX_PACK_GROUP
+from zoo_gym.core.extension import Extension
 
 _MAGIC = 0x8040201008040201 - (1 << 64)  # the constant as a signed int64
 _LOW_BITS = 0x0101010101010101
@@ -54,36 +53,24 @@ _ZERO = np.float32(0.0)  # compared against without a conversion per call
 _Segment = tuple[int, int, int, int]  # (tensor, start, length, padded), see `_segments`
 
 
-def _load_compiled() -> ModuleType | None:
-    """The compiled pack (`_bitpack.c`), or None where the package was built without it."""
-    try:
-        return importlib.import_module("zoo_gym.compression._bitpack")
-    except ImportError:
-        return None
-
-
-_COMPILED = _load_compiled()
-_use_compiled = _COMPILED is not None
+_COMPILED = Extension("zoo_gym.compression._bitpack")
 
 
 def compiled_available() -> bool:
     """Whether the compiled pack (`zoo_gym/compression/_bitpack.c`) was built and imports."""
-    return _COMPILED is not None
+    return _COMPILED.available
 
 
 def use_compiled(enabled: bool) -> bool:
     """Pack on the CPU through the compiled pass when `enabled` (and it was built), through the
     numpy path otherwise; both give the same bytes. Returns the previous setting."""
-    global _use_compiled
-    previous = _use_compiled
-    _use_compiled = enabled and _COMPILED is not None
-    return previous
+    return _COMPILED.use(enabled)
 
 
 def _compiled_for(group: int) -> bool:
     """Whether `pack_concat` runs the compiled pass for `group`: a multiple of 8 up to
     MAX_PACK_GROUP, the groups the Triton pack kernel takes."""
-    return _use_compiled and group % 8 == 0 and group <= MAX_PACK_GROUP
+    return _COMPILED.enabled and group % 8 == 0 and group <= MAX_PACK_GROUP
 
 
 def pack_signs(x: Tensor) -> Tensor:
@@ -358,8 +345,8 @@ def _pack_fused(
     values writes its sign bytes and its group sums of |x| straight into the one byte buffer
     (tensors' bytes end to end) and the one sums buffer; then each sum is divided by its
     group's length."""
-    assert _COMPILED is not None
-    pack = _COMPILED.pack
+    assert _COMPILED.module is not None
+    pack = _COMPILED.module.pack
     starts = list(itertools.accumulate(((n + 7) // 8 for n in ns), initial=0))
     firsts = list(itertools.accumulate((-(-n // group) for n in ns), initial=0))
     bits = np.empty(starts[-1], dtype=np.uint8)

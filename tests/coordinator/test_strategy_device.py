@@ -7,12 +7,12 @@ the coordinator's CPU take the kernel path it takes on a GPU; the round's result
 from __future__ import annotations
 
 import hashlib
-import threading
 from pathlib import Path
 
 import pytest
 import torch
 from flwr.app import ConfigRecord, Message, MessageType, MetricRecord, RecordDict
+from stored_payloads import strategy_over
 
 from zoo_gym.compression import CodecSpec, encode, kernels
 from zoo_gym.compression.kernels import bitdelta_triton
@@ -20,16 +20,6 @@ from zoo_gym.coordinator.strategy import ZooStrategy, resolve_device
 from zoo_gym.core.delta import layout_of
 from zoo_gym.core.protocol import SUBMISSION, TRAIN_METRICS, IntakeResult
 from zoo_gym.transport.flower_internals import set_task_identity
-
-
-class _Payloads:
-    """The part of the backend the strategy reads while aggregating: stored payloads."""
-
-    def __init__(self, directory: Path) -> None:
-        self.directory = directory
-
-    def payload_path(self, sha256: str) -> Path:
-        return self.directory / sha256
 
 
 def _replies(directory: Path, k: int) -> tuple[list[Message], dict[str, torch.Tensor]]:
@@ -54,19 +44,7 @@ def _replies(directory: Path, k: int) -> tuple[list[Message], dict[str, torch.Te
 
 
 def _strategy(directory: Path, rule: str, keep_rows: bool) -> ZooStrategy:
-    strategy = ZooStrategy(
-        _Payloads(directory),  # type: ignore[arg-type]
-        rule=rule,
-        f=1,
-        min_clients=3,
-        clients_per_round=0,
-        quorum=1,
-        wait_for_clients_s=1.0,
-        stop=threading.Event(),
-        layout=lambda: (),
-        keep_rows=keep_rows,
-        device="cpu",
-    )
+    strategy = strategy_over(directory, rule, keep_rows=keep_rows)
     strategy._record = lambda decisions: None  # type: ignore[method-assign]
     return strategy
 

@@ -5,15 +5,14 @@ they are, also inside an envelope whose main codec is BitDelta (a carried B in f
 from __future__ import annotations
 
 import hashlib
-import threading
 from pathlib import Path
 
 import pytest
 import torch
 from flwr.app import ConfigRecord, Message, MessageType, MetricRecord, RecordDict
+from stored_payloads import strategy_over
 
 from zoo_gym.compression import CodecSpec, encode, inspect_envelope
-from zoo_gym.coordinator.strategy import ZooStrategy
 from zoo_gym.core.delta import layout_of
 from zoo_gym.core.protocol import SUBMISSION, TRAIN_METRICS, IntakeResult
 from zoo_gym.ledger import AggregationDecision
@@ -21,16 +20,6 @@ from zoo_gym.transport.flower_internals import set_task_identity
 
 SHAPES = {"a.lora_B": (16, 4), "a.lora_B_carry": (16, 4)}
 FP16_NAN = b"\x00\x7e"
-
-
-class _Payloads:
-    """The part of the backend the strategy reads while aggregating: stored payloads."""
-
-    def __init__(self, directory: Path) -> None:
-        self.directory = directory
-
-    def payload_path(self, sha256: str) -> Path:
-        return self.directory / sha256
 
 
 def _payload(i: int, poisoned: bool) -> bytes:
@@ -65,19 +54,8 @@ def test_a_nan_in_a_carried_fp16_tensor_is_refused_before_the_rule(
             }
         )
         replies.append(Message(content, dst_node_id=i + 1, message_type=MessageType.TRAIN))
-    strategy = ZooStrategy(
-        _Payloads(tmp_path),  # type: ignore[arg-type]
-        rule="median",
-        f=1,
-        min_clients=3,
-        clients_per_round=0,
-        quorum=1,
-        wait_for_clients_s=1.0,
-        stop=threading.Event(),
-        layout=lambda: layout_of({n: torch.zeros(s) for n, s in SHAPES.items()}),
-        device="cpu",
-        memory=memory,
-    )
+    layout = layout_of({n: torch.zeros(s) for n, s in SHAPES.items()})
+    strategy = strategy_over(tmp_path, "median", layout=lambda: layout, memory=memory)
     recorded: list[AggregationDecision] = []
     strategy._record = recorded.extend  # type: ignore[method-assign,assignment]
 

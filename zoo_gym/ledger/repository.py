@@ -357,9 +357,7 @@ def record_aggregations(
             session.flush()
             append_entry(session, kind="aggregation", changes=[(submission, _AGGREGATION_FIELDS)])
             submissions.append(submission)
-    for submission in submissions:
-        session.refresh(submission)
-    return submissions
+    return submissions  # expired by the commit: each loads its row again when it is read
 
 
 _AGGREGATION_FIELDS = ["selected", "weight", "trimmed_share", "score", "aggregation_reason"]

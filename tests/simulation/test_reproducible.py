@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from netns import isolated
 from sqlmodel import Session
 
 from zoo_gym import ledger
@@ -16,7 +17,7 @@ from zoo_gym.simulation.experiment import run_sweep
 from zoo_gym.simulation.sweep import CellResult, SweepConfig, SweepError, load_sweep
 
 
-def sweep(seed: int, engine: str = "batched") -> SweepConfig:
+def sweep(seed: int, engine: str = "batched", **extra: Any) -> SweepConfig:
     """6 contributors, 4 drawn per round by reputation (floor 0.2), rewards scored first-order
     so reputations move between rounds; one of them flips its update's sign."""
     return SweepConfig.model_validate(
@@ -31,6 +32,7 @@ def sweep(seed: int, engine: str = "batched") -> SweepConfig:
             "warmup_rounds": 1,
             "engine": engine,
             "seed": seed,
+            **extra,
             "coordinator": {
                 "clients_per_round": 4,
                 "rewards": {"method": "first_order", "selection_floor": 0.2},
@@ -85,6 +87,27 @@ def test_a_sweep_repeats_from_its_seed_reputation_draws_included(
     # another seed: other data and other draws
     assert [c["drawn"] for c in first] != [c["drawn"] for c in other]
     assert [c["losses"] for c in first] != [c["losses"] for c in other]
+
+
+@pytest.mark.timeout(450)
+def test_a_sweep_on_flowers_simulation_engine_repeats_from_its_seed(
+    tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    pytest.importorskip("ray", reason="Flower's simulation engine needs the `sim` extra (ray)")
+    if not isolated(request, timeout=420):  # Ray listens on every interface: there, only lo
+        return
+    # Execute: the sweep on Ray, its two cells at once, each cell's actors free to take
+    # contributors in any order; and the same sweep on the in-process engine
+    first = outcome(tmp_path / "a", run_sweep(sweep(7, "ray", jobs=2), tmp_path / "a"))
+    again = outcome(tmp_path / "b", run_sweep(sweep(7, "inprocess"), tmp_path / "b"))
+
+    # Assert: every number and every ledger row is the in-process engine's, which repeats
+    # from its seed (above), and the draws were real
+    assert first == again
+    for cell in first:
+        assert all(sum(1 for r, *_ in cell["drawn"] if r == n) == 4 for n in (1, 2, 3, 4))
+        assert len({c for _, c, *_ in cell["drawn"]}) > 4
+        assert any(rep != 0.0 for _, rep in cell["reputations"])
 
 
 def test_coordinator_settings_the_sweep_sets_itself_are_refused_in_one_line() -> None:

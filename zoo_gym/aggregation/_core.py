@@ -548,34 +548,39 @@ def _rows_range(chunk: Tensor, start: int, plan: _Pass, rows: int) -> NDArray[np
             if len(plan.pairs) == 1 and plan.pairs[0][1] == 1.0:  # one row: its values
                 o.copy_(chunk[plan.pairs[0][0], s0:s1])
             else:
-                _add_rows(a, chunk[:, s0:s1], plan.pairs)
+                _add_rows(a, chunk[:, s0:s1], plan.pairs, t)
                 o.copy_(a)
-            if plan.base is not None:
-                o.copy_(o + plan.base_weight * plan.base[start + s0 : start + s1])
+            if plan.base is not None:  # o + base_weight * base, in float32
+                term = t[: s1 - s0].view(torch.float32)[: s1 - s0]
+                torch.mul(plan.base[start + s0 : start + s1], plan.base_weight, out=term)
+                o.add_(term)
         if rows == 0:
             continue
         if centre is not None:
             r.copy_(centre[start + s0 : start + s1])
         for i in range(rows):
-            # no torch.dot: BLAS threads its dot products, and their barriers stall
-            torch.sub(chunk[i, s0:s1], r, out=t)
-            dist[i] += float(t.square_().sum())
+            # no torch.dot: BLAS threads its dot products, and their barriers stall; the row
+            # converted into t first (a mixed-dtype sub converts it into a fresh tensor)
+            t.copy_(chunk[i, s0:s1])
+            dist[i] += float(t.sub_(r).square_().sum())
     return np.asarray(dist, dtype=np.float64)
 
 
-def _add_rows(acc: Tensor, chunk: Tensor, pairs: list[tuple[int, float]]) -> None:
+def _add_rows(acc: Tensor, chunk: Tensor, pairs: list[tuple[int, float]], scratch: Tensor) -> None:
     """acc `(c,)` float64 <- sum of w_i chunk[i] `(c,)` over `pairs` (i, w_i), the rows
     added one after the other in float64. When all the weights are equal (a plain mean),
     the rows are summed and the sum scaled once; on float32 and float64 rows through
     NumPy, whose mixed float64 + float32 add converts and adds in one pass (0.35 s for 45
-    rows of 10M on one thread, against 0.38 s for torch's add with a scale)."""
+    rows of 10M on one thread, against 0.38 s for torch's add with a scale). Other weights
+    convert each row into `scratch` `(c,)` float64 first (torch's mixed-dtype add would
+    convert it into a fresh tensor per row)."""
     acc.zero_()
     if not pairs:
         return
     weights = {wi for _, wi in pairs}
     if len(weights) > 1:
         for i, wi in pairs:
-            acc.add_(chunk[i], alpha=wi)
+            acc.add_(scratch.copy_(chunk[i]), alpha=wi)
         return
     if chunk.dtype in (torch.float32, torch.float64):
         a, x = acc.numpy(), chunk.detach().numpy()

@@ -359,3 +359,16 @@ def test_flower_selects_the_attacker_on_small_updates_and_zoo_gym_does_not() -> 
     for name, (weights, decisions) in ours.items():
         assert not decisions[0][1].selected, name
         assert (weights < 1.0).all(), name
+
+
+def test_summary_logs_the_rule_and_its_settings(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level("INFO", logger="zoo_gym.flower")
+
+    flower.MultiKrum(num_malicious_nodes=2, num_nodes_to_select=5, nnm=True).summary()
+    flower.TrimmedMean(beta=0.25).summary()
+
+    lines = [r.getMessage() for r in caplog.records if r.name.startswith("zoo_gym.flower")]
+    assert lines == [
+        "MultiKrum (zoo-gym multikrum): {'num_malicious_nodes': 2, 'nnm': True, 'm': 5}",
+        "TrimmedMean (zoo-gym trimmed_mean): {'beta': 0.25, 'nnm': False}",
+    ]

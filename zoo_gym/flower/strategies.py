@@ -65,12 +65,9 @@ class RobustFedAvg(FedAvg):
     rule: ClassVar[str]  # the name in zoo_gym.aggregation.RULES
 
     def __init__(self, *, num_malicious_nodes: int = 0, nnm: bool = False, **fedavg: Any) -> None:
-        if isinstance(num_malicious_nodes, bool) or not isinstance(num_malicious_nodes, int):
-            raise ValueError(
-                f"num_malicious_nodes must be an int >= 0, got {num_malicious_nodes!r}"
-            )
-        if num_malicious_nodes < 0:
-            raise ValueError(f"num_malicious_nodes must be an int >= 0, got {num_malicious_nodes}")
+        f = num_malicious_nodes
+        if isinstance(f, bool) or not isinstance(f, int) or f < 0:
+            raise ValueError(f"num_malicious_nodes must be an int >= 0, got {f!r}")
         super().__init__(**fedavg)
         self.num_malicious_nodes = num_malicious_nodes
         self.nnm = nnm
@@ -85,10 +82,13 @@ class RobustFedAvg(FedAvg):
         """f for a round of n usable replies."""
         return self.num_malicious_nodes
 
+    def settings(self) -> dict[str, Any]:
+        """The rule's settings, for `summary`."""
+        return {"num_malicious_nodes": self.num_malicious_nodes, "nnm": self.nnm} | self.params(0)
+
     def summary(self) -> None:
         """Log the rule's settings, then FedAvg's."""
-        settings = {"num_malicious_nodes": self.num_malicious_nodes, "nnm": self.nnm}
-        log.info("%s (zoo-gym %s): %s", type(self).__name__, self.rule, settings)
+        log.info("%s (zoo-gym %s): %s", type(self).__name__, self.rule, self.settings())
         super().summary()
 
     def configure_train(
@@ -270,6 +270,9 @@ class TrimmedMean(RobustFedAvg):
 
     def malicious(self, n: int) -> int:
         return self.num_malicious_nodes if self.beta is None else int(self.beta * n)
+
+    def settings(self) -> dict[str, Any]:
+        return super().settings() if self.beta is None else {"beta": self.beta, "nnm": self.nnm}
 
 
 class Median(RobustFedAvg):

@@ -112,9 +112,7 @@ class ClientRuntime:
         )
         if same_kind and self.base_version == version:
             return
-        directory = self.home / "models" / version
-        with phase("download", version):
-            self.model_source(version, directory)
+        directory = self.base_directory(version)
         with phase("load", version):
             if self.trainer is None or not same_kind:
                 self.trainer = None  # drop the old model before loading the new one
@@ -134,16 +132,33 @@ class ClientRuntime:
         self.base_version = version
         self.on_event(RoundEvent("base", 0, {"version": version}))
 
-    def train(self, message: Message) -> Message:
+    def base_directory(self, version: str) -> Path:
+        """The directory holding `version`, verified (downloaded when missing or failing its check)."""
+        directory = self.home / "models" / version
+        with phase("download", version):
+            self.model_source(version, directory)
+        return directory
+
+    def based_on(self, version: str) -> None:
+        """Rounds now train on `version`, which a ClientApp of the contributor's own loads from
+        its directory; the front end hears of each new one."""
+        if version != self.base_version:
+            self.base_version = version
+            self.on_event(RoundEvent("base", 0, {"version": version}))
+
+    def task_of(self, message: Message) -> TaskConfig:
+        """The round task `message` carries; refuses an objective this client does not run."""
         task = TaskConfig.from_record(message.content.config_records[TASK_CONFIG])
         if self.method not in ("any", task.method):
             raise RoundRefusal(
                 f"round {task.round} asks for {task.method} training and this client runs only {self.method}; "
                 f"join again with --method {task.method} or --method any"
             )
-        spec = LoraSpec(
-            rank=task.lora_rank, alpha=task.lora_alpha, target_modules=task.target_modules
-        )
+        return task
+
+    def train(self, message: Message) -> Message:
+        task = self.task_of(message)
+        spec = task_spec(task)
         plan = plan_round(
             task,
             num_records=len(self.conversations),
@@ -155,6 +170,22 @@ class ClientRuntime:
         dp = self._dp_config(plan, self.trainer)
         with phase("train", f"round {task.round}, {task.steps} steps"):
             result = self.run_objective(self.trainer, task, self._step_events(task.round), dp=dp)
+        in_features = {module: shape[1] for module, shape in self.trainer.shapes.items()}
+        return self.reply(message, task, plan, result, spec=spec, in_features=in_features)
+
+    def reply(
+        self,
+        message: Message,
+        task: TaskConfig,
+        plan: PrivacyPlan,
+        result: RoundResult,
+        *,
+        spec: LoraSpec,
+        in_features: dict[str, int],
+    ) -> Message:
+        """The signed reply to `message` from a trained round: clip the update, add the plan's
+        noise, account the round, compress with error feedback and sign (the path every
+        round takes, whoever trained it). `in_features` is target module -> input features."""
         update, norm = privatize(
             result.update, clip_norm=task.clip_norm, noise_std=plan.update_noise_std
         )
@@ -163,7 +194,7 @@ class ClientRuntime:
         if self.misbehaviour is not None:  # after clipping: an attacker ignores the protocol
             update = self.misbehaviour.corrupt(update, task.round)
         with phase("encode", f"round {task.round}"):
-            payload = self.compress(update, task, spec, self.trainer)
+            payload = self.compress(update, task, spec, in_features)
         if self.persist_feedback:
             self.commit_feedback()
         raw_bytes = sum(t.numel() * 2 for t in update.values())  # as bf16
@@ -189,10 +220,11 @@ class ClientRuntime:
 
         return step
 
-    def compress(self, update: Delta, task: TaskConfig, spec: LoraSpec, trainer: Trainer) -> bytes:
+    def compress(
+        self, update: Delta, task: TaskConfig, spec: LoraSpec, in_features: dict[str, int]
+    ) -> bytes:
         """The round's envelope: `update` plus the error-feedback residual, in the task's codec
         (see `compress_for_task`)."""
-        in_features = {module: shape[1] for module, shape in trainer.shapes.items()}
         return compress_for_task(
             self.feedback, update, task, spec, in_features, honest=self.misbehaviour is None
         )
@@ -285,6 +317,11 @@ class ClientRuntime:
             a_seed=task.a_seed,
             dp=dp,
         )
+
+
+def task_spec(task: TaskConfig) -> LoraSpec:
+    """The LoRA rank, alpha and target modules `task` names."""
+    return LoraSpec(rank=task.lora_rank, alpha=task.lora_alpha, target_modules=task.target_modules)
 
 
 def compress_for_task(

@@ -84,6 +84,14 @@ BudgetDeltaOption = Annotated[
     float | None,
     typer.Option(help="delta at which the budget is checked (default: each task's dp_delta)"),
 ]
+AppOption = Annotated[
+    str | None,
+    typer.Option(
+        metavar="MODULE:APP",
+        help="your own Flower ClientApp (package.module:app) trains each round instead of "
+        "zoo-gym's trainers; --data is then not needed",
+    ),
+]
 VerboseOption = Annotated[bool, typer.Option("--verbose", "-v")]
 ByzantineOption = Annotated[
     str | None,
@@ -108,6 +116,7 @@ def join(
     device: DeviceOption = None,
     privacy_budget_epsilon: BudgetEpsilonOption = None,
     privacy_budget_delta: BudgetDeltaOption = None,
+    app: AppOption = None,
     verbose: VerboseOption = False,
     byzantine: ByzantineOption = None,
 ) -> None:
@@ -137,6 +146,7 @@ def join(
         byzantine=byzantine,
         privacy_budget_epsilon=privacy_budget_epsilon,
         privacy_budget_delta=privacy_budget_delta,
+        app=app,
     )
     with JoinDisplay(console) as display:
         try:

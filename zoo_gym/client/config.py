@@ -87,6 +87,16 @@ class ClientConfig(HomeConfig):
     max_full_params: int = Field(
         1_000_000_000, gt=0, description="largest model (parameters) a `full` round may train"
     )
+    app: str = Field(
+        "",
+        description='your own Flower ClientApp as "package.module:attribute", which trains each '
+        "round in place of zoo-gym's trainers (README: Bring your own Flower ClientApp); "
+        "empty = zoo-gym's trainers on `data`",
+    )
+    node_config: dict[str, int | float | str | bool] = Field(
+        default_factory=dict,
+        description="settings your ClientApp reads from Context.node_config (e.g. partition-id)",
+    )
 
     @field_validator("api_url")
     @classmethod
@@ -94,6 +104,16 @@ class ClientConfig(HomeConfig):
         if value and not value.startswith(("http://", "https://")):
             raise ValueError(f"api_url must start with http:// or https://, not {value!r}")
         return value.rstrip("/")
+
+    @field_validator("app")
+    @classmethod
+    def _app_path(cls, value: str) -> str:
+        module, _, attribute = value.partition(":")
+        if value and (not module or not attribute):
+            raise ValueError(
+                f"app must be MODULE:ATTRIBUTE, like package.module:app, not {value!r}"
+            )
+        return value
 
     @field_validator("device")
     @classmethod

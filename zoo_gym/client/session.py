@@ -25,6 +25,7 @@ from zoo_gym.client.device import DeviceError, describe_device, resolve_device
 from zoo_gym.client.link import Link
 from zoo_gym.client.runtime import ClientRuntime, ModelSource, RoundEvent
 from zoo_gym.client.state import RoundRecord
+from zoo_gym.client.user_app import UserAppError, load_client_app
 from zoo_gym.core.chat import Conversation
 from zoo_gym.core.identity import Identity
 from zoo_gym.core.manifest import read_verified
@@ -50,13 +51,16 @@ def join(
     stop = stop or threading.Event()
     if not config.coordinator:
         raise JoinError("no coordinator address; pass HOST:PORT to `gym-client join`")
-    if config.data is None:
-        raise JoinError("no training data; pass --data FILE.jsonl")
+    if config.data is None and not config.app:
+        raise JoinError("no training data; pass --data FILE.jsonl (or --app MODULE:APP)")
     try:
         device = resolve_device(config.device)
-    except DeviceError as exc:
+        user_app = load_client_app(config.app, app_dir=Path.cwd()) if config.app else None
+    except (DeviceError, UserAppError) as exc:
         raise JoinError(str(exc)) from None
-    conversations = load_records(config.path(config.data))
+    conversations = []  # a ClientApp of the contributor's own loads its own data
+    if config.data is not None and user_app is None:
+        conversations = load_records(config.path(config.data))
     identity = Identity.load(config.path(config.key))
     client = _federation_client(config, identity)
     link = Link(
@@ -72,17 +76,25 @@ def join(
         source = _verified_models(link, reg.coordinator_key, say)
         runtime = _runtime(config, device, identity, conversations, source, on_event)
         _pin_coordinator(runtime, config, reg)
+        examples = (
+            f"your ClientApp {config.app}" if config.app else f"{len(conversations)} local examples"
+        )
         say(
             f"joined {config.coordinator} as {reg.contributor_id[:16]} ({reg.status}); "
-            f"{len(conversations)} local examples; current base {reg.current_version}"
+            f"{examples}; current base {reg.current_version}"
         )
         say(f"device: {describe_device(device)}")
         if reg.status == "banned":
             raise JoinError("this key is banned by the operator")
         context = Context(
-            run_id=1, node_id=reg.node_id, node_config={}, state=RecordDict(), run_config={}
+            run_id=1,
+            node_id=reg.node_id,
+            node_config=dict(config.node_config),
+            state=RecordDict(),
+            run_config={},
         )
-        session = _Session(config, link, runtime, make_client_app(runtime), context, stop, say)
+        app = make_client_app(runtime, user_app)
+        session = _Session(config, link, runtime, app, context, stop, say)
         return session.contribute()
     finally:
         client.close()
@@ -201,7 +213,10 @@ class _Session:
         """Train on `task` and upload the reply; False when stopped while the coordinator was out
         of reach. The error-feedback residual is kept only once the coordinator holds the update."""
         self.say(f"round {task.round}: training on {task.base_version}")
-        reply = self.app(task.message, self.context)
+        try:
+            reply = self.app(task.message, self.context)
+        except UserAppError as exc:  # the contributor's own ClientApp replied with no update
+            raise JoinError(str(exc)) from None
         with phase("upload", f"round {task.round}"):
             result = self.link.submit(task, reply)
         if result is None:

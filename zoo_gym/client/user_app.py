@@ -31,6 +31,7 @@ gradient inside training, which here is the app's: a round asking for it is refu
 
 from __future__ import annotations
 
+import copy
 import importlib
 import math
 import sys
@@ -227,15 +228,13 @@ def train_config(task: TaskConfig, directory: Path) -> ConfigRecord:
 def train_message(
     message: Message, task: TaskConfig, tensors: RoundTensors, directory: Path
 ) -> Message:
-    """The Flower train Message the app gets for zoo-gym's task `message`: to the same node, of
-    the same type and group (the round), with the arrays and config in place of the task."""
-    content = RecordDict(
+    """The Flower train Message the app gets: zoo-gym's task `message` (its metadata: to this
+    node, of type "train", in the round's group) with the arrays and config as its content."""
+    request = copy.copy(message)  # a new Message would take its ids from Flower's runners
+    request.content = RecordDict(
         {ARRAYS: ArrayRecord(tensors.arrays), CONFIG: train_config(task, directory)}
     )
-    meta = message.metadata
-    return Message(
-        content, meta.dst_node_id, meta.message_type, ttl=meta.ttl, group_id=meta.group_id
-    )
+    return request
 
 
 def reply_result(reply: Message, tensors: RoundTensors, round: int, seconds: float) -> RoundResult:

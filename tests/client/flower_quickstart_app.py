@@ -4,8 +4,9 @@ a few optimiser steps on local data, reply with the new weights and the number o
 For `full` rounds it loads the received state dict into the model, as quickstart-pytorch does;
 for LoRA rounds it builds the peft model from the round's config and loads the received adapter
 state dict, as Flower's LLM fine-tuning examples do. `Context.node_config["fault"]` spoils the
-reply on purpose (the tests of bad replies), and every reply is kept in `REPLIES` for the tests
-to compare with what the coordinator received.
+reply on purpose (the tests of bad replies), and every reply is kept in `REPLIES` (and, with
+`node_config["replies"]`, in a file in that directory) for the tests to compare with what the
+coordinator received.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import torch
 from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 from peft import LoraConfig, get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
+from safetensors.torch import save_file
 from torch.utils.data import DataLoader
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -89,6 +91,8 @@ def train(msg: Message, context: Context) -> Message:
     metrics = {"train_loss": train_loss, "num-examples": len(trainloader.dataset)}
     spoil(state, metrics, str(context.node_config.get("fault", "")))
     REPLIES.append(state)
+    if "replies" in context.node_config:  # for a test that runs `join` in another process
+        save_file(state, f"{context.node_config['replies']}/round-{config['round']}.safetensors")
     content = RecordDict({"arrays": ArrayRecord(state), "metrics": MetricRecord(metrics)})
     return Message(content=content, reply_to=msg)
 

@@ -5,6 +5,9 @@ round's update, clips, compresses, signs and submits it, and refuses a bad reply
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import flower_quickstart_app
@@ -35,8 +38,10 @@ from zoo_gym.core.lora import frozen_a, update_key
 from zoo_gym.core.protocol import TASK_CONFIG, TaskConfig
 from zoo_gym.core.tiny import tiny_config
 from zoo_gym.core.weights import load_weights
+from zoo_gym.transport.flower_internals import set_task_identity
 
 APP = "flower_quickstart_app:app"
+HERE = Path(__file__).resolve().parent
 TARGETS = '["q_proj", "v_proj"]'
 RANK, ALPHA = 4, 8.0
 CLIP = 0.05  # every update here is longer: the submitted one is clipped
@@ -153,10 +158,12 @@ def test_a_bad_reply_stops_join_with_one_line_and_submits_nothing(
     assert not (tmp_path / "alice" / "state" / "feedback.safetensors").exists()
 
 
-def test_gym_client_join_app_runs_a_lora_round_compressed_with_bitdelta(
+@pytest.mark.e2e
+def test_gym_client_join_app_in_its_own_process_takes_a_lora_round_in_bitdelta(
     tiny_home: Path, tmp_path: Path
 ) -> None:
-    # Prepare: a LoRA round in BitDelta, and a contributor made by `gym-client init`
+    # Prepare: a LoRA round in BitDelta, and a contributor made by `gym-client init` whose
+    # client.toml names the app and gives it a [node_config] table
     training = {
         "adapter": '"lora"',
         "codec": '"bitdelta"',
@@ -167,23 +174,37 @@ def test_gym_client_join_app_runs_a_lora_round_compressed_with_bitdelta(
         "lora_alpha": ALPHA,
         "target_modules": TARGETS,
     }
-    home = tmp_path / "alice"
-    runner = CliRunner()
-    assert runner.invoke(gym_client, ["init", "--home", str(home)]).exit_code == 0
-    flower_quickstart_app.REPLIES.clear()
+    home, replies = tmp_path / "alice", tmp_path / "replies"
+    replies.mkdir()
+    assert CliRunner().invoke(gym_client, ["init", "--home", str(home)]).exit_code == 0
+    with (home / "client.toml").open("a") as fh:
+        fh.write(f'app = "{APP}"\n\n[node_config]\nreplies = "{replies}"\n')
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE), str(HERE.parents[1])])}
     with serving(tiny_home, training) as served:
         # Execute
-        args = ["join", served.address, "--home", str(home), "--app", APP, "--max-rounds", "1"]
-        result = runner.invoke(gym_client, args)
+        args = ["join", served.address, "--home", str(home), "--max-rounds", "1"]
+        done = subprocess.run(
+            [sys.executable, "-m", "zoo_gym.cli.client", *args],
+            env=env,
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
 
         # Assert: accepted; what arrived is BitDelta of the clipped s·B·A (signs and one scale,
         # the mean |value|, per group of 128), computed here from the app's reply
         (row,) = served.submissions(Identity.load(home / "client.key"))
         received = served.received(row)
-    assert result.exit_code == 0, result.output
-    assert "accepted" in result.output and "left after 1 submission(s)" in result.output
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output
+    assert (
+        "accepted" in output
+        and "left after 1 submission(s)" in output
+        and "Traceback" not in output
+    )
     assert row.decision == "accepted"
-    (new,) = flower_quickstart_app.REPLIES
+    new = load_file(replies / "round-1.safetensors")
     want = clipped(expected_update("lora", {}, new), CLIP)
     sent = decode(encode(want, CodecSpec("bitdelta", 128)), max_elements=1 << 20)
     assert (
@@ -202,6 +223,7 @@ def test_gym_client_join_app_runs_a_lora_round_compressed_with_bitdelta(
 
 
 def task_message(**task: object) -> Message:
+    set_task_identity(run_id=1, node_id=0, task_id=1)  # the coordinator makes the task message
     record = TaskConfig(round=2, base_version="v0001", seed=7, **task).to_record()  # type: ignore[arg-type]
     return Message(RecordDict({TASK_CONFIG: ConfigRecord(record)}), 1, "train")
 

@@ -1,0 +1,1 @@
+"""Serving published versions and BitDelta variants over an OpenAI-compatible API."""

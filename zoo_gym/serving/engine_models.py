@@ -1,0 +1,237 @@
+"""What `gym-serve` serves: the published versions under a models root, and their variants.
+
+A models root is the coordinator's (`<root>/<version>/` holds a Hugging Face model directory and
+its signed `manifest.json`; `<root>/variants/<V>-from-<P>.zgde` + `.json` are BitDelta variants
+written by `gym-coordinator variant`). Every version is checked against the coordinator's public
+key when one is given (signature and every file's SHA-256, `zoo_gym.core.manifest.read_verified`),
+before any weight is read. Model ids are the version names; a variant's id is its file stem,
+``<V>-from-<P>``.
+
+A variant runs on weights of its own: ``P + decode(variant)``, merged once when the server starts
+(the record's SHA-256 is checked first). Its rows therefore form a batch of their own; the
+engine's `Weights.assign` is where rows of many variants of one base will share the base's
+forward pass instead.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from zoo_gym.compression import EnvelopeError, apply_update_
+from zoo_gym.core.hashing import sha256_bytes
+from zoo_gym.core.manifest import MANIFEST, ManifestError, ModelManifest, read_verified
+from zoo_gym.core.weights import load_weights
+
+log = logging.getLogger(__name__)
+
+VERSION_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")  # a version directory's name
+VARIANTS = "variants"
+VARIANT_FORMAT = 1
+
+Assign = Callable[[Sequence[str | None]], AbstractContextManager[Any]]
+
+
+class ServingError(ValueError):
+    """The models root, a version or a variant cannot be served (one line says why)."""
+
+
+def _no_variants(rows: Sequence[str | None]) -> AbstractContextManager[Any]:
+    return nullcontext()
+
+
+@dataclass(eq=False)
+class Weights:
+    """One set of weights on one device; every row of a forward pass runs on it.
+
+    `assign(rows)` is entered around each forward pass with one entry per batch row: the
+    variant that row uses, or None for these weights as they are.
+    """
+
+    model: nn.Module
+    device: torch.device
+    assign: Assign = _no_variants
+
+
+@dataclass(frozen=True)
+class ServedModel:
+    id: str
+    directory: Path
+    created: int  # seconds since the epoch
+    tokenizer: Any
+    weights: Weights
+    context: int  # positions the model attends to: prompt + completion
+    parent: str | None = None
+    variant: str | None = None  # passed to `weights.assign` for this model's rows
+    eos_ids: frozenset[int] = field(default_factory=frozenset)
+
+
+def resolve_device(name: str) -> torch.device:
+    """`cpu`, `cuda` or `cuda:N`; ServingError when CUDA is asked for and absent."""
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise ServingError(f"--device {name!r} is not a device; use cpu, cuda or cuda:N") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ServingError("--device cuda: no CUDA device is available here; use --device cpu")
+    if device.type not in ("cpu", "cuda"):
+        raise ServingError(f"--device {name!r}: only cpu and cuda are supported")
+    return device
+
+
+def published_versions(root: Path) -> list[str]:
+    """Names of the version directories under `root` that hold a manifest, sorted."""
+    if not root.is_dir():
+        raise ServingError(f"{root} is not a directory; --models takes a coordinator's models root")
+    found = [
+        p.name for p in root.iterdir() if VERSION_NAME.fullmatch(p.name) and (p / MANIFEST).exists()
+    ]
+    return sorted(found)
+
+
+def _manifest(directory: Path, coordinator_key: bytes | None) -> ModelManifest:
+    if coordinator_key is None:
+        return ModelManifest.from_bytes((directory / MANIFEST).read_bytes())
+    return read_verified(directory, coordinator_key)
+
+
+def _eos_ids(tokenizer: Any, model: nn.Module) -> frozenset[int]:
+    ids = {tokenizer.eos_token_id}
+    config_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    ids |= set(config_eos) if isinstance(config_eos, list) else {config_eos}
+    return frozenset(int(i) for i in ids if i is not None)
+
+
+def _context(model: nn.Module, tokenizer: Any) -> int:
+    positions = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    return int(positions or tokenizer.model_max_length)
+
+
+def load_model(directory: Path, device: torch.device) -> tuple[nn.Module, Any]:
+    """The causal LM (float32 on the CPU, bfloat16 on CUDA) and tokenizer of `directory`."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
+    model = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype)
+    model.to(device)  # type: ignore[arg-type]
+    model.eval()  # type: ignore[no-untyped-call]
+    return model, AutoTokenizer.from_pretrained(directory)
+
+
+def load_versions(
+    root: Path,
+    *,
+    coordinator_key: bytes | None,
+    device: torch.device,
+    only: Sequence[str] = (),
+) -> dict[str, ServedModel]:
+    """Every published version under `root` (or the ones named in `only`), verified first."""
+    versions = published_versions(root)
+    missing = sorted(set(only) - set(versions))
+    if missing:
+        raise ServingError(f"no published version {', '.join(missing)} under {root}")
+    if not versions:
+        raise ServingError(
+            f"no published version under {root}; --models takes the directory that holds "
+            "<version>/manifest.json (the coordinator's models/)"
+        )
+    if coordinator_key is None:
+        log.warning("no coordinator key given: serving %s without checking signatures", root)
+    served = {}
+    for version in only or versions:
+        directory = root / version
+        manifest = _manifest(directory, coordinator_key)
+        model, tokenizer = load_model(directory, device)
+        served[version] = ServedModel(
+            id=version,
+            directory=directory,
+            created=int(manifest.created_at),
+            tokenizer=tokenizer,
+            weights=Weights(model, device),
+            context=_context(model, tokenizer),
+            parent=manifest.parent,
+            eos_ids=_eos_ids(tokenizer, model),
+        )
+    return served
+
+
+def variant_records(root: Path) -> Iterator[tuple[str, dict[str, Any]]]:
+    """(id, record) of each variant record under `root/variants`; ServingError for a bad one."""
+    for path in sorted((root / VARIANTS).glob("*.json")):
+        try:
+            record = json.loads(path.read_text())
+            if record.get("format") != VARIANT_FORMAT or record.get("codec") != "bitdelta":
+                raise ServingError(f"{path}: not a BitDelta variant record of format 1")
+            yield path.stem, record
+        except (ValueError, AttributeError) as exc:
+            if isinstance(exc, ServingError):
+                raise
+            raise ServingError(f"{path}: not a variant record ({exc})") from None
+
+
+def merged_variant(name: str, record: dict[str, Any], base: ServedModel, root: Path) -> ServedModel:
+    """The variant `name` as weights of its own: its parent's plus the decoded delta."""
+    payload = (root / VARIANTS / f"{name}.zgde").read_bytes()
+    if sha256_bytes(payload) != record.get("sha256"):
+        raise ServingError(f"variant {name}: its envelope's SHA-256 differs from its record")
+    model, tokenizer = load_model(base.directory, base.weights.device)
+    weights = {k: v.float() for k, v in load_weights(base.directory).items()}
+    try:
+        apply_update_(weights, payload, max_elements=sum(t.numel() for t in weights.values()))
+    except EnvelopeError as exc:
+        raise ServingError(f"variant {name} does not fit {base.id}: {exc}") from None
+    unexpected = model.load_state_dict(weights, strict=False).unexpected_keys
+    if unexpected:
+        raise ServingError(f"variant {name} names tensors {base.id}'s model lacks: {unexpected}")
+    return ServedModel(
+        id=name,
+        directory=base.directory,
+        created=int(time.time()),
+        tokenizer=tokenizer,
+        weights=Weights(model, base.weights.device),
+        context=base.context,
+        parent=base.id,
+        eos_ids=base.eos_ids,
+    )
+
+
+def load_models(
+    root: Path,
+    *,
+    coordinator_key: bytes | None = None,
+    device: str = "cpu",
+    only: Sequence[str] = (),
+    variants: bool = True,
+) -> dict[str, ServedModel]:
+    """The published versions under `root` and, with `variants`, each variant whose parent is
+    served. ManifestError (from verification) and ServingError say what is wrong in one line."""
+    served = load_versions(
+        root, coordinator_key=coordinator_key, device=resolve_device(device), only=only
+    )
+    for name, record in variant_records(root) if variants else ():
+        base = served.get(str(record.get("parent")))
+        if base is None:
+            log.warning("variant %s: its parent %s is not served; skipped", name, record["parent"])
+            continue
+        served[name] = merged_variant(name, record, base, root)
+    return served
+
+
+__all__ = [
+    "ManifestError",
+    "ServedModel",
+    "ServingError",
+    "Weights",
+    "load_models",
+    "resolve_device",
+]

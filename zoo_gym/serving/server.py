@@ -1,0 +1,135 @@
+"""`gym-serve`'s process: settings checked, keys read, models loaded, the engine and uvicorn run.
+
+A server without an API key answers anyone who reaches it, so it starts only on a loopback
+address (127.0.0.1, ::1, localhost); anywhere else it needs keys (`--api-key-file`,
+`--api-key` or the environment variable `ZOO_SERVE_API_KEY`). That is checked before any
+model is loaded, so a wrong start costs nothing.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import uvicorn
+
+from zoo_gym.serving.api import create_app
+from zoo_gym.serving.api_guard import KeyCheck, key_digest, read_key_file
+from zoo_gym.serving.engine import Engine, EngineLimits
+from zoo_gym.serving.engine_models import ServingError, load_models
+
+log = logging.getLogger(__name__)
+
+KEY_VARIABLE = "ZOO_SERVE_API_KEY"
+MAX_HEADER_BYTES = 16 * 1024
+
+
+@dataclass(frozen=True)
+class ServeSettings:
+    models: Path
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key_file: Path | None = None
+    api_key: str | None = None
+    coordinator_key: str | None = None  # hex Ed25519 public key that signed the versions
+    device: str = "cpu"
+    versions: tuple[str, ...] = ()  # every published version when empty
+    variants: bool = True
+    limits: EngineLimits = field(default_factory=EngineLimits)
+    max_body_bytes: int = 1 << 20
+    read_timeout_s: float = 30.0
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def key_check(settings: ServeSettings) -> KeyCheck:
+    """The accepted key digests; ServingError for an unreadable key file, or for a server
+    without keys on an address that is not loopback."""
+    digests = []
+    if settings.api_key_file is not None:
+        try:
+            text = settings.api_key_file.read_text()
+        except OSError as exc:
+            raise ServingError(f"--api-key-file {settings.api_key_file}: {exc.strerror}") from None
+        try:
+            digests += read_key_file(text, str(settings.api_key_file))
+        except ValueError as exc:
+            raise ServingError(str(exc)) from None
+    key = settings.api_key or os.environ.get(KEY_VARIABLE)
+    if key:
+        digests.append(key_digest(key))
+    if not digests and not is_loopback(settings.host):
+        raise ServingError(
+            f"no API key configured: anyone reaching {settings.host} could use the models; "
+            f"give --api-key-file, --api-key or {KEY_VARIABLE}, or serve on 127.0.0.1"
+        )
+    if settings.api_key_file is not None and not digests:
+        raise ServingError(f"--api-key-file {settings.api_key_file} lists no key digest")
+    return KeyCheck(digests)
+
+
+def coordinator_key_bytes(hex_key: str | None) -> bytes | None:
+    if hex_key is None:
+        return None
+    try:
+        key = bytes.fromhex(hex_key)
+    except ValueError:
+        key = b""
+    if len(key) != 32:
+        raise ServingError(
+            "--coordinator-key takes the coordinator's Ed25519 public key as 64 hex digits"
+        )
+    return key
+
+
+def build_engine(settings: ServeSettings) -> Engine:
+    models = load_models(
+        settings.models,
+        coordinator_key=coordinator_key_bytes(settings.coordinator_key),
+        device=settings.device,
+        only=settings.versions,
+        variants=settings.variants,
+    )
+    return Engine(models, settings.limits)
+
+
+def serve(settings: ServeSettings, *, say: Callable[[str], None] = log.info) -> None:
+    """Check the settings, load the models, and serve until interrupted (SIGINT / SIGTERM);
+    `say` hears what is served where."""
+    keys = key_check(settings)
+    engine = build_engine(settings)
+    app = create_app(
+        engine,
+        keys,
+        max_body_bytes=settings.max_body_bytes,
+        read_timeout_s=settings.read_timeout_s,
+    )
+    config = uvicorn.Config(
+        app,
+        host=settings.host,
+        port=settings.port,
+        log_level="warning",
+        http="h11",  # h11 bounds the request line and headers; httptools does not
+        h11_max_incomplete_event_size=MAX_HEADER_BYTES,
+    )
+    engine.start()
+    access = "API key required" if keys.required else "no API key: loopback only"
+    say(
+        f"serving {', '.join(engine.models)} on http://{settings.host}:{settings.port}/v1 "
+        f"({access})"
+    )
+    try:
+        uvicorn.Server(config).run()
+    finally:
+        engine.stop()

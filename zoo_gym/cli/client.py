@@ -427,6 +427,124 @@ def _write_statement(
             out.write_text(text, encoding="utf-8")
 
 
+# --- chat: talk to a `gym-serve` server ---------------------------------------------------------
+
+CHAT_KEY_VARIABLE = "ZOO_SERVE_API_KEY"
+
+
+class ChatError(Exception):
+    """The server refused a request or could not be reached (one line says why)."""
+
+
+def _server_error(response: Any) -> ChatError:
+    """The one line of an OpenAI-shaped error body (or the status when the body is not one)."""
+    try:
+        message = response.json()["error"]["message"]
+    except (ValueError, KeyError, TypeError):
+        message = response.reason_phrase or "no reason given"
+    return ChatError(f"the server answered {response.status_code}: {message}")
+
+
+def sse_events(lines: Any) -> Any:
+    """The JSON payloads of a server-sent event stream's `data:` lines, up to ``[DONE]``."""
+    for line in lines:
+        if not line.startswith("data:"):
+            continue  # blank separators, comments, other fields
+        data = line[len("data:") :].strip()
+        if data == "[DONE]":
+            return
+        event = json.loads(data)
+        if "error" in event:
+            raise ChatError(f"the server failed mid-answer: {event['error'].get('message')}")
+        yield event
+
+
+def _chat_model(http: Any, model: str | None) -> str:
+    if model is not None:
+        return model
+    response = http.get("/v1/models")
+    if response.status_code != 200:
+        raise _server_error(response)
+    served = [m["id"] for m in response.json()["data"]]
+    if not served:
+        raise ChatError("the server serves no model")
+    return str(sorted(served)[-1])  # the newest version
+
+
+def _reply(http: Any, body: dict[str, Any], write: Any) -> str:
+    """Stream one reply, writing its text as it arrives; returns the whole text."""
+    parts: list[str] = []
+    with http.stream("POST", "/v1/chat/completions", json=body) as response:
+        if response.status_code != 200:
+            response.read()
+            raise _server_error(response)
+        for event in sse_events(response.iter_lines()):
+            for choice in event.get("choices", []):
+                text = choice.get("delta", {}).get("content") or ""
+                parts.append(text)
+                write(text)
+    write("\n")
+    return "".join(parts)
+
+
+@app.command()
+@friendly
+def chat(
+    url: Annotated[str, typer.Argument(help="the gym-serve address, e.g. http://127.0.0.1:8000")],
+    model: Annotated[
+        str | None, typer.Option(help="model id (default: the newest the server lists)")
+    ] = None,
+    api_key: Annotated[
+        str | None,
+        typer.Option(help=f"the server's API key (default: ${CHAT_KEY_VARIABLE})"),
+    ] = None,
+    system: Annotated[str | None, typer.Option(help="a system message to start with")] = None,
+    max_tokens: Annotated[int | None, typer.Option(help="longest reply in tokens", min=1)] = None,
+    temperature: Annotated[float, typer.Option(help="0 for greedy replies", min=0.0)] = 0.7,
+) -> None:
+    """Talk to a model a gym-serve server serves: type a line, read the reply; /exit leaves."""
+    import os
+
+    import httpx
+
+    from zoo_gym.cli.common import err_console
+
+    key = api_key or os.environ.get(CHAT_KEY_VARIABLE)
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    settings: dict[str, Any] = {"temperature": temperature, "stream": True}
+    if max_tokens is not None:
+        settings["max_tokens"] = max_tokens
+    try:
+        with httpx.Client(base_url=url.rstrip("/"), headers=headers, timeout=300) as http:
+            chosen = _chat_model(http, model)
+            console.print(f"chatting with {chosen} at {url} (/exit leaves)", markup=False)
+            _chat_loop(http, {"model": chosen, **settings}, system)
+    except (ChatError, httpx.HTTPError) as exc:
+        if isinstance(exc, httpx.HTTPError):
+            exc = ChatError(f"cannot reach {url} ({exc}); is gym-serve running there?")
+        err_console.print(f"error: {exc}", markup=False, soft_wrap=True)
+        raise typer.Exit(1) from None
+
+
+def _chat_loop(http: Any, settings: dict[str, Any], system: str | None) -> None:
+    """Read lines from stdin until /exit or its end; each gets the conversation's next reply."""
+
+    def write(text: str) -> None:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+
+    messages: list[dict[str, str]] = [{"role": "system", "content": system}] if system else []
+    for line in sys.stdin:
+        text = line.strip()
+        if text == "/exit":
+            return
+        if not text:
+            continue
+        messages.append({"role": "user", "content": text})
+        reply = _reply(http, {**settings, "messages": messages}, write)
+        messages.append({"role": "assistant", "content": reply})
+
+
 def main() -> None:
     app()
 

@@ -1,0 +1,399 @@
+"""`gym-serve` as a real process on 127.0.0.1, talked to with the official `openai` client and curl.
+
+The models root holds the tiny base (v0000, pretrained: short answers), a randomly initialised
+v0001 (long answers, so streams and limits have tokens to cut) and the BitDelta variant of v0001
+against v0000. Greedy answers are checked against Hugging Face's `generate` on the same weights.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from zoo_gym.coordinator.registry import ModelRegistry
+from zoo_gym.coordinator.variants import apply_variant, variant_paths, write_variant
+from zoo_gym.core.identity import Identity
+from zoo_gym.core.tiny import build_tiny_model
+from zoo_gym.core.weights import load_weights
+from zoo_gym.serving.api_guard import key_digest
+from zoo_gym.simulation.demo import free_port
+
+openai = pytest.importorskip("openai")
+
+pytestmark = pytest.mark.e2e
+
+KEY = "sk-zoo-test-key"
+MAX_BODY = 65_536
+QUESTION = [{"role": "user", "content": "What is 8 + 36?"}]
+
+
+@dataclass
+class Server:
+    url: str
+    root: Path
+    proc: subprocess.Popen[bytes]
+    log: Path
+
+    def client(self, key: str = KEY) -> Any:
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=key, max_retries=0, timeout=120)
+
+    def stats(self) -> dict[str, Any]:
+        reply = httpx.get(f"{self.url}/stats", headers={"Authorization": f"Bearer {KEY}"})
+        return dict(reply.json())
+
+
+def models_root(template: Path, target: Path) -> tuple[Path, Identity]:
+    """The template's models (v0000) plus a random v0001 and its variant, signed alike."""
+    shutil.copytree(template / "models", target)
+    signer = Identity.load(template / "coordinator.key")
+    registry = ModelRegistry(target, signer)
+    vocab = len(AutoTokenizer.from_pretrained(target / "v0000"))
+    weights = build_tiny_model(vocab_size=vocab, seed=1).state_dict()
+    registry.publish(
+        weights, parent="v0000", round_number=1, aggregator="fedavg", contributors=(), metrics={}
+    )
+    write_variant(registry, "v0001")
+    return target, signer
+
+
+def start(root: Path, signer: Identity, *args: str) -> Server:
+    """`gym-serve` on a free loopback port, once it answers /health (else its log)."""
+    port = free_port()
+    keys = root.parent / "keys.txt"
+    keys.write_text(f"# test key\n{key_digest(KEY)}\n")
+    log = root.parent / f"serve-{port}.log"
+    argv = [sys.executable, "-m", "zoo_gym.cli.serve", "--models", str(root), "--port", str(port)]
+    argv += ["--api-key-file", str(keys), "--coordinator-key", signer.public_key.hex(), *args]
+    with log.open("wb") as out:
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    server = Server(f"http://127.0.0.1:{port}", root, proc, log)
+    deadline = time.monotonic() + 120
+    while True:
+        try:
+            if httpx.get(f"{server.url}/health", timeout=1).status_code == 200:
+                return server
+        except httpx.HTTPError:
+            pass
+        if proc.poll() is not None or time.monotonic() > deadline:
+            stop(proc)
+            raise RuntimeError(f"gym-serve did not start:\n{log.read_text()}")
+        time.sleep(0.2)
+
+
+def stop(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+@pytest.fixture(scope="module")
+def server(tiny_home_template: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    root, signer = models_root(tiny_home_template, tmp_path_factory.mktemp("serve") / "models")
+    extra = ("--batch-wait-ms", "300", "--max-new-tokens", "64", "--max-body-bytes", str(MAX_BODY))
+    served = start(root, signer, *extra)
+    try:
+        yield served
+    finally:
+        stop(served.proc)
+
+
+def greedy(root: Path, version: str, ids: list[int], max_new_tokens: int) -> str:
+    """Hugging Face's greedy `generate` on `version`: the reference every answer is held to."""
+    tokenizer = AutoTokenizer.from_pretrained(root / version)
+    model = AutoModelForCausalLM.from_pretrained(root / version, dtype=torch.float32)
+    out = model.generate(
+        torch.tensor([ids]),
+        do_sample=False,
+        max_new_tokens=max_new_tokens,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    return str(tokenizer.decode(out[0, len(ids) :], skip_special_tokens=True))
+
+
+def prompt_ids(root: Path, version: str, prompt: str) -> list[int]:
+    return list(AutoTokenizer.from_pretrained(root / version)(prompt)["input_ids"])
+
+
+def chat_ids(root: Path, version: str, messages: list[dict[str, str]]) -> list[int]:
+    tokenizer = AutoTokenizer.from_pretrained(root / version)
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+# --- the models -------------------------------------------------------------------------------
+
+
+def test_models_lists_every_version_and_the_variant(server: Server) -> None:
+    client = server.client()
+
+    listed = {m.id: m for m in client.models.list()}
+    one = client.models.retrieve("v0001")
+
+    assert set(listed) == {"v0000", "v0001", "v0001-from-v0000"}
+    assert one.owned_by == "zoo-gym"
+    assert one.model_extra is not None and one.model_extra["parent"] == "v0000"
+    assert listed["v0001-from-v0000"].model_extra["parent"] == "v0000"  # type: ignore[index]
+
+
+# --- answers ------------------------------------------------------------------------------------
+
+
+def test_a_greedy_completion_is_generates_own(server: Server) -> None:
+    ids = prompt_ids(server.root, "v0001", "12 + 7 =")
+
+    done = server.client().completions.create(
+        model="v0001", prompt="12 + 7 =", max_tokens=24, temperature=0
+    )
+
+    assert done.choices[0].text == greedy(server.root, "v0001", ids, 24)
+    assert done.choices[0].finish_reason == "length"
+    assert done.usage is not None
+    assert (done.usage.prompt_tokens, done.usage.completion_tokens) == (len(ids), 24)
+    assert done.id.startswith("cmpl-") and done.model == "v0001"
+
+
+def test_a_greedy_chat_uses_the_chat_template(server: Server) -> None:
+    ids = chat_ids(server.root, "v0000", QUESTION)
+
+    done = server.client().chat.completions.create(
+        model="v0000",
+        messages=QUESTION,  # type: ignore[arg-type]
+        max_tokens=40,
+        temperature=0,
+    )
+
+    reply = done.choices[0].message
+    assert reply.role == "assistant"
+    assert reply.content == greedy(server.root, "v0000", ids, 40)
+    assert done.choices[0].finish_reason == "stop"  # the tiny base ends its answer with EOS
+    assert done.usage is not None and done.usage.prompt_tokens == len(ids)
+
+
+def test_chat_chunks_reassemble_to_the_answer(server: Server) -> None:
+    client = server.client()
+    whole = client.chat.completions.create(
+        model="v0001", messages=QUESTION, max_tokens=20, temperature=0
+    )
+
+    chunks = list(
+        client.chat.completions.create(
+            model="v0001",
+            messages=QUESTION,
+            max_tokens=20,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content
+    assert len(chunks) > 3  # streamed token by token, not in one piece
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage == whole.usage
+    assert len({c.id for c in chunks}) == 1 and chunks[0].id.startswith("chatcmpl-")
+
+
+def test_completion_chunks_reassemble_to_the_answer(server: Server) -> None:
+    client = server.client()
+    whole = client.completions.create(model="v0001", prompt="3 4", max_tokens=16, temperature=0)
+
+    chunks = list(
+        client.completions.create(
+            model="v0001", prompt="3 4", max_tokens=16, temperature=0, stream=True
+        )
+    )
+
+    assert "".join(c.choices[0].text for c in chunks) == whole.choices[0].text
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_curl_streams_server_sent_events(server: Server) -> None:
+    body = {"model": "v0001", "prompt": "5", "max_tokens": 12, "temperature": 0, "stream": True}
+    whole = server.client().completions.create(
+        model="v0001", prompt="5", max_tokens=12, temperature=0
+    )
+
+    headers = ["-H", f"Authorization: Bearer {KEY}", "-H", "Content-Type: application/json"]
+    done = subprocess.run(
+        ["curl", "-sS", "-N", f"{server.url}/v1/completions", *headers, "-d", json.dumps(body)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+
+    events = [e for e in done.stdout.split("\n\n") if e]
+    assert all(e.startswith("data: ") for e in events)
+    assert events[-1] == "data: [DONE]"
+    chunks = [json.loads(e.removeprefix("data: ")) for e in events[:-1]]
+    assert "".join(c["choices"][0]["text"] for c in chunks) == whole.choices[0].text
+
+
+def test_a_stop_string_ends_the_answer_before_it(server: Server) -> None:
+    client = server.client()
+    free = client.completions.create(model="v0001", prompt="9", max_tokens=30, temperature=0)
+    text = free.choices[0].text
+    stop = text[10:13]
+
+    cut = client.completions.create(
+        model="v0001", prompt="9", max_tokens=30, temperature=0, stop=[stop]
+    )
+
+    assert cut.choices[0].text == text[: text.find(stop)]
+    assert cut.choices[0].finish_reason == "stop"
+
+
+def test_a_seed_repeats_a_sampled_answer(server: Server) -> None:
+    client = server.client()
+
+    def sample(seed: int) -> str:
+        done = client.completions.create(
+            model="v0001", prompt="1 2", max_tokens=20, temperature=1.0, top_p=0.9, seed=seed
+        )
+        return str(done.choices[0].text)
+
+    first, again, other = sample(7), sample(7), sample(8)
+
+    assert first == again
+    assert first != other
+
+
+def test_the_variant_answers_as_its_parent_plus_the_decoded_delta(server: Server) -> None:
+    envelope, _ = variant_paths(server.root, "v0001", "v0000")
+    merged = apply_variant(load_weights(server.root / "v0000"), envelope.read_bytes())
+    model = AutoModelForCausalLM.from_pretrained(server.root / "v0000", dtype=torch.float32)
+    model.load_state_dict(merged)
+    ids = prompt_ids(server.root, "v0000", "7")
+    out = model.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=16, pad_token_id=0)
+    tokenizer = AutoTokenizer.from_pretrained(server.root / "v0000")
+
+    done = server.client().completions.create(
+        model="v0001-from-v0000", prompt="7", max_tokens=16, temperature=0
+    )
+
+    assert done.choices[0].text == tokenizer.decode(out[0, len(ids) :], skip_special_tokens=True)
+
+
+# --- batching ----------------------------------------------------------------------------------
+
+
+def test_concurrent_requests_run_in_one_batch_and_answer_as_alone(server: Server) -> None:
+    client = server.client()
+    prompts = ["1", "22 + 3", "What is 4 + 4? The answer", "7 7 7"]
+    alone = [
+        client.completions.create(model="v0001", prompt=p, max_tokens=24, temperature=0)
+        for p in prompts
+    ]
+    before = server.stats()["rows_per_forward"].get("4", 0)
+    together: list[Any] = [None] * len(prompts)
+
+    def ask(i: int) -> None:
+        together[i] = client.completions.create(
+            model="v0001", prompt=prompts[i], max_tokens=24, temperature=0
+        )
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+
+    assert server.stats()["rows_per_forward"].get("4", 0) > before
+    assert [t.choices[0].text for t in together] == [a.choices[0].text for a in alone]
+
+
+# --- refusals -----------------------------------------------------------------------------------
+
+
+def test_a_wrong_key_is_401(server: Server) -> None:
+    with pytest.raises(openai.AuthenticationError) as refused:
+        server.client("sk-wrong").models.list()
+
+    assert refused.value.status_code == 401
+    assert refused.value.response.json()["error"]["code"] == "invalid_api_key"
+    assert httpx.get(f"{server.url}/v1/models").status_code == 401  # no key at all
+
+
+def test_an_unknown_model_is_404_in_openais_shape(server: Server) -> None:
+    with pytest.raises(openai.NotFoundError) as refused:
+        server.client().chat.completions.create(model="v9999", messages=QUESTION)
+
+    error = refused.value.response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["code"] == "model_not_found" and "v9999" in error["message"]
+
+
+def test_too_many_tokens_are_one_clear_400(server: Server) -> None:
+    client = server.client()
+
+    with pytest.raises(openai.BadRequestError) as asked:
+        client.completions.create(model="v0001", prompt="1", max_tokens=65)
+    with pytest.raises(openai.BadRequestError) as long:
+        client.completions.create(model="v0001", prompt="1 " * 300, max_tokens=4)
+
+    assert asked.value.response.json()["error"]["message"] == (
+        "max_tokens is 65; this server generates 1 to 64"
+    )
+    assert "this server takes at most 255" in long.value.response.json()["error"]["message"]
+
+
+def test_an_oversized_body_is_413_before_it_is_read(server: Server) -> None:
+    body = json.dumps({"model": "v0001", "prompt": "x" * MAX_BODY})
+
+    reply = httpx.post(
+        f"{server.url}/v1/completions",
+        content=body,
+        headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"},
+    )
+
+    assert reply.status_code == 413
+    assert reply.json()["error"]["code"] == "request_too_large"
+
+
+def test_a_malformed_body_names_the_field(server: Server) -> None:
+    reply = httpx.post(
+        f"{server.url}/v1/chat/completions",
+        json={"model": "v0000", "messages": [{"role": "robot", "content": "hi"}]},
+        headers={"Authorization": f"Bearer {KEY}"},
+    )
+
+    assert reply.status_code == 400
+    assert reply.json()["error"]["param"] == "messages.0.role"
+    assert "robot" not in reply.text  # the input is never repeated
+
+
+def test_no_key_on_a_public_address_refuses_to_start(tiny_home_template: Path) -> None:
+    models = str(tiny_home_template / "models")
+    done = subprocess.run(
+        [sys.executable, "-m", "zoo_gym.cli.serve", "--models", models, "--host", "0.0.0.0"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "ZOO_SERVE_API_KEY": ""},
+    )
+
+    assert done.returncode == 1
+    assert done.stderr.startswith("error: no API key configured")
+    assert len(done.stderr.strip().splitlines()) == 1

@@ -14,7 +14,7 @@ import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from sqlalchemy import ColumnElement, LargeBinary, func, literal, text
+from sqlalchemy import ColumnElement, LargeBinary, func, insert, literal, text
 from sqlmodel import Session, col, select
 
 from zoo_gym.core import merkle
@@ -49,26 +49,39 @@ def lock_log(session: Session) -> None:
     session.connection(execution_options={IMMEDIATE: True})
 
 
+_LAST_INDEX = select(func.max(LogEntry.index))
+
+
 def log_size(session: Session) -> int:
     """Number of entries in the log."""
-    last = session.exec(select(func.max(LogEntry.index))).one()
+    last = session.connection().execute(_LAST_INDEX).scalar()
     return 0 if last is None else int(last) + 1
 
 
-def append_entry(session: Session, *, kind: str, changes: Sequence[RowChange]) -> LogEntry:
-    """Append one entry describing `changes` (already flushed rows) to the log.
+def append_entry(session: Session, *, kind: str, changes: Sequence[RowChange]) -> int:
+    """Append one entry describing `changes` (already flushed rows) to the log; its index.
 
-    Takes the append lock, assigns the next index and adds the entry to the session without
-    committing: the entry commits or rolls back with the rows it describes.
+    Takes the append lock, assigns the next index and writes the entry in the session's
+    transaction without committing: the entry commits or rolls back with the rows it describes.
     """
+    return append_entries(session, kind=kind, changes=[changes])
+
+
+def append_entries(session: Session, *, kind: str, changes: Sequence[Sequence[RowChange]]) -> int:
+    """Append one entry of `kind` per item of `changes` (rows already written), in order, with
+    one INSERT, as `append_entry` appends one; the index of the first."""
     lock_log(session)
     session.flush()
-    index = log_size(session)
-    record = build_record(index, kind, changes)
-    entry = LogEntry(index=index, kind=kind, record=record, leaf_hash=merkle.leaf_hash(record))
-    session.add(entry)
-    session.flush()
-    return entry
+    first = log_size(session)
+    entries = []
+    for index, rows in enumerate(changes, start=first):
+        record = build_record(index, kind, rows)
+        entries.append(
+            {"index": index, "kind": kind, "record": record, "leaf_hash": merkle.leaf_hash(record)}
+        )
+    if entries:
+        session.connection().execute(insert(LogEntry), entries)
+    return first
 
 
 # --- tree heads and proofs ----------------------------------------------------------------------

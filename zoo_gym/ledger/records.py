@@ -12,7 +12,8 @@ every backend. Version 1 wrote exact amounts as floats; `_from_v1` reads them in
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from decimal import Decimal
 from typing import Any
@@ -59,7 +60,18 @@ _COLUMN_TYPES: dict[tuple[str, str], Any] = {
 # Float subclasses Numeric; only exact NUMERIC columns changed form between versions
 _COLUMN_TYPES = {k: t for k, t in _COLUMN_TYPES.items() if not isinstance(t, Float)}
 
-RowChange = tuple[SQLModel, Sequence[str] | None]
+
+@dataclass(frozen=True)
+class Written:
+    """A row changed by a statement rather than through a mapped object: its model and the
+    values of the columns written (the primary key among them)."""
+
+    model: type[SQLModel]
+    values: Mapping[str, Any]
+
+
+Row = SQLModel | Written
+RowChange = tuple[Row, Sequence[str] | None]
 """A row and the columns of it a log entry records (None: every column)."""
 
 
@@ -95,21 +107,34 @@ def _utc(moment: datetime) -> datetime:
     return moment.astimezone(UTC)
 
 
-def row_content(row: SQLModel) -> dict[str, Any]:
+def _table(row: Row) -> Any:
+    model: Any = row.model if isinstance(row, Written) else row
+    return model.__table__
+
+
+def _value(row: Row, column: str) -> Any:
+    return row.values[column] if isinstance(row, Written) else getattr(row, column)
+
+
+def row_content(row: Row) -> dict[str, Any]:
     """Every column of `row` as JSON values (datetimes ISO 8601, bytes hex, floats as floats)."""
-    table = row.__table__  # type: ignore[attr-defined]
-    return {c.name: _normalise(c.type, getattr(row, c.name)) for c in table.columns}
+    return {c.name: _normalise(c.type, _value(row, c.name)) for c in _table(row).columns}
 
 
-def row_key(row: SQLModel) -> Any:
+def _fields(row: Row, columns: Sequence[str]) -> dict[str, Any]:
+    """The named columns of `row` as `row_content` has them (the others are not read)."""
+    table = _table(row)
+    return {c: _normalise(table.columns[c].type, _value(row, c)) for c in columns}
+
+
+def row_key(row: Row) -> Any:
     """The primary-key value of `row`, in its JSON form."""
-    table = row.__table__  # type: ignore[attr-defined]
-    (pk,) = table.primary_key.columns
-    return _normalise(pk.type, getattr(row, pk.name))
+    (pk,) = _table(row).primary_key.columns
+    return _normalise(pk.type, _value(row, pk.name))
 
 
-def _table_name(row: SQLModel) -> str:
-    return str(row.__table__.name)  # type: ignore[attr-defined]
+def _table_name(row: Row) -> str:
+    return str(_table(row).name)
 
 
 def _from_v1(table: str, column: str, value: Any) -> Any:
@@ -125,8 +150,7 @@ def build_record(index: int, kind: str, changes: Sequence[RowChange]) -> bytes:
     as fixed-scale strings; version 1 wrote them as floats and is still verified)."""
     rows = []
     for row, columns in changes:
-        content = row_content(row)
-        fields = content if columns is None else {c: content[c] for c in columns}
+        fields = row_content(row) if columns is None else _fields(row, columns)
         rows.append({"table": _table_name(row), "key": row_key(row), "fields": fields})
     record = {"v": RECORD_VERSION, "index": index, "kind": kind, "rows": rows}
     return canonical_json(record)

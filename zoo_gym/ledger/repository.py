@@ -12,10 +12,12 @@ from contextlib import contextmanager
 from decimal import Decimal
 from typing import Any
 
-from sqlmodel import Session, col, select
+from sqlalchemy import bindparam, func, insert, update
+from sqlalchemy.exc import IntegrityError
+from sqlmodel import Session, SQLModel, col, select
 
 from zoo_gym.core.identity import Identity
-from zoo_gym.ledger.log import append_entry, lock_log, sign_head
+from zoo_gym.ledger.log import append_entries, append_entry, lock_log, sign_head
 from zoo_gym.ledger.models import (
     CLOSED_ROUND_STATUSES,
     CONTRIBUTOR_STATUSES,
@@ -31,6 +33,7 @@ from zoo_gym.ledger.models import (
     Submission,
     utcnow,
 )
+from zoo_gym.ledger.records import Written
 
 
 class LedgerError(Exception):
@@ -269,6 +272,20 @@ def _refuse_repeats(
         )
 
 
+def _insert(session: Session, row: SQLModel) -> None:
+    """Write `row` with one INSERT of every column as it stands (its defaults included), in the
+    session's transaction, bypassing the unit of work; a generated primary key is set on it."""
+    table = row.__table__  # type: ignore[attr-defined]
+    (key,) = table.primary_key.columns
+    values = {c.name: getattr(row, c.name) for c in table.columns}
+    if values[key.name] is None:
+        del values[key.name]
+    result = session.connection().execute(insert(table), values)
+    if key.name not in values:
+        (generated,) = result.inserted_primary_key or (None,)
+        setattr(row, key.name, generated)
+
+
 def record_submission(
     session: Session,
     *,
@@ -287,35 +304,49 @@ def record_submission(
     it reports and the DP-SGD mechanism it states).
 
     Raises `ReplayedNonce` when the contributor used `nonce` before (whatever that decision was),
-    and `DuplicateSubmission` for a second accepted submission in the same round.
+    and `DuplicateSubmission` for a second accepted submission in the same round: the table's
+    unique indexes refuse such a row, and only then are the earlier rows looked up to say which.
+    The row and its log entry are two INSERTs and one commit; the row is returned as written
+    (it is not in the session).
     """
     _check(decision, DECISIONS, "decision")
-    with _writing(session):
-        _refuse_repeats(
-            session, round_number, contributor_id, nonce, accepted=decision == "accepted"
-        )
-        submission = Submission(
-            round_number=round_number,
-            contributor_id=contributor_id,
-            nonce=nonce,
-            base_version=base_version,
-            payload_sha256=payload_sha256,
-            size_bytes=size_bytes,
-            decision=decision,
-            reason=reason,
-            epsilon=epsilon,
-        )
-        if dp is not None:
-            submission.dp_noise_multiplier = dp.noise_multiplier
-            submission.dp_sample_rate = dp.sample_rate
-            submission.dp_steps = dp.steps
-            submission.dp_delta = dp.delta
-            submission.dp_accountant = dp.accountant
-        session.add(submission)
-        session.flush()
-        append_entry(session, kind="submission", changes=[(submission, None)])
-    session.refresh(submission)
+    submission = Submission(
+        round_number=round_number,
+        contributor_id=contributor_id,
+        nonce=nonce,
+        base_version=base_version,
+        payload_sha256=payload_sha256,
+        size_bytes=size_bytes,
+        decision=decision,
+        reason=reason,
+        epsilon=epsilon,
+    )
+    if dp is not None:
+        submission.dp_noise_multiplier = dp.noise_multiplier
+        submission.dp_sample_rate = dp.sample_rate
+        submission.dp_steps = dp.steps
+        submission.dp_delta = dp.delta
+        submission.dp_accountant = dp.accountant
+    try:
+        with _writing(session):
+            _insert(session, submission)
+            append_entry(session, kind="submission", changes=[(submission, None)])
+    except IntegrityError:
+        accepted = decision == "accepted"
+        _refuse_repeats(session, round_number, contributor_id, nonce, accepted=accepted)
+        raise
     return submission
+
+
+def count_submissions(session: Session, *, round_number: int, contributor_id: str) -> int:
+    """How many submissions of `contributor_id` are recorded under round `round_number`."""
+    query = (
+        select(func.count())
+        .select_from(Submission)
+        .where(Submission.round_number == round_number)
+        .where(Submission.contributor_id == contributor_id)
+    )
+    return int(session.connection().execute(query).scalar_one())
 
 
 def record_aggregation(
@@ -337,29 +368,48 @@ def record_aggregations(
     session: Session, *, decisions: Sequence[AggregationDecision]
 ) -> list[Submission]:
     """Record what the aggregator did with each of a round's accepted submissions, in one
-    transaction (one log entry per submission): all of them or, on any error, none."""
-    submissions = []
+    transaction (one log entry per submission): all of them or, on any error, none.
+
+    The submissions are read with one SELECT, changed with one UPDATE per decision sent as one
+    batch, and their log entries written with one INSERT."""
+    ids = sorted({d.submission_id for d in decisions})
     with _writing(session):
+        found: dict[int | None, Submission] = {}
+        for start in range(0, len(ids), _IDS_PER_QUERY):
+            chunk = ids[start : start + _IDS_PER_QUERY]
+            query = select(Submission).where(col(Submission.id).in_(chunk))
+            found.update((s.id, s) for s in session.exec(query))
+        changes: list[tuple[AggregationDecision, dict[str, Any]]] = []
         for decision in decisions:
-            submission = session.get(Submission, decision.submission_id)
+            submission = found.get(decision.submission_id)
             if submission is None:
                 raise NotFound(f"no submission {decision.submission_id}")
             if submission.decision != "accepted":
                 raise LedgerError(
                     f"submission {decision.submission_id} was rejected; it was not aggregated"
                 )
-            submission.selected = decision.selected
-            submission.weight = decision.weight
-            submission.trimmed_share = decision.trimmed_share
-            submission.score = decision.score
-            submission.aggregation_reason = decision.reason
-            session.add(submission)
-            session.flush()
-            append_entry(session, kind="aggregation", changes=[(submission, _AGGREGATION_FIELDS)])
-            submissions.append(submission)
-    return submissions  # expired by the commit: each loads its row again when it is read
+            values = {
+                "selected": decision.selected,
+                "weight": decision.weight,
+                "trimmed_share": decision.trimmed_share,
+                "score": decision.score,
+                "aggregation_reason": decision.reason,
+            }
+            changes.append((decision, values))
+        if changes:
+            session.connection().execute(
+                update(Submission).where(col(Submission.id) == bindparam("key")),
+                [{"key": decision.submission_id, **values} for decision, values in changes],
+            )
+        rows = [Written(Submission, {"id": d.submission_id, **values}) for d, values in changes]
+        append_entries(
+            session, kind="aggregation", changes=[[(row, _AGGREGATION_FIELDS)] for row in rows]
+        )
+    # expired by the commit: each loads its row again when it is read
+    return [found[d.submission_id] for d in decisions]
 
 
+_IDS_PER_QUERY = 500  # ids bound per SELECT (SQLite's default limit on parameters is 999 or more)
 _AGGREGATION_FIELDS = ["selected", "weight", "trimmed_share", "score", "aggregation_reason"]
 
 

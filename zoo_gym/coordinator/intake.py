@@ -83,6 +83,7 @@ class Intake:
         self.metrics = metrics
         self.open_round: OpenRound | None = None
         self.lock = threading.Lock()
+        self._rounds: set[int] = set()  # round numbers the ledger is known to hold
         payload_dir.mkdir(parents=True, exist_ok=True)
 
     def payload_path(self, sha256: str) -> Path:
@@ -224,17 +225,12 @@ class Intake:
         in the ledger); past `max_submissions_per_round` a submission is refused, and only the
         first one over the limit is recorded."""
         with Session(self.engine) as session:
-            round_number = sub.round
-            if ledger.get_round(session, number=round_number) is None:
-                latest = ledger.latest_round(session)
-                round_number = latest.number if latest is not None else 0
+            round_number = self._filed_under(session, sub.round)
             if round_number == 0:
                 return Verdict(False, reason)
             limit = self.max_submissions_per_round
-            made = len(
-                ledger.list_submissions(
-                    session, round_number=round_number, contributor_id=sub.contributor_id
-                )
+            made = ledger.count_submissions(
+                session, round_number=round_number, contributor_id=sub.contributor_id
             )
             if made >= limit:
                 # the first one over the limit is recorded (so the contributor sees why); later
@@ -268,6 +264,17 @@ class Intake:
             except ledger.DuplicateSubmission:
                 return Verdict(False, already_accepted_reason(sub.round))
             return Verdict(accepted, reason, int(row.id or 0))
+
+    def _filed_under(self, session: Session, number: int) -> int:
+        """The round a submission naming round `number` is filed under: that one when the ledger
+        has it (remembered: rounds are never deleted), else the latest (0: none yet)."""
+        if number in self._rounds:
+            return number
+        if ledger.get_round(session, number=number) is not None:
+            self._rounds.add(number)
+            return number
+        latest = ledger.latest_round(session)
+        return latest.number if latest is not None else 0
 
 
 def envelope_reason(data: bytes, current: OpenRound) -> str:

@@ -24,6 +24,8 @@ from zoo_gym.ledger import (
 )
 from zoo_gym.ledger import repository as repo
 from zoo_gym.ledger.log import checkpoint_message, leaf_hashes
+from zoo_gym.ledger.models import Submission
+from zoo_gym.ledger.records import Written, build_record
 
 if TYPE_CHECKING:
     from conftest import Populated
@@ -150,3 +152,23 @@ def test_reward_entries_are_the_contributors_reward_records(session: Session) ->
     assert indices(alice) == {paid[0].id: 3, paid[2].id: 7}
     assert indices(bob) == {paid[1].id: 4}
     assert indices("0" * 64) == {}
+
+
+def test_a_written_row_records_as_the_mapped_row_does() -> None:
+    # Prepare: the same change as a mapped row and as the values a statement wrote
+    values = {"selected": True, "weight": 0.125, "trimmed_share": 0.0, "score": None}
+    fields = [*values, "aggregation_reason"]
+    mapped = Submission(id=7, aggregation_reason="fedavg", **values)
+    written = Written(Submission, {"id": 7, "aggregation_reason": "fedavg", **values})
+
+    # Execute
+    records = [build_record(3, "aggregation", [(row, fields)]) for row in (mapped, written)]
+
+    # Assert: the same bytes, holding the key and exactly the named columns
+    assert records[0] == records[1]
+    (row,) = json.loads(records[1])["rows"]
+    assert row == {
+        "table": "submissions",
+        "key": 7,
+        "fields": {**values, "aggregation_reason": "fedavg"},
+    }

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import TYPE_CHECKING
 
 import pytest
@@ -18,6 +19,7 @@ from zoo_gym.ledger import (
     ReplayedNonce,
     RoundPublic,
     SubmissionPublic,
+    list_entries,
     log_size,
     verify_ledger,
 )
@@ -144,6 +146,78 @@ def test_a_rounds_aggregation_decisions_are_recorded_together_or_not_at_all(
         (ids[2], True, 0.5, "row 2"),
     ]
     assert log_size(session) == size + 3
+    assert verify_ledger(session, public_key=Identity.generate().public_key).ok
+
+
+def test_a_recorded_submission_is_returned_as_stored_and_counted(session: Session) -> None:
+    # Prepare
+    who = Identity.generate()
+    cid = who.contributor_id
+    repo.register_contributor(session, contributor_id=cid, public_key=who.public_key, name="a")
+    repo.open_round(session, number=1, base_version="v0000", seed=1, aggregator="m", codec="c")
+    repo.open_round(session, number=2, base_version="v0000", seed=2, aggregator="m", codec="c")
+
+    # Execute: two in round 1 (one rejected), one in round 2
+    written = [
+        _submit(session, cid, "n1", decision="rejected"),
+        _submit(session, cid, "n2"),
+        _submit(session, cid, "n3", number=2),
+    ]
+
+    # Assert: what each call returned is the row the database holds, field for field
+    stored = repo.list_submissions(session, contributor_id=cid)
+    assert [SubmissionPublic.model_validate(s) for s in written] == [
+        SubmissionPublic.model_validate(s) for s in stored
+    ]
+    counts = [repo.count_submissions(session, round_number=n, contributor_id=cid) for n in (1, 2)]
+    assert counts == [2, 1]
+    assert repo.count_submissions(session, round_number=1, contributor_id="0" * 32) == 0
+    assert verify_ledger(session, public_key=who.public_key).ok
+
+
+def test_aggregation_decisions_read_in_chunks_change_exactly_their_rows(
+    session: Session, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Prepare: five accepted submissions, read back two ids per SELECT
+    monkeypatch.setattr(repo, "_IDS_PER_QUERY", 2)
+    repo.open_round(session, number=1, base_version="v0000", seed=1, aggregator="m", codec="c")
+    ids = []
+    for i in range(5):
+        who = Identity.generate()
+        repo.register_contributor(
+            session, contributor_id=who.contributor_id, public_key=who.public_key, name=f"c{i}"
+        )
+        ids.append(_submit(session, who.contributor_id, f"n{i}").id)
+    size = log_size(session)
+    order = [ids[4], ids[0], ids[3], ids[1], ids[2]]
+
+    # Execute: decisions in another order than the ids
+    recorded = repo.record_aggregations(
+        session,
+        decisions=[
+            AggregationDecision(sid, k % 2 == 0, 0.25 * k, 0.5, float(k) if k else None, f"r{k}")
+            for k, sid in enumerate(order)
+        ],
+    )
+
+    # Assert: each row holds its own decision, one log entry each in the decisions' order
+    assert [s.id for s in recorded] == order
+    rows = {s.id: s for s in repo.list_submissions(session)}
+    got = [
+        (rows[sid].selected, rows[sid].weight, rows[sid].score, rows[sid].aggregation_reason)
+        for sid in order
+    ]
+    assert got == [
+        (True, 0.0, None, "r0"),
+        (False, 0.25, 1.0, "r1"),
+        (True, 0.5, 2.0, "r2"),
+        (False, 0.75, 3.0, "r3"),
+        (True, 1.0, 4.0, "r4"),
+    ]
+    assert all(rows[sid].trimmed_share == 0.5 for sid in ids)
+    assert log_size(session) == size + 5
+    keys = [json.loads(e.record)["rows"][0]["key"] for e in list_entries(session, start=size)]
+    assert keys == order
     assert verify_ledger(session, public_key=Identity.generate().public_key).ok
 
 

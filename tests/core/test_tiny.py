@@ -1,4 +1,3 @@
-import time
 from pathlib import Path
 
 import pytest
@@ -13,9 +12,7 @@ MESSAGES = [{"role": "user", "content": "What is 12 + 7?"}, {"role": "assistant"
 @pytest.fixture(scope="module")
 def base_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     directory = tmp_path_factory.mktemp("tiny")
-    start = time.perf_counter()
     create_tiny_base(directory, seed=0)
-    assert time.perf_counter() - start < 10
     return directory
 
 

@@ -5,7 +5,9 @@ CPU; `zoo_gym.aggregation._orderstat` computes the coordinate-wise median and tr
 column chunks with sorting networks on the CPU. Both are optional: without a C compiler the
 build goes on without them and `zoo_gym.compression.bitdelta` packs with numpy and torch, and
 `zoo_gym.aggregation._select` sorts with NumPy, instead (the same results, slower). Never build
-them with -ffast-math: their sums must be added in torch.sum's order.
+these two with -ffast-math: their sums must be added in torch.sum's order.
+`zoo_gym.serving._binary_gemm` computes the 1-bit products of BitDelta variants with a batch's
+rows on the CPU; without it `zoo_gym.serving.binary` decodes each variant's weights in torch.
 """
 
 from setuptools import Extension, setup
@@ -22,6 +24,12 @@ setup(
             "zoo_gym.aggregation._orderstat",
             sources=["zoo_gym/aggregation/_orderstat.c"],
             extra_compile_args=["-O3", "-ffp-contract=off"],
+            optional=True,
+        ),
+        Extension(
+            "zoo_gym.serving._binary_gemm",
+            sources=["zoo_gym/serving/_binary_gemm.c"],
+            extra_compile_args=["-O3"],
             optional=True,
         ),
     ]

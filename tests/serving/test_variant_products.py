@@ -1,0 +1,73 @@
+"""The 1-bit products of variants against dense matmuls of the decoded deltas."""
+
+import pytest
+import torch
+
+from zoo_gym.compression import bitdelta
+from zoo_gym.serving import binary
+from zoo_gym.serving.packed import PackedTensor
+
+
+def _packed(out: int, inn: int, group: int, seed: int, dtype: torch.dtype) -> PackedTensor:
+    delta = torch.randn(out * inn, generator=torch.Generator().manual_seed(seed))
+    bits, scales = bitdelta.pack(delta, group)
+    return PackedTensor((out, inn), bits, scales.to(dtype), group)
+
+
+def _dense(packed: PackedTensor) -> torch.Tensor:
+    """The delta by hand: scale of each value's group, signed by its bit (MSB first)."""
+    flat = torch.arange(packed.numel)
+    bit = (packed.bits.long()[flat // 8] >> (7 - flat % 8)) & 1
+    scale = packed.scales.float()[flat // packed.group]
+    return torch.where(bit.bool(), scale, -scale).view(packed.shape)
+
+
+@pytest.mark.parametrize(
+    ("out", "inn", "group"),
+    [
+        (40, 64, 128),  # a group spans two rows
+        (24, 40, 16),  # rows of 2.5 groups: groups start mid-row
+        (36, 256, 128),  # two groups per row, outputs not a multiple of 4
+        (8, 24, 8),
+    ],
+)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_compiled_and_reference_products_match_dense_matmuls(
+    out: int, inn: int, group: int, dtype: torch.dtype
+) -> None:
+    weights = [_packed(out, inn, group, seed, dtype) for seed in range(3)]
+    starts = [0, 2, 2, 5]  # the second variant has no rows
+    x = torch.randn(5, inn, generator=torch.Generator().manual_seed(9))
+    expected = torch.cat(
+        [x[starts[k] : starts[k + 1]] @ _dense(w).T for k, w in enumerate(weights)]
+    )
+
+    reference = binary.product_reference(x, weights, starts)
+    compiled = binary.product(x, weights, starts, threads=2)
+
+    torch.testing.assert_close(reference, expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(compiled, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_the_compiled_kernel_is_built_here() -> None:
+    assert binary.compiled_available(), "build it: python setup.py build_ext --inplace"
+
+
+def test_shapes_the_kernel_does_not_take_go_through_the_reference() -> None:
+    weights = [_packed(6, 12, 4, 0, torch.float16)]  # neither in nor group a multiple of 8
+    x = torch.randn(3, 12, generator=torch.Generator().manual_seed(2))
+
+    assert not binary.compiled_for(weights[0], x.device)
+    torch.testing.assert_close(
+        binary.product(x, weights, [0, 3]), x @ _dense(weights[0]).T, rtol=1e-5, atol=1e-5
+    )
+
+
+def test_decoded_rows_are_those_of_the_whole_delta() -> None:
+    packed = _packed(30, 20, 16, 4, torch.float16)  # rows of 20 values: bytes straddle rows
+    index = torch.tensor([[3, 0], [29, 3]])
+
+    rows = packed.decode_rows(index)
+
+    torch.testing.assert_close(rows, _dense(packed)[index.reshape(-1)], rtol=0, atol=0)
+    torch.testing.assert_close(packed.decode(), _dense(packed), rtol=0, atol=0)

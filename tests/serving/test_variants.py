@@ -1,0 +1,188 @@
+"""Variants of a served base in one batch, against the merged models P + decode(variant)."""
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from zoo_gym.coordinator.registry import ModelRegistry
+from zoo_gym.coordinator.variants import apply_variant, write_variant
+from zoo_gym.core.identity import Identity
+from zoo_gym.serving.variants import (
+    VariantError,
+    VariantStore,
+    attach,
+    load_variant,
+    variant_files,
+)
+
+VERSIONS = ("v0001", "v0002", "v0003")
+
+
+@pytest.fixture(scope="module")
+def models(tiny_home_template: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A models root with v0000 and three variants of it, each written by `write_variant` from
+    a child published as v0001 (the registry numbers children after their parent) and then
+    renamed to its own version."""
+    home = tmp_path_factory.mktemp("variants") / "coordinator"
+    shutil.copytree(tiny_home_template, home)
+    registry = ModelRegistry(home / "models", Identity.load(home / "coordinator.key"))
+    base = registry.load_state_dict("v0000")
+    for i, version in reversed(list(enumerate(VERSIONS))):
+        gen = torch.Generator().manual_seed(i)
+        child = {k: v + 0.02 * torch.randn(v.shape, generator=gen) for k, v in base.items()}
+        registry.publish(
+            child, parent="v0000", round_number=1, aggregator="fedavg", contributors=(), metrics={}
+        )
+        write_variant(registry, "v0001")
+        envelope, record = variant_files(registry.root, "v0001", "v0000")
+        if version != "v0001":
+            body = json.loads(record.read_text())
+            target, target_record = variant_files(registry.root, version, "v0000")
+            envelope.rename(target)
+            target_record.write_text(json.dumps({**body, "version": version}))
+            record.unlink()
+    return registry.root
+
+
+def _model(directory: Path) -> torch.nn.Module:
+    return AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+
+
+def _merged(models: Path, version: str) -> torch.nn.Module:
+    """The reference: the base model with P + decode(variant) loaded into it."""
+    model = _model(models / "v0000")
+    payload = variant_files(models, version, "v0000")[0].read_bytes()
+    weights = apply_variant(dict(model.state_dict()), payload)
+    model.load_state_dict(weights)
+    return model
+
+
+def test_a_mixed_batch_gives_each_row_its_merged_models_logits(models: Path) -> None:
+    rows = [None, "v0002", "v0001", None, "v0003", "v0001"]
+    ids = torch.randint(4, 300, (len(rows), 12), generator=torch.Generator().manual_seed(7))
+    mixed = attach(_model(models / "v0000"), VariantStore(models, "v0000", 10**8))
+
+    with torch.no_grad(), mixed.assign(rows):
+        logits = mixed.model(ids).logits
+    plain = mixed.model(ids).logits  # outside `assign`: the base alone
+
+    base = _model(models / "v0000")
+    with torch.no_grad():
+        for r, version in enumerate(rows):
+            reference = (base if version is None else _merged(models, version))(ids[r : r + 1])
+            torch.testing.assert_close(logits[r], reference.logits[0], rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(plain[r], base(ids[r : r + 1]).logits[0])
+    assert not torch.allclose(logits[1], logits[0], atol=1e-2)  # the variants do change logits
+
+
+def test_generate_with_a_kv_cache_matches_the_merged_models(models: Path) -> None:
+    rows = ["v0003", None, "v0001", "v0002"]
+    prompt = torch.randint(4, 300, (len(rows), 8), generator=torch.Generator().manual_seed(3))
+    mixed = attach(_model(models / "v0000"), VariantStore(models, "v0000", 10**8))
+
+    with torch.no_grad(), mixed.assign(rows):
+        tokens = mixed.model.generate(prompt, max_new_tokens=10, do_sample=False, pad_token_id=0)
+
+    for r, version in enumerate(rows):
+        model = _model(models / "v0000") if version is None else _merged(models, version)
+        with torch.no_grad():
+            alone = model.generate(
+                prompt[r : r + 1], max_new_tokens=10, do_sample=False, pad_token_id=0
+            )
+        n = alone.shape[1]  # a row alone stops at its end token; the batch pads it with 0
+        assert torch.equal(tokens[r, :n], alone[0]) and not tokens[r, n:].any()
+
+
+def test_the_torch_reference_gives_the_compiled_products(models: Path) -> None:
+    from zoo_gym.serving import binary
+
+    rows = ["v0001", None, "v0002"]
+    ids = torch.randint(4, 300, (3, 9), generator=torch.Generator().manual_seed(1))
+    mixed = attach(_model(models / "v0000"), VariantStore(models, "v0000", 10**8))
+    previous = binary.use_compiled(False)
+    try:
+        with torch.no_grad(), mixed.assign(rows):
+            reference = mixed.model(ids).logits
+    finally:
+        binary.use_compiled(previous)
+    with torch.no_grad(), mixed.assign(rows):
+        compiled = mixed.model(ids).logits
+    torch.testing.assert_close(compiled, reference, rtol=1e-5, atol=1e-5)
+
+
+def test_a_variant_is_kept_packed_at_about_one_fourteenth_of_bf16(models: Path) -> None:
+    variant = load_variant(models, "v0001", base="v0000")
+    base = _model(models / "v0000")
+
+    matrices = {n: p.numel() for n, p in base.named_parameters() if p.dim() == 2}
+    vectors = {n: p.numel() for n, p in base.named_parameters() if p.dim() == 1}
+    packed = sum(-(-n // 8) + 2 * -(-n // 128) for n in matrices.values())  # signs, fp16 scales
+    assert set(variant.packed) == set(matrices) and set(variant.dense) == set(vectors)
+    assert all(p.bits.dtype == torch.uint8 for p in variant.packed.values())
+    assert sum(p.nbytes for p in variant.packed.values()) == packed
+    assert variant.nbytes == packed + 4 * sum(vectors.values())  # float32 norms and biases
+    assert packed < 2 * sum(matrices.values()) / 14  # 1.125 bits per weight against 16
+    assert variant.version == "v0001" and variant.parent == "v0000"
+
+
+def test_missing_corrupt_and_foreign_variants_are_refused_with_one_line(
+    models: Path, tmp_path: Path
+) -> None:
+    root = tmp_path / "models"
+    shutil.copytree(models / "variants", root / "variants")
+
+    with pytest.raises(VariantError, match="no variant v0009 of v0000"):
+        load_variant(root, "v0009", base="v0000")
+    with pytest.raises(VariantError, match="a delta of v0000, not of the served base v0002"):
+        load_variant(root, "v0001", base="v0002")
+
+    envelope = variant_files(root, "v0001", "v0000")[0]
+    payload = bytearray(envelope.read_bytes())
+    payload[100] ^= 1
+    envelope.write_bytes(bytes(payload))
+    with pytest.raises(VariantError, match="does not match its record"):
+        load_variant(root, "v0001", base="v0000")
+
+    body = json.loads(variant_files(root, "v0002", "v0000")[1].read_text())
+    body["parent"] = "v0001"
+    variant_files(root, "v0002", "v0000")[1].write_text(json.dumps(body))
+    with pytest.raises(VariantError, match="describes v0002-from-v0001, not v0002-from-v0000"):
+        load_variant(root, "v0002", base="v0000")
+
+
+def test_a_batch_refuses_a_variant_of_another_shape_and_a_wrong_row_count(models: Path) -> None:
+    variant = load_variant(models, "v0001", base="v0000")
+    mixed = attach(_model(models / "v0000"))
+    name = next(iter(variant.shapes))
+    other = type(variant)(variant.version, "v0000", variant.packed, variant.dense, {name: (1,)})
+
+    with pytest.raises(VariantError, match="holds other tensors than the served model"):
+        mixed.assign([other]).__enter__()
+    with pytest.raises(VariantError, match="no store is attached"):
+        mixed.assign(["v0001"]).__enter__()
+    wrong_rows = pytest.raises(ValueError, match="the batch has 3 rows but assign was given 2")
+    with torch.no_grad(), mixed.assign([variant, None]), wrong_rows:
+        mixed.model(torch.ones(3, 4, dtype=torch.long))
+
+
+def test_the_store_evicts_the_least_recently_used_within_its_budget(models: Path) -> None:
+    size = load_variant(models, "v0001", base="v0000").nbytes
+    store = VariantStore(models, "v0000", budget_bytes=2 * size + size // 2)
+
+    first = store.get("v0001")
+    store.get("v0002")
+    assert store.get("v0001") is first  # a hit, and v0001 is now the most recent
+    store.get("v0003")  # over budget: v0002, the least recently used, goes
+
+    assert (store.hits, store.loads, store.evictions) == (1, 3, 1)
+    assert "v0001" in store and "v0003" in store and "v0002" not in store
+    assert store.nbytes == 2 * size <= store.budget_bytes
+    store.get("v0002")
+    assert store.loads == 4 and "v0001" not in store
+
+    with pytest.raises(VariantError, match="more than the budget"):
+        VariantStore(models, "v0000", budget_bytes=size // 2).get("v0001")

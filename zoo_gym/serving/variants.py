@@ -1,0 +1,461 @@
+"""BitDelta variants of a served base, loaded packed and run many to a batch without merging.
+
+A variant ``models/variants/<V>-from-<P>.zgde`` (written by ``gym-coordinator variant V``) is a
+BitDelta envelope of V - P over every tensor, with a JSON record beside it (format, version,
+parent, codec, group size, sha256, size). `load_variant` checks the record against the served
+base P and the envelope against the record, and keeps each weight matrix as packed signs and
+group scales (`PackedTensor`, 1.125 bits per value with float16 scales of 128 values: about
+1/14 of the bf16 model). `VariantStore` loads variants on demand and evicts the least recently
+used beyond a memory budget.
+
+`attach(model)` hooks a Hugging Face causal LM so that one batch mixes rows of several variants
+(and of the base): ``with mixed.assign([None, "v1", ...])`` (or `PackedVariant` objects, one per
+row of input_ids) makes the following forward passes, `generate` included, compute
+
+- every `nn.Linear` (the LM head too, tied or not) once for the whole batch, ``x @ W^T + b``,
+  plus for the rows of variant v the 1-bit product ``x_v @ D_v^T`` from the packed bits
+  (`zoo_gym.serving.binary.product`) and v's bias delta;
+- every `nn.Embedding` once, plus for each row of v the delta rows of its looked-up tokens,
+  decoded from those rows' signs and scales only;
+- every other module whose own parameters a variant changes (RMSNorm, LayerNorm: vectors of
+  the hidden size) with each row's own parameters: the variant keeps those small deltas as
+  float32 copies, and the module runs once with per-row weights (B, 1, ..., h) broadcast over
+  the batch, or, where its forward does not broadcast them, once per variant on its rows.
+
+Row r then computes exactly what the merged model P + decode(variant) computes, up to float
+rounding (sums in another order). Beam search reorders rows and is not supported; sampling
+and greedy decoding with a KV cache are.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from collections import OrderedDict
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from zoo_gym.compression import EnvelopeError, inspect_envelope
+from zoo_gym.compression.envelope import bitdelta_parts, unpacks_together
+from zoo_gym.core.hashing import sha256_bytes
+from zoo_gym.serving.binary import product
+from zoo_gym.serving.packed import PackedTensor
+
+logger = logging.getLogger(__name__)
+
+RECORD_FORMAT = 1  # the record `gym-coordinator variant` writes
+DIRECTORY = "variants"
+_SCALE_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+class VariantError(ValueError):
+    """A variant is missing, corrupt, or not a variant of the served base."""
+
+
+@dataclass(frozen=True)
+class PackedVariant:
+    """A loaded variant: matrices as packed signs and scales, vectors (norms, biases) as
+    float32 deltas."""
+
+    version: str
+    parent: str
+    packed: dict[str, PackedTensor]
+    dense: dict[str, Tensor]
+    shapes: dict[str, tuple[int, ...]] = field(repr=False)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held: packed signs, scales and the float32 vectors."""
+        vectors = sum(t.numel() * t.element_size() for t in self.dense.values())
+        return sum(p.nbytes for p in self.packed.values()) + vectors
+
+
+def variant_files(models_root: Path, version: str, parent: str) -> tuple[Path, Path]:
+    """(envelope, JSON record) of the variant `version`-from-`parent` under the models root."""
+    stem = models_root / DIRECTORY / f"{version}-from-{parent}"
+    return stem.with_suffix(".zgde"), stem.with_suffix(".json")
+
+
+def _missing(models_root: Path, version: str, base: str) -> VariantError:
+    others = sorted(p.stem for p in (models_root / DIRECTORY).glob(f"{version}-from-*.json"))
+    if others:
+        parents = ", ".join(name.split("-from-", 1)[1] for name in others)
+        return VariantError(
+            f"variant {version} is a delta of {parents}, not of the served base {base}; "
+            f"write one against {base} with `gym-coordinator variant`"
+        )
+    return VariantError(
+        f"no variant {version} of {base} under {models_root / DIRECTORY}; "
+        f"write it with `gym-coordinator variant {version}`"
+    )
+
+
+def _read_record(path: Path, version: str, base: str) -> dict[str, Any]:
+    try:
+        record = json.loads(path.read_text())
+        if not isinstance(record, dict):
+            raise ValueError("not an object")
+    except (OSError, ValueError) as exc:
+        raise VariantError(
+            f"{path} is not a readable variant record ({exc}); write it again"
+        ) from None
+    if record.get("format") != RECORD_FORMAT or record.get("codec") != "bitdelta":
+        raise VariantError(
+            f"{path}: format {record.get('format')!r} / codec {record.get('codec')!r} is not a "
+            f"BitDelta variant record of format {RECORD_FORMAT}"
+        )
+    if record.get("version") != version or record.get("parent") != base:
+        raise VariantError(
+            f"{path} describes {record.get('version')}-from-{record.get('parent')}, "
+            f"not {version}-from-{base}; write the variant again"
+        )
+    return record
+
+
+def load_variant(
+    models_root: Path, version: str, *, base: str, device: torch.device | str = "cpu"
+) -> PackedVariant:
+    """Read the variant `version` of the served `base` (record, envelope, sha256), keeping
+    matrices packed. Raises `VariantError` with one line for a missing, corrupt or
+    mismatched variant."""
+    envelope, record_path = variant_files(models_root, version, base)
+    if not record_path.is_file():
+        raise _missing(models_root, version, base)
+    record = _read_record(record_path, version, base)
+    try:
+        payload = envelope.read_bytes()
+    except OSError as exc:
+        raise VariantError(f"cannot read {envelope} ({exc}); write the variant again") from None
+    if len(payload) != record.get("size") or sha256_bytes(payload) != record.get("sha256"):
+        raise VariantError(
+            f"{envelope} does not match its record (size or sha256): it is corrupt or was "
+            "replaced; write the variant again"
+        )
+    try:
+        packed, dense, shapes = _unpack_envelope(payload, envelope)
+    except EnvelopeError as exc:
+        raise VariantError(f"{envelope}: {exc}") from None
+    packed = {name: p.to(device) for name, p in packed.items()}
+    dense = {name: t.to(device) for name, t in dense.items()}
+    return PackedVariant(version, base, packed, dense, shapes)
+
+
+def _unpack_envelope(
+    payload: bytes, path: Path
+) -> tuple[dict[str, PackedTensor], dict[str, Tensor], dict[str, tuple[int, ...]]]:
+    """Matrices as `PackedTensor` (own copies of signs and stored scales), 1-D tensors as
+    float32 deltas, and every tensor's shape."""
+    header = inspect_envelope(payload, max_elements=8 * len(payload))
+    if not unpacks_together(header):
+        raise VariantError(f"{path} is not a BitDelta envelope of one group size")
+    signs, _ = bitdelta_parts(payload, header)  # validates scales and padding
+    scale_dtype = _SCALE_DTYPES[header.spec.scale_dtype]
+    group = header.spec.group_size
+    packed: dict[str, PackedTensor] = {}
+    dense: dict[str, Tensor] = {}
+    shapes: dict[str, tuple[int, ...]] = {}
+    for section, bits in zip(header.sections, signs, strict=True):
+        name, shape = section.spec.name, tuple(section.spec.shape)
+        start, stop = section.scales_offset, section.scales_offset + section.scales_nbytes
+        scales = _owned(payload[start:stop]).view(scale_dtype)
+        tensor = PackedTensor(shape, bits.clone(), scales, group)
+        shapes[name] = shape
+        if len(shape) >= 2:
+            packed[name] = tensor
+        else:
+            dense[name] = tensor.decode()
+    return packed, dense, shapes
+
+
+def _owned(data: bytes) -> Tensor:
+    """A writable uint8 tensor holding a copy of `data`."""
+    if not data:
+        return torch.empty(0, dtype=torch.uint8)
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
+
+
+class VariantStore:
+    """Variants of one served base, loaded on demand and kept within `budget_bytes` by
+    evicting the least recently used. Thread-safe; `hits`, `loads` and `evictions` count.
+
+    A batch keeps the variants it was given alive until it ends, so an evicted variant's
+    memory returns once no batch uses it.
+    """
+
+    def __init__(
+        self,
+        models_root: Path,
+        base: str,
+        budget_bytes: int,
+        *,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        if budget_bytes <= 0:
+            raise ValueError(f"budget_bytes must be positive, not {budget_bytes}")
+        self.models_root, self.base, self.budget_bytes = models_root, base, budget_bytes
+        self.device = device
+        self._cache: OrderedDict[str, PackedVariant] = OrderedDict()
+        self._lock = threading.Lock()
+        self.nbytes = self.hits = self.loads = self.evictions = 0
+
+    def __len__(self) -> int:
+        return len(self._cache)
+
+    def __contains__(self, version: object) -> bool:
+        return version in self._cache
+
+    def get(self, version: str) -> PackedVariant:
+        """The variant `version`, from memory or loaded (evicting others to fit the budget)."""
+        with self._lock:
+            cached = self._cache.get(version)
+            if cached is not None:
+                self._cache.move_to_end(version)
+                self.hits += 1
+                return cached
+            variant = load_variant(self.models_root, version, base=self.base, device=self.device)
+            if variant.nbytes > self.budget_bytes:
+                raise VariantError(
+                    f"variant {version} takes {variant.nbytes} bytes, more than the budget of "
+                    f"{self.budget_bytes}; raise the variant memory budget"
+                )
+            self.loads += 1
+            self._cache[version] = variant
+            self.nbytes += variant.nbytes
+            while self.nbytes > self.budget_bytes:
+                _, evicted = self._cache.popitem(last=False)
+                self.nbytes -= evicted.nbytes
+                self.evictions += 1
+            return variant
+
+
+@dataclass
+class _Rows:
+    """One `assign`: the batch size, the distinct variants, and the rows of each (sorted)."""
+
+    batch: int
+    variants: list[PackedVariant]
+    order: Tensor  # (R,) rows that use a variant, grouped by variant
+    starts: list[int]  # variant k owns order[starts[k] : starts[k + 1]]
+    vectors: dict[str, Tensor] = field(default_factory=dict)  # (B, ...) per-row deltas
+
+    def row_deltas(self, name: str, like: Tensor) -> Tensor | None:
+        """(B, *shape) float32 deltas of the vector `name` per row (zero for base rows), or
+        None when no variant of the batch changes it."""
+        if name not in self.vectors:
+            if not any(name in v.dense for v in self.variants):
+                return None
+            rows = torch.zeros(self.batch, *like.shape, device=like.device)
+            for k, variant in enumerate(self.variants):
+                delta = variant.dense.get(name)
+                if delta is not None:
+                    rows[self.order[self.starts[k] : self.starts[k + 1]]] = delta
+            self.vectors[name] = rows
+        return self.vectors[name]
+
+
+def _canonical_names(model: nn.Module) -> dict[int, str]:
+    """The state-dict name of every parameter by identity: a tied parameter (an LM head that
+    shares the embedding) gets the name it is saved under, its first."""
+    names: dict[int, str] = {}
+    for name, parameter in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(parameter), name)
+    return names
+
+
+class MixedModel:
+    """A causal LM whose batch rows may each use a different variant of its weights (module
+    docstring). Made by `attach`; one `assign` at a time (not for concurrent forwards)."""
+
+    def __init__(self, model: nn.Module, store: VariantStore | None = None) -> None:
+        self.model, self.store = model, store
+        names = _canonical_names(model)
+        self.shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
+        self._rows: _Rows | None = None
+        self._inside = False  # a module re-run with per-row parameters: hooks stand aside
+        self._handles: list[torch.utils.hooks.RemovableHandle] = []
+        for module in model.modules():
+            own = {attr: names[id(p)] for attr, p in module.named_parameters(recurse=False)}
+            if not own:
+                continue
+            if isinstance(module, nn.Linear):
+                hook = self._linear_hook(own["weight"], own.get("bias"))
+            elif isinstance(module, nn.Embedding):
+                hook = self._embedding_hook(own["weight"])
+            else:
+                hook = self._vector_hook(own)
+            self._handles.append(module.register_forward_hook(hook))
+
+    def detach(self) -> None:
+        """Remove the hooks: the model computes the base alone again."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    @contextmanager
+    def assign(self, rows: Sequence[PackedVariant | str | None]) -> Iterator[MixedModel]:
+        """Within the block, batch row r uses ``rows[r]``: a variant, a version name (looked
+        up in the store) or None for the base."""
+        if self._rows is not None:
+            raise RuntimeError("assign is already active on this model; nest no assignments")
+        self._rows = self._plan(rows)
+        try:
+            yield self
+        finally:
+            self._rows = None
+
+    def _resolve(self, row: PackedVariant | str) -> PackedVariant:
+        if isinstance(row, PackedVariant):
+            return row
+        if self.store is None:
+            raise VariantError(f"row asks for variant {row!r} by name, but no store is attached")
+        return self.store.get(row)
+
+    def _plan(self, rows: Sequence[PackedVariant | str | None]) -> _Rows:
+        by_variant: dict[int, list[int]] = {}
+        variants: dict[int, PackedVariant] = {}
+        for r, row in enumerate(rows):
+            if row is None:
+                continue
+            variant = self._resolve(row)
+            if variant.shapes != self.shapes:
+                raise VariantError(
+                    f"variant {variant.version} holds other tensors than the served model; "
+                    f"it was written against another base than {variant.parent}'s weights"
+                )
+            variants.setdefault(id(variant), variant)
+            by_variant.setdefault(id(variant), []).append(r)
+        order = [r for key in variants for r in by_variant[key]]
+        starts = [0]
+        for key in variants:
+            starts.append(starts[-1] + len(by_variant[key]))
+        device = next(self.model.parameters()).device
+        index = torch.tensor(order, dtype=torch.long, device=device)
+        return _Rows(len(rows), list(variants.values()), index, starts)
+
+    def _active(self, batch: int) -> _Rows | None:
+        rows = self._rows
+        if rows is None or self._inside or not rows.variants:
+            return None
+        if batch != rows.batch:
+            raise ValueError(
+                f"the batch has {batch} rows but assign was given {rows.batch}; "
+                "give one entry per row of input_ids"
+            )
+        return rows
+
+    def _linear_hook(self, weight: str, bias: str | None) -> Any:
+        def hook(module: nn.Linear, args: tuple[Tensor, ...], output: Tensor) -> Tensor | None:
+            rows = self._active(output.shape[0])
+            if rows is None:
+                return None
+            picked = args[0].index_select(0, rows.order)  # (R, ..., in)
+            per_row = picked[0].numel() // picked.shape[-1]  # positions per row
+            delta = product(
+                picked.reshape(-1, picked.shape[-1]).float(),
+                [variant.packed[weight] for variant in rows.variants],
+                [start * per_row for start in rows.starts],
+            ).view(*picked.shape[:-1], -1)
+            biases = None if bias is None else rows.row_deltas(bias, module.bias)
+            if biases is not None:
+                shape = (len(rows.order),) + (1,) * (picked.ndim - 2) + (biases.shape[-1],)
+                delta += biases.index_select(0, rows.order).view(shape)
+            return output.index_add_(0, rows.order, delta.to(output.dtype))
+
+        return hook
+
+    def _embedding_hook(self, weight: str) -> Any:
+        def hook(module: nn.Module, args: tuple[Tensor, ...], output: Tensor) -> Tensor | None:
+            rows = self._active(output.shape[0])
+            if rows is None:
+                return None
+            for k, variant in enumerate(rows.variants):
+                mine = rows.order[rows.starts[k] : rows.starts[k + 1]]
+                ids = args[0].index_select(0, mine)
+                delta = variant.packed[weight].decode_rows(ids).view(*ids.shape, -1)
+                output.index_add_(0, mine, delta.to(output.dtype))
+            return output
+
+        return hook
+
+    def _vector_hook(self, own: dict[str, str]) -> Any:
+        def hook(module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
+            if not isinstance(output, Tensor) or not args or not isinstance(args[0], Tensor):
+                return None
+            rows = self._active(output.shape[0])
+            if rows is None:
+                return None
+            changed = [
+                n for n in own.values() if any(n in v.dense or n in v.packed for v in rows.variants)
+            ]
+            if not changed:
+                return None
+            if all(n not in v.packed for v in rows.variants for n in changed):
+                result = self._broadcast(module, own, rows, args)
+                if result is not None and result.shape == output.shape:
+                    return result
+            return self._per_variant(module, own, rows, args, output)
+
+        return hook
+
+    def _call(self, module: nn.Module, params: dict[str, Tensor], args: tuple[Any, ...]) -> Any:
+        """`module` run with `params` in place of its own, without these hooks."""
+        self._inside = True
+        try:
+            return torch.func.functional_call(module, params, args)
+        finally:
+            self._inside = False
+
+    def _broadcast(
+        self, module: nn.Module, own: dict[str, str], rows: _Rows, args: tuple[Any, ...]
+    ) -> Tensor | None:
+        """One run with per-row vectors (B, 1, ..., *shape); None where the forward does not
+        broadcast them."""
+        x, params = args[0], {}
+        for attr, name in own.items():
+            base = getattr(module, attr)
+            deltas = rows.row_deltas(name, base)
+            if deltas is None:
+                continue
+            shape = (rows.batch,) + (1,) * (x.ndim - 1 - base.ndim) + tuple(base.shape)
+            params[attr] = base + deltas.view(shape).to(base.dtype)
+        try:
+            result = self._call(module, params, args)
+        except RuntimeError:
+            return None
+        return result if isinstance(result, Tensor) else None
+
+    def _per_variant(
+        self,
+        module: nn.Module,
+        own: dict[str, str],
+        rows: _Rows,
+        args: tuple[Any, ...],
+        output: Tensor,
+    ) -> Tensor:
+        """The module run once per variant on its rows, with that variant's merged parameters."""
+        for k, variant in enumerate(rows.variants):
+            params = {}
+            for attr, name in own.items():
+                base = getattr(module, attr)
+                if name in variant.dense:
+                    params[attr] = base + variant.dense[name].to(base.dtype)
+                elif name in variant.packed:
+                    params[attr] = base + variant.packed[name].decode().to(base.dtype)
+            if params:
+                mine = rows.order[rows.starts[k] : rows.starts[k + 1]]
+                picked = (args[0].index_select(0, mine), *args[1:])
+                output[mine] = self._call(module, params, picked)
+        return output
+
+
+def attach(model: nn.Module, store: VariantStore | None = None) -> MixedModel:
+    """Hook `model` (a causal LM holding the served base's weights) so that batches mix
+    variants (module docstring); `store` resolves variants given by name in `assign`."""
+    return MixedModel(model, store)

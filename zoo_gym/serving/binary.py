@@ -34,6 +34,7 @@ from zoo_gym.core.extension import Extension
 from zoo_gym.serving.packed import PackedTensor
 
 _COMPILED = Extension("zoo_gym.serving._binary_gemm")
+SMALL = 1 << 22  # weights x rows below which the CPU kernel runs on one thread
 SCALE_KINDS = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}  # as `_binary_gemm` reads
 
 
@@ -79,7 +80,8 @@ def product(
     """The 1-bit products of the variants' deltas `weights` (each (out, in), one group size and
     scale dtype) with the rows of `x` (R, in) float32 grouped by variant (variant k owns rows
     starts[k] .. starts[k + 1]) -> (R, out) float32. `threads` (CPU kernel): 0 for
-    `torch.get_num_threads()`."""
+    `torch.get_num_threads()`, or 1 for less than `SMALL` weights x rows, where starting a
+    thread costs more than it saves."""
     if not weights:
         return torch.zeros(x.shape[0], 0, device=x.device)
     first = weights[0]
@@ -104,6 +106,6 @@ def product(
         first.shape[1],
         first.group,
         kind,
-        threads or torch.get_num_threads(),
+        threads or (1 if x.shape[0] * first.numel < SMALL else torch.get_num_threads()),
     )
     return out

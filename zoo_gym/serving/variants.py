@@ -366,7 +366,7 @@ class MixedModel:
             if biases is not None:
                 shape = (len(rows.order),) + (1,) * (picked.ndim - 2) + (biases.shape[-1],)
                 delta += biases.index_select(0, rows.order).view(shape)
-            return output.index_add_(0, rows.order, delta.to(output.dtype))
+            return output.index_put_((rows.order,), delta.to(output.dtype), accumulate=True)
 
         return hook
 
@@ -379,7 +379,7 @@ class MixedModel:
                 mine = rows.order[rows.starts[k] : rows.starts[k + 1]]
                 ids = args[0].index_select(0, mine)
                 delta = variant.packed[weight].decode_rows(ids).view(*ids.shape, -1)
-                output.index_add_(0, mine, delta.to(output.dtype))
+                output.index_put_((mine,), delta.to(output.dtype), accumulate=True)
             return output
 
         return hook

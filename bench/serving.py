@@ -1,0 +1,229 @@
+"""Many BitDelta variants in one batch against the base alone and one merged copy per variant.
+
+    python bench/serving.py --model tiny --variants 1,10,100,1000
+    python bench/serving.py --model qwen2.5-0.5b --variants 1,10,100 --new-tokens 8
+
+For each count n of distinct variants, a batch of B = max(n, --min-batch) rows (row r uses
+variant r % n) decodes --new-tokens tokens greedily with a KV cache after a prompt of
+--prompt tokens, three ways, each in a process of its own (so each peak RSS is its own):
+
+- base: the base model alone on the same batch (the anchor);
+- mixed: `zoo_gym.serving.variants.attach` on the base, every row its variant, no merged weights;
+- merged: one merged copy P + decode(variant) per variant, each running its own rows (only where
+  n copies fit in --merged-limit bytes of float32 weights).
+
+Tokens per second count decode steps only (B x new tokens over their time; the prompt's forward
+and one warm-up step are not timed; the fastest of --repeats runs is kept). The models are the tiny test model (`zoo_gym.core.tiny`) and a randomly
+initialised model with Qwen2.5-0.5B's configuration; variants are random deltas
+(0.01 x N(0, 1) per weight) written as BitDelta envelopes with records as
+`gym-coordinator variant` writes them (group 128, float16 scales). Everything is float32 on
+the CPU; the bytes of a variant are compared with the bf16 model's (2 bytes per parameter).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, PreTrainedModel, Qwen2Config
+
+from zoo_gym.compression import CodecSpec, encode
+from zoo_gym.core.hashing import sha256_bytes
+from zoo_gym.core.tiny import build_tiny_model
+from zoo_gym.core.weights import load_weights
+
+QWEN_05B = dict(
+    vocab_size=151_936,
+    hidden_size=896,
+    intermediate_size=4864,
+    num_hidden_layers=24,
+    num_attention_heads=14,
+    num_key_value_heads=2,
+    max_position_embeddings=32_768,
+    tie_word_embeddings=True,
+    rope_theta=1_000_000.0,
+    rms_norm_eps=1e-6,
+)
+BASE = "v0000"
+
+
+def build_base(model: str, directory: Path) -> None:
+    """Save the base model (float32) of `model` into `directory`, once."""
+    if (directory / "config.json").exists():
+        return
+    torch.manual_seed(0)
+    if model == "tiny":
+        net: PreTrainedModel = build_tiny_model(vocab_size=512)
+    else:
+        config = Qwen2Config(**QWEN_05B)  # type: ignore[arg-type]
+        net = AutoModelForCausalLM.from_config(config, dtype=torch.float32)  # type: ignore[no-untyped-call]
+    net.save_pretrained(directory)
+
+
+def write_variants(models: Path, count: int) -> None:
+    """Random variants var0001 .. of the base, as envelopes and records (missing ones only)."""
+    weights = load_weights(models / BASE)
+    spec = CodecSpec("bitdelta", group_size=128)
+    (models / "variants").mkdir(exist_ok=True)
+    for i in range(1, count + 1):
+        version = f"var{i:04d}"
+        stem = models / "variants" / f"{version}-from-{BASE}"
+        if stem.with_suffix(".json").exists():
+            continue
+        gen = torch.Generator().manual_seed(i)
+        delta = {k: 0.01 * torch.randn(v.shape, generator=gen) for k, v in sorted(weights.items())}
+        payload = encode(delta, spec)
+        stem.with_suffix(".zgde").write_bytes(payload)
+        record = dict(
+            version=version,
+            parent=BASE,
+            codec="bitdelta",
+            group_size=128,
+            sha256=sha256_bytes(payload),
+            size=len(payload),
+            distilled=False,
+            format=1,
+        )
+        stem.with_suffix(".json").write_text(json.dumps(record, sort_keys=True, indent=1))
+
+
+def _decode(model: torch.nn.Module, ids: torch.Tensor, new_tokens: int, repeats: int) -> float:
+    """Seconds of `new_tokens` greedy decode steps with a KV cache after the prompt `ids`, the
+    fastest of `repeats` runs."""
+    return min(_decode_once(model, ids, new_tokens) for _ in range(repeats))
+
+
+def _decode_once(model: torch.nn.Module, ids: torch.Tensor, new_tokens: int) -> float:
+    out = model(ids, use_cache=True)
+    past, token = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
+    out = model(token, past_key_values=past, use_cache=True)  # one step untimed: warm-up
+    past, token = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
+    start = time.perf_counter()
+    for _ in range(new_tokens):
+        out = model(token, past_key_values=past, use_cache=True)
+        past, token = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
+    return time.perf_counter() - start
+
+
+def run_one(args: argparse.Namespace) -> dict[str, float]:
+    """One measurement (mode, n variants) in this process; returns its figures."""
+    from zoo_gym.serving.variants import VariantStore, attach
+
+    models = Path(args.workdir) / args.model / "models"
+    n, mode = args.one_variants, args.one_mode
+    batch = max(n, args.min_batch)
+    names = [f"var{1 + r % n:04d}" for r in range(batch)]
+    base = AutoModelForCausalLM.from_pretrained(models / BASE, dtype=torch.float32).eval()
+    vocab = base.config.vocab_size
+    ids = torch.randint(4, vocab, (batch, args.prompt), generator=torch.Generator().manual_seed(0))
+    figures: dict[str, float] = {"batch": batch}
+    with torch.no_grad():
+        if mode == "base":
+            seconds = _decode(base, ids, args.new_tokens, args.repeats)
+        elif mode == "mixed":
+            store = VariantStore(models, BASE, budget_bytes=1 << 40)
+            mixed = attach(base, store)
+            rows = [store.get(name) for name in names]
+            figures["variant_bytes"] = store.nbytes / n
+            with mixed.assign(rows):
+                seconds = _decode(base, ids, args.new_tokens, args.repeats)
+        else:
+            from zoo_gym.coordinator.variants import apply_variant
+
+            state = load_weights(models / BASE)  # as saved: a tied head is stored once
+            seconds = 0.0
+            copies = []
+            for k in range(n):
+                payload = (models / "variants" / f"var{k + 1:04d}-from-{BASE}.zgde").read_bytes()
+                copy = AutoModelForCausalLM.from_pretrained(models / BASE, dtype=torch.float32)
+                missing = copy.load_state_dict(apply_variant(state, payload), strict=False)
+                assert set(missing.missing_keys) <= {"lm_head.weight"}, missing  # tied
+                copies.append(copy.eval())
+            del base, state
+            for k, copy in enumerate(copies):  # each copy decodes its own rows
+                seconds += _decode(copy, ids[k::n], args.new_tokens, args.repeats)
+    figures["tokens_per_s"] = batch * args.new_tokens / seconds
+    figures["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    return figures
+
+
+def _measure(args: argparse.Namespace, n: int, mode: str) -> dict[str, float]:
+    """`run_one` in a fresh process (under the --lock file when given)."""
+    command = [sys.executable, __file__, "--model", args.model, "--workdir", args.workdir]
+    command += ["--min-batch", str(args.min_batch), "--prompt", str(args.prompt)]
+    command += ["--new-tokens", str(args.new_tokens), "--repeats", str(args.repeats)]
+    command += ["--one-variants", str(n), "--one-mode", mode]
+    if args.lock:
+        command = ["flock", args.lock, *command]
+    done = subprocess.run(command, capture_output=True, text=True, check=False, env=os.environ)
+    if done.returncode != 0:
+        raise SystemExit(f"{mode} with {n} variants failed:\n{done.stderr[-3000:]}")
+    figures: dict[str, float] = json.loads(done.stdout.strip().splitlines()[-1])
+    return figures
+
+
+def _row(args: argparse.Namespace, n: int, params: int) -> str:
+    packed_estimate = params // 8 + 2 * params // 128  # signs and float16 scales
+    base = _measure(args, n, "base")
+    mixed = _measure(args, n, "mixed") if n * packed_estimate <= args.mixed_limit else None
+    merged = _measure(args, n, "merged") if n * 4 * params <= args.merged_limit else None
+
+    def rate(figures: dict[str, float] | None) -> str:
+        if figures is None:
+            return "does not fit | -"
+        ratio = figures["tokens_per_s"] / base["tokens_per_s"]
+        return f"{figures['tokens_per_s']:.1f} | {ratio:.2f}"
+
+    share = f"1/{2 * params / mixed['variant_bytes']:.1f}" if mixed else "-"
+    rss = " / ".join(f"{f['peak_rss_mib']:.0f}" if f else "-" for f in (base, mixed, merged))
+    return (
+        f"| {n} | {base['batch']:.0f} | {base['tokens_per_s']:.1f} | {rate(mixed)} | "
+        f"{rate(merged)} | {share} | {rss} |"
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", choices=["tiny", "qwen2.5-0.5b"], default="tiny")
+    parser.add_argument("--variants", default="1,10,100,1000", help="counts of distinct variants")
+    parser.add_argument("--min-batch", type=int, default=8, help="smallest batch")
+    parser.add_argument("--prompt", type=int, default=16, help="prompt tokens per row")
+    parser.add_argument("--new-tokens", type=int, default=32, help="decode steps timed")
+    parser.add_argument("--repeats", type=int, default=3, help="decode runs, the fastest kept")
+    parser.add_argument("--workdir", default="/tmp/zoo-serving-bench", help="models, variants")
+    parser.add_argument("--lock", default="", help="flock file held around each measurement")
+    parser.add_argument("--merged-limit", type=float, default=8 * 2**30, help="bytes of copies")
+    parser.add_argument("--mixed-limit", type=float, default=12 * 2**30, help="bytes of variants")
+    parser.add_argument("--one-variants", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--one-mode", default="", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.one_mode:
+        print(json.dumps(run_one(args)))
+        return
+    counts = [int(c) for c in args.variants.split(",")]
+    models = Path(args.workdir) / args.model / "models"
+    build_base(args.model, models / BASE)
+    write_variants(models, max(counts))
+    params = sum(t.numel() for t in load_weights(models / BASE).values())
+    print(
+        f"{args.model}: {params:,} parameters, bf16 {2 * params / 2**20:.1f} MiB; "
+        f"prompt {args.prompt}, {args.new_tokens} new tokens, {torch.get_num_threads()} threads"
+    )
+    print(
+        "| variants | batch | base tok/s | mixed tok/s | mixed / base | merged tok/s | "
+        "merged / base | variant / bf16 model | peak RSS MiB base / mixed / merged |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|")
+    for n in counts:
+        print(_row(args, n, params), flush=True)
+
+
+if __name__ == "__main__":
+    main()

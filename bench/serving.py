@@ -13,7 +13,10 @@ variant r % n) decodes --new-tokens tokens greedily with a KV cache after a prom
   n copies fit in --merged-limit bytes of float32 weights).
 
 Tokens per second count decode steps only (B x new tokens over their time; the prompt's forward
-and one warm-up step are not timed; the fastest of --repeats runs is kept). The models are the tiny test model (`zoo_gym.core.tiny`) and a randomly
+and one warm-up step are not timed; the fastest of --repeats runs is kept). The mixed and merged
+processes time the base alone too, interleaved with their own runs, and their ratios are
+against that (the machine's load changes between processes); the base process gives the base
+column and the base's peak RSS. The models are the tiny test model (`zoo_gym.core.tiny`) and a randomly
 initialised model with Qwen2.5-0.5B's configuration; variants are random deltas
 (0.01 x N(0, 1) per weight) written as BitDelta envelopes with records as
 `gym-coordinator variant` writes them (group 128, float16 scales). Everything is float32 on
@@ -29,6 +32,7 @@ import resource
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -94,12 +98,6 @@ def write_variants(models: Path, count: int) -> None:
         stem.with_suffix(".json").write_text(json.dumps(record, sort_keys=True, indent=1))
 
 
-def _decode(model: torch.nn.Module, ids: torch.Tensor, new_tokens: int, repeats: int) -> float:
-    """Seconds of `new_tokens` greedy decode steps with a KV cache after the prompt `ids`, the
-    fastest of `repeats` runs."""
-    return min(_decode_once(model, ids, new_tokens) for _ in range(repeats))
-
-
 def _decode_once(model: torch.nn.Module, ids: torch.Tensor, new_tokens: int) -> float:
     out = model(ids, use_cache=True)
     past, token = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
@@ -112,44 +110,62 @@ def _decode_once(model: torch.nn.Module, ids: torch.Tensor, new_tokens: int) -> 
     return time.perf_counter() - start
 
 
+def _best(runs: list[Callable[[], float]], repeats: int) -> list[float]:
+    """The fastest seconds of each run, the runs interleaved `repeats` times (so a ratio
+    between them sees the same load on the machine)."""
+    best = [float("inf")] * len(runs)
+    for _ in range(repeats):
+        for i, run in enumerate(runs):
+            best[i] = min(best[i], run())
+    return best
+
+
+def _merged_copies(models: Path, n: int) -> list[torch.nn.Module]:
+    """One model per variant with P + decode(variant) loaded."""
+    from zoo_gym.coordinator.variants import apply_variant
+
+    state = load_weights(models / BASE)  # as saved: a tied head is stored once
+    copies = []
+    for k in range(n):
+        payload = (models / "variants" / f"var{k + 1:04d}-from-{BASE}.zgde").read_bytes()
+        copy = AutoModelForCausalLM.from_pretrained(models / BASE, dtype=torch.float32)
+        missing = copy.load_state_dict(apply_variant(state, payload), strict=False)
+        assert set(missing.missing_keys) <= {"lm_head.weight"}, missing  # tied to the embedding
+        copies.append(copy.eval())
+    return copies
+
+
 def run_one(args: argparse.Namespace) -> dict[str, float]:
-    """One measurement (mode, n variants) in this process; returns its figures."""
+    """One measurement (mode, n variants) in this process, the base alone timed beside it."""
     from zoo_gym.serving.variants import VariantStore, attach
 
     models = Path(args.workdir) / args.model / "models"
-    n, mode = args.one_variants, args.one_mode
+    n, mode, steps = args.one_variants, args.one_mode, args.new_tokens
     batch = max(n, args.min_batch)
-    names = [f"var{1 + r % n:04d}" for r in range(batch)]
     base = AutoModelForCausalLM.from_pretrained(models / BASE, dtype=torch.float32).eval()
-    vocab = base.config.vocab_size
-    ids = torch.randint(4, vocab, (batch, args.prompt), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(
+        4, base.config.vocab_size, (batch, args.prompt), generator=torch.Generator().manual_seed(0)
+    )
     figures: dict[str, float] = {"batch": batch}
-    with torch.no_grad():
-        if mode == "base":
-            seconds = _decode(base, ids, args.new_tokens, args.repeats)
-        elif mode == "mixed":
-            store = VariantStore(models, BASE, budget_bytes=1 << 40)
-            mixed = attach(base, store)
-            rows = [store.get(name) for name in names]
-            figures["variant_bytes"] = store.nbytes / n
-            with mixed.assign(rows):
-                seconds = _decode(base, ids, args.new_tokens, args.repeats)
-        else:
-            from zoo_gym.coordinator.variants import apply_variant
+    runs = [lambda: _decode_once(base, ids, steps)]
+    if mode == "mixed":
+        store = VariantStore(models, BASE, budget_bytes=1 << 40)
+        mixed = attach(base, store)
+        rows = [store.get(f"var{1 + r % n:04d}") for r in range(batch)]
+        figures["variant_bytes"] = store.nbytes / n
 
-            state = load_weights(models / BASE)  # as saved: a tied head is stored once
-            seconds = 0.0
-            copies = []
-            for k in range(n):
-                payload = (models / "variants" / f"var{k + 1:04d}-from-{BASE}.zgde").read_bytes()
-                copy = AutoModelForCausalLM.from_pretrained(models / BASE, dtype=torch.float32)
-                missing = copy.load_state_dict(apply_variant(state, payload), strict=False)
-                assert set(missing.missing_keys) <= {"lm_head.weight"}, missing  # tied
-                copies.append(copy.eval())
-            del base, state
-            for k, copy in enumerate(copies):  # each copy decodes its own rows
-                seconds += _decode(copy, ids[k::n], args.new_tokens, args.repeats)
-    figures["tokens_per_s"] = batch * args.new_tokens / seconds
+        def run_mixed() -> float:
+            with mixed.assign(rows):
+                return _decode_once(base, ids, steps)
+
+        runs.append(run_mixed)
+    elif mode == "merged":
+        copies = _merged_copies(models, n)  # each copy decodes its own rows
+        runs.append(lambda: sum(_decode_once(c, ids[k::n], steps) for k, c in enumerate(copies)))
+    with torch.no_grad():
+        seconds = _best(runs, args.repeats)
+    figures["base_tokens_per_s"] = batch * steps / seconds[0]
+    figures["tokens_per_s"] = batch * steps / seconds[-1]
     figures["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     return figures
 
@@ -178,7 +194,7 @@ def _row(args: argparse.Namespace, n: int, params: int) -> str:
     def rate(figures: dict[str, float] | None) -> str:
         if figures is None:
             return "does not fit | -"
-        ratio = figures["tokens_per_s"] / base["tokens_per_s"]
+        ratio = figures["tokens_per_s"] / figures["base_tokens_per_s"]  # the same process
         return f"{figures['tokens_per_s']:.1f} | {ratio:.2f}"
 
     share = f"1/{2 * params / mixed['variant_bytes']:.1f}" if mixed else "-"

@@ -324,6 +324,36 @@ def test_concurrent_requests_run_in_one_batch_and_answer_as_alone(server: Server
     assert [t.choices[0].text for t in together] == [a.choices[0].text for a in alone]
 
 
+def test_a_variant_and_its_parent_share_one_forward_pass(server: Server) -> None:
+    # Prepare: each model's greedy answer alone
+    client = server.client()
+    models = ["v0000", "v0001-from-v0000", "v0000", "v0001-from-v0000"]
+    prompts = ["1", "22 + 3", "7 7 7", "What is 4 + 4? The answer"]
+    alone = [
+        client.completions.create(model=m, prompt=p, max_tokens=16, temperature=0)
+        for m, p in zip(models, prompts, strict=True)
+    ]
+    before = server.stats()["rows_per_forward"].get("4", 0)
+    together: list[Any] = [None] * len(prompts)
+
+    def ask(i: int) -> None:
+        together[i] = client.completions.create(
+            model=models[i], prompt=prompts[i], max_tokens=16, temperature=0
+        )
+
+    # Execute: the four at once
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+
+    # Assert: the variant's rows ran in the parent's batch of four (no merged copy), and every
+    # row answered as it does alone
+    assert server.stats()["rows_per_forward"].get("4", 0) > before
+    assert [t.choices[0].text for t in together] == [a.choices[0].text for a in alone]
+
+
 # --- refusals -----------------------------------------------------------------------------------
 
 

@@ -44,6 +44,12 @@ VersionOption = Annotated[
 VariantsOption = Annotated[
     bool, typer.Option(help="also serve the variants of served versions (models/variants/)")
 ]
+VariantMemoryOption = Annotated[
+    int,
+    typer.Option(
+        help="MiB of variants kept loaded per served version (least recently used go)", min=1
+    ),
+]
 MaxBatchOption = Annotated[int, typer.Option(help="rows decoded together", min=1)]
 MaxPromptOption = Annotated[int, typer.Option(help="longest prompt in tokens", min=1)]
 MaxNewOption = Annotated[int, typer.Option(help="most tokens one request may generate", min=1)]
@@ -67,6 +73,7 @@ def serve(
     device: DeviceOption = "cpu",
     version: VersionOption = None,
     variants: VariantsOption = True,
+    variant_memory_mb: VariantMemoryOption = 2048,
     max_batch: MaxBatchOption = 8,
     max_prompt_tokens: MaxPromptOption = 2048,
     max_new_tokens: MaxNewOption = 512,
@@ -95,6 +102,7 @@ def serve(
         device=device,
         versions=tuple(version or ()),
         variants=variants,
+        variant_memory_mb=variant_memory_mb,
         limits=EngineLimits(
             max_batch=max_batch,
             max_prompt_tokens=max_prompt_tokens,

@@ -7,10 +7,12 @@ key when one is given (signature and every file's SHA-256, `zoo_gym.core.manifes
 before any weight is read. Model ids are the version names; a variant's id is its file stem,
 ``<V>-from-<P>``.
 
-A variant runs on weights of its own: ``P + decode(variant)``, merged once when the server starts
-(the record's SHA-256 is checked first). Its rows therefore form a batch of their own; the
-engine's `Weights.assign` is where rows of many variants of one base will share the base's
-forward pass instead.
+A variant runs on its parent's weights, never merged: the parent's model is hooked once
+(`zoo_gym.serving.variants.attach`) and each variant's rows add their 1-bit products to the
+base's forward pass, so one batch mixes the parent's rows and rows of any of its variants. The
+variants are read on demand into an LRU `VariantStore` per parent (record, size and SHA-256
+checked on every load) within `variant_memory` bytes; a variant that fails its check is refused
+in one line when a request first asks for it.
 """
 
 from __future__ import annotations
@@ -18,7 +20,6 @@ from __future__ import annotations
 import json
 import logging
 import re
-import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
@@ -28,16 +29,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from zoo_gym.compression import EnvelopeError, apply_update_
-from zoo_gym.core.hashing import sha256_bytes
 from zoo_gym.core.manifest import MANIFEST, ManifestError, ModelManifest, read_verified
-from zoo_gym.core.weights import load_weights
+from zoo_gym.serving.variants import VariantError, VariantStore, attach
 
 log = logging.getLogger(__name__)
 
 VERSION_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")  # a version directory's name
 VARIANTS = "variants"
 VARIANT_FORMAT = 1
+DEFAULT_VARIANT_MEMORY = 2 << 30  # bytes of loaded variants per served parent
 
 Assign = Callable[[Sequence[str | None]], AbstractContextManager[Any]]
 
@@ -179,30 +179,31 @@ def variant_records(root: Path) -> Iterator[tuple[str, dict[str, Any]]]:
             raise ServingError(f"{path}: not a variant record ({exc})") from None
 
 
-def merged_variant(name: str, record: dict[str, Any], base: ServedModel, root: Path) -> ServedModel:
-    """The variant `name` as weights of its own: its parent's plus the decoded delta."""
-    payload = (root / VARIANTS / f"{name}.zgde").read_bytes()
-    if sha256_bytes(payload) != record.get("sha256"):
-        raise ServingError(f"variant {name}: its envelope's SHA-256 differs from its record")
-    model, tokenizer = load_model(base.directory, base.weights.device)
-    weights = {k: v.float() for k, v in load_weights(base.directory).items()}
-    try:
-        apply_update_(weights, payload, max_elements=sum(t.numel() for t in weights.values()))
-    except EnvelopeError as exc:
-        raise ServingError(f"variant {name} does not fit {base.id}: {exc}") from None
-    unexpected = model.load_state_dict(weights, strict=False).unexpected_keys
-    if unexpected:
-        raise ServingError(f"variant {name} names tensors {base.id}'s model lacks: {unexpected}")
+def variant_of(name: str, record: dict[str, Any], base: ServedModel) -> ServedModel:
+    """The variant `name` (`<V>-from-<P>`), served on its parent's weights: its rows name V to
+    the parent's `assign`."""
+    version = record.get("version")
+    if not isinstance(version, str) or name != f"{version}-from-{base.id}":
+        raise ServingError(f"variant record {name}.json names version {version!r} of {base.id}")
     return ServedModel(
         id=name,
         directory=base.directory,
-        created=int(time.time()),
-        tokenizer=tokenizer,
-        weights=Weights(model, base.weights.device),
+        created=base.created,
+        tokenizer=base.tokenizer,
+        weights=base.weights,
         context=base.context,
         parent=base.id,
+        variant=version,
         eos_ids=base.eos_ids,
     )
+
+
+def _mix_variants(base: ServedModel, root: Path, memory: int) -> VariantStore:
+    """Hook `base`'s model so that its batches take rows of its variants (module docstring);
+    returns the store they are read into."""
+    store = VariantStore(root, base.id, memory, device=base.weights.device)
+    base.weights.assign = attach(base.weights.model, store).assign
+    return store
 
 
 def load_models(
@@ -212,18 +213,27 @@ def load_models(
     device: str = "cpu",
     only: Sequence[str] = (),
     variants: bool = True,
+    variant_memory: int = DEFAULT_VARIANT_MEMORY,
 ) -> dict[str, ServedModel]:
     """The published versions under `root` and, with `variants`, each variant whose parent is
-    served. ManifestError (from verification) and ServingError say what is wrong in one line."""
+    served, within `variant_memory` bytes of loaded variants per parent. ManifestError (from
+    verification) and ServingError say what is wrong in one line."""
     served = load_versions(
         root, coordinator_key=coordinator_key, device=resolve_device(device), only=only
     )
+    stores: dict[str, VariantStore] = {}
     for name, record in variant_records(root) if variants else ():
         base = served.get(str(record.get("parent")))
-        if base is None:
+        if base is None or base.variant is not None:
             log.warning("variant %s: its parent %s is not served; skipped", name, record["parent"])
             continue
-        served[name] = merged_variant(name, record, base, root)
+        if base.id not in stores:
+            stores[base.id] = _mix_variants(base, root, variant_memory)
+        served[name] = variant = variant_of(name, record, base)
+        try:  # read and checked once at the start; kept in memory while it fits
+            stores[base.id].get(str(variant.variant))
+        except VariantError as exc:
+            raise ServingError(str(exc)) from None
     return served
 
 

@@ -39,6 +39,7 @@ class ServeSettings:
     device: str = "cpu"
     versions: tuple[str, ...] = ()  # every published version when empty
     variants: bool = True
+    variant_memory_mb: int = 2048  # loaded variants per served version, LRU beyond it
     limits: EngineLimits = field(default_factory=EngineLimits)
     max_body_bytes: int = 1 << 20
     read_timeout_s: float = 30.0
@@ -100,6 +101,7 @@ def build_engine(settings: ServeSettings) -> Engine:
         device=settings.device,
         only=settings.versions,
         variants=settings.variants,
+        variant_memory=settings.variant_memory_mb << 20,
     )
     return Engine(models, settings.limits)
 

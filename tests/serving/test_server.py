@@ -414,6 +414,19 @@ def test_a_malformed_body_names_the_field(server: Server) -> None:
     assert "robot" not in reply.text  # the input is never repeated
 
 
+def test_too_many_stop_sequences_say_so_not_that_a_string_was_expected(server: Server) -> None:
+    reply = httpx.post(
+        f"{server.url}/v1/completions",
+        json={"model": "v0000", "prompt": "hi", "stop": ["a", "b", "c", "d", "e"]},
+        headers={"Authorization": f"Bearer {KEY}"},
+    )
+
+    assert reply.status_code == 400
+    error = reply.json()["error"]
+    assert error["param"] == "stop"
+    assert error["message"] == "stop: List should have at most 4 items after validation, not 5"
+
+
 def test_no_key_on_a_public_address_refuses_to_start(tiny_home_template: Path) -> None:
     models = str(tiny_home_template / "models")
     done = subprocess.run(

@@ -21,7 +21,7 @@ import asyncio
 import contextlib
 import json
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Annotated, Any
 
 from fastapi import Depends, FastAPI, Request
@@ -60,6 +60,20 @@ def _engine_error(exc: RequestError) -> ApiError:
     return ApiError(400, str(exc))
 
 
+_TYPE_ERRORS = {"string_type", "list_type", "dict_type", "model_type", "int_type", "float_type"}
+
+
+def _telling(errors: Sequence[Any]) -> Any:
+    """The error that says most: for a value of a union type (`stop`: a string or a list), the
+    branch whose type matched and whose rule failed, not "should be a valid string"."""
+    return next((e for e in errors if e.get("type") not in _TYPE_ERRORS), errors[0])
+
+
+def _union_branch(part: str) -> bool:
+    """Whether a location part names a union's branch (`str`, `list[...]`), not a field."""
+    return "[" in part or part in ("str", "int", "float", "bool", "list", "dict")
+
+
 def _handle_errors(app: FastAPI) -> None:
     def api_error(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, ApiError)
@@ -68,8 +82,9 @@ def _handle_errors(app: FastAPI) -> None:
     def invalid(request: Request, exc: Exception) -> JSONResponse:
         """400 naming the first wrong field and its rule, never the value sent."""
         assert isinstance(exc, RequestValidationError)
-        first = exc.errors()[0]
-        where = ".".join(str(p) for p in first.get("loc", ()) if p != "body") or "body"
+        first = _telling(exc.errors())
+        parts = [str(p) for p in first.get("loc", ()) if p != "body"]
+        where = ".".join(p for p in parts if not _union_branch(p)) or "body"
         message = f"{where}: {first.get('msg', 'invalid')}"
         return JSONResponse(error_body(message, type="invalid_request_error", param=where), 400)
 

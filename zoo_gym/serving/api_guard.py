@@ -20,7 +20,6 @@ one line that says what was wrong and what to do, and never repeats the input.
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import hmac
 import json
@@ -29,8 +28,9 @@ import re
 from collections.abc import Iterable
 from typing import Any
 
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from starlette.types import ASGIApp, Receive, Scope, Send
 
+from zoo_gym.transport.bodies import BodyTooLarge, read_body, replay
 from zoo_gym.transport.limits import TokenBuckets
 
 DIGEST = re.compile(r"[0-9a-f]{64}")
@@ -141,10 +141,6 @@ class KeyCheck:
 # --- before parsing -----------------------------------------------------------------------------
 
 
-class BodyTooLarge(Exception):
-    pass
-
-
 class BodyLimits:
     """Pure ASGI middleware: the body whole within `max_body_bytes` and `read_timeout_s`,
     before the app sees it (413 / 408 and the connection closed otherwise)."""
@@ -158,21 +154,14 @@ class BodyLimits:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        too_large = ApiError(
-            413,
-            f"the request body is larger than {self.max_body_bytes} bytes, the most this server "
-            "accepts; send a shorter prompt",
-            code="request_too_large",
-        )
-        declared = _content_length(scope)
-        if declared is not None and declared > self.max_body_bytes:
-            await send_error(send, too_large, close=True)
-            return
         try:
-            async with asyncio.timeout(self.read_timeout_s):
-                body = await _read_body(receive, self.max_body_bytes)
+            body = await read_body(scope, receive, self.max_body_bytes, self.read_timeout_s)
         except BodyTooLarge:
-            await send_error(send, too_large, close=True)
+            too_large = (
+                f"the request body is larger than {self.max_body_bytes} bytes, the most this "
+                "server accepts; send a shorter prompt"
+            )
+            await send_error(send, ApiError(413, too_large, code="request_too_large"), close=True)
             return
         except TimeoutError:
             late = (
@@ -182,39 +171,7 @@ class BodyLimits:
             return
         if body is None:  # the client went away
             return
-        await self.app(scope, _replay(body, receive), send)
-
-
-def _content_length(scope: Scope) -> int | None:
-    for name, value in scope["headers"]:
-        if name == b"content-length":
-            text = value.decode("latin-1").strip()
-            return int(text) if text.isdigit() else None
-    return None
-
-
-async def _read_body(receive: Receive, limit: int) -> Message | None:
-    chunks, size = [], 0
-    while True:
-        message = await receive()
-        if message["type"] != "http.request":
-            return None
-        chunk: bytes = message.get("body", b"")
-        size += len(chunk)
-        if size > limit:
-            raise BodyTooLarge
-        chunks.append(chunk)
-        if not message.get("more_body", False):
-            return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
-
-
-def _replay(first: Message, receive: Receive) -> Receive:
-    pending = [first]
-
-    async def replayed() -> Message:
-        return pending.pop() if pending else await receive()
-
-    return replayed
+        await self.app(scope, replay(body, receive), send)
 
 
 async def send_error(send: Send, error: ApiError, *, close: bool = False) -> None:

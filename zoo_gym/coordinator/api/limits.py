@@ -54,10 +54,11 @@ from typing import Any
 
 import h11
 from fastapi import HTTPException, Request, status
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from starlette.types import ASGIApp, Receive, Scope, Send
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from zoo_gym.ledger.apikeys import token_prefix
+from zoo_gym.transport.bodies import BodyTooLarge, read_body, replay
 from zoo_gym.transport.limits import RefusalPacer, TokenBuckets
 
 log = logging.getLogger(__name__)
@@ -178,10 +179,6 @@ def short(text: str, limit: int = MAX_DETAIL_CHARS) -> str:
 # --- before parsing -----------------------------------------------------------------------------
 
 
-class BodyTooLarge(Exception):
-    """The body grew past the limit while it was read."""
-
-
 class RequestLimits:
     """Pure ASGI middleware: refuse a path with control characters (404), a body over
     `max_body_bytes` (413) and one not sent within `read_timeout_s` (408) before the app parses
@@ -199,13 +196,8 @@ class RequestLimits:
         if CONTROL_CHARACTER.search(scope["path"]):
             await answer(send, 404, "no such path: a path never holds control characters (NUL)")
             return
-        declared = content_length(scope)
-        if declared is not None and declared > self.max_body_bytes:
-            await refuse_body(scope, send, 413, self.too_large())
-            return
         try:
-            async with asyncio.timeout(self.read_timeout_s):
-                first = await read_body(receive, self.max_body_bytes)
+            first = await read_body(scope, receive, self.max_body_bytes, self.read_timeout_s)
         except BodyTooLarge:
             await refuse_body(scope, send, 413, self.too_large())
             return
@@ -239,45 +231,6 @@ def scope_address(scope: Scope) -> str:
     """The socket peer of an ASGI request ("unknown" when the server did not say)."""
     client = scope.get("client")
     return str(client[0]) if client else "unknown"
-
-
-def content_length(scope: Scope) -> int | None:
-    """The declared `Content-Length` (None: not declared; the HTTP parser refused bad ones)."""
-    for name, value in scope["headers"]:
-        if name == b"content-length":
-            text = value.decode("latin-1").strip()
-            return int(text) if text.isdigit() else None
-    return None
-
-
-async def read_body(receive: Receive, limit: int) -> Message | None:
-    """The whole body as one `http.request` message; BodyTooLarge past `limit` bytes, None
-    when the client disconnected first."""
-    chunks: list[bytes] = []
-    size = 0
-    while True:
-        message = await receive()
-        if message["type"] != "http.request":
-            return None
-        chunk: bytes = message.get("body", b"")
-        size += len(chunk)
-        if size > limit:
-            raise BodyTooLarge
-        chunks.append(chunk)
-        if not message.get("more_body", False):
-            return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
-
-
-def replay(first: Message, receive: Receive) -> Receive:
-    """`receive` that hands out `first` once, then what the server sends (a disconnect)."""
-    pending = [first]
-
-    async def replayed() -> Message:
-        if pending:
-            return pending.pop()
-        return await receive()
-
-    return replayed
 
 
 async def answer(

@@ -238,16 +238,8 @@ class Routes:
                 delta, first[0] = {"role": "assistant", **delta}, False
             return schemas.chat_chunk(rid, model.id, created, delta, finish)
 
-        usage = (
-            (lambda d: schemas.usage_chunk(rid, model.id, created, "chat.completion.chunk", d))
-            if body.include_usage
-            else None
-        )
-        return StreamingResponse(
-            _stream(answer, chunk, usage, cancel),
-            media_type="text/event-stream",
-            headers=SSE_HEADERS,
-        )
+        kind = "chat.completion.chunk"
+        return _events(answer, chunk, cancel, body.include_usage, (rid, model.id, created, kind))
 
     async def complete(self, body: schemas.CompletionRequest) -> Any:
         model = self.model(body.model)
@@ -278,16 +270,23 @@ class Routes:
                 text, sent_echo[0] = echo + (text or ""), True
             return schemas.completion_chunk(rid, model.id, created, text or "", finish)
 
-        usage = (
-            (lambda d: schemas.usage_chunk(rid, model.id, created, "text_completion", d))
-            if body.include_usage
-            else None
-        )
-        return StreamingResponse(
-            _stream(answer, chunk, usage, cancel),
-            media_type="text/event-stream",
-            headers=SSE_HEADERS,
-        )
+        kind = "text_completion"
+        return _events(answer, chunk, cancel, body.include_usage, (rid, model.id, created, kind))
+
+
+def _events(
+    answer: Answer,
+    chunk: Chunk,
+    cancel: Callable[[], None],
+    include_usage: bool,
+    usage_head: tuple[str, str, int, str],
+) -> StreamingResponse:
+    """The answer as server-sent events: `chunk`s, then a usage chunk (id, model, created,
+    object) when the client asked for one."""
+    usage = (lambda d: schemas.usage_chunk(*usage_head, d)) if include_usage else None
+    return StreamingResponse(
+        _stream(answer, chunk, usage, cancel), media_type="text/event-stream", headers=SSE_HEADERS
+    )
 
 
 def create_app(

@@ -299,59 +299,52 @@ def test_the_variant_answers_as_its_parent_plus_the_decoded_delta(server: Server
 # --- batching ----------------------------------------------------------------------------------
 
 
-def test_concurrent_requests_run_in_one_batch_and_answer_as_alone(server: Server) -> None:
+def alone_and_together(
+    server: Server, models: list[str], prompts: list[str], max_tokens: int
+) -> tuple[list[str], list[str], int]:
+    """Greedy answers of each (model, prompt) asked alone, then all at once; and how many
+    forward passes of four rows ran meanwhile."""
     client = server.client()
-    prompts = ["1", "22 + 3", "What is 4 + 4? The answer", "7 7 7"]
-    alone = [
-        client.completions.create(model="v0001", prompt=p, max_tokens=24, temperature=0)
-        for p in prompts
-    ]
-    before = server.stats()["rows_per_forward"].get("4", 0)
-    together: list[Any] = [None] * len(prompts)
 
-    def ask(i: int) -> None:
-        together[i] = client.completions.create(
-            model="v0001", prompt=prompts[i], max_tokens=24, temperature=0
+    def ask(i: int) -> str:
+        done = client.completions.create(
+            model=models[i], prompt=prompts[i], max_tokens=max_tokens, temperature=0
         )
+        return done.choices[0].text
 
-    threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(prompts))]
+    alone = [ask(i) for i in range(len(prompts))]
+    before = server.stats()["rows_per_forward"].get("4", 0)
+    together: list[str] = [""] * len(prompts)
+    threads = [
+        threading.Thread(target=lambda i=i: together.__setitem__(i, ask(i)))
+        for i in range(len(prompts))
+    ]
     for t in threads:
         t.start()
     for t in threads:
         t.join(timeout=120)
+    return alone, together, server.stats()["rows_per_forward"].get("4", 0) - before
 
-    assert server.stats()["rows_per_forward"].get("4", 0) > before
-    assert [t.choices[0].text for t in together] == [a.choices[0].text for a in alone]
+
+def test_concurrent_requests_run_in_one_batch_and_answer_as_alone(server: Server) -> None:
+    prompts = ["1", "22 + 3", "What is 4 + 4? The answer", "7 7 7"]
+
+    alone, together, batches_of_four = alone_and_together(server, ["v0001"] * 4, prompts, 24)
+
+    assert batches_of_four > 0
+    assert together == alone
 
 
 def test_a_variant_and_its_parent_share_one_forward_pass(server: Server) -> None:
-    # Prepare: each model's greedy answer alone
-    client = server.client()
     models = ["v0000", "v0001-from-v0000", "v0000", "v0001-from-v0000"]
     prompts = ["1", "22 + 3", "7 7 7", "What is 4 + 4? The answer"]
-    alone = [
-        client.completions.create(model=m, prompt=p, max_tokens=16, temperature=0)
-        for m, p in zip(models, prompts, strict=True)
-    ]
-    before = server.stats()["rows_per_forward"].get("4", 0)
-    together: list[Any] = [None] * len(prompts)
 
-    def ask(i: int) -> None:
-        together[i] = client.completions.create(
-            model=models[i], prompt=prompts[i], max_tokens=16, temperature=0
-        )
+    alone, together, batches_of_four = alone_and_together(server, models, prompts, 16)
 
-    # Execute: the four at once
-    threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(prompts))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=120)
-
-    # Assert: the variant's rows ran in the parent's batch of four (no merged copy), and every
-    # row answered as it does alone
-    assert server.stats()["rows_per_forward"].get("4", 0) > before
-    assert [t.choices[0].text for t in together] == [a.choices[0].text for a in alone]
+    # the variant's rows ran in the parent's batches of four (no merged copy), and every row
+    # answered as it does alone
+    assert batches_of_four > 0
+    assert together == alone
 
 
 # --- refusals -----------------------------------------------------------------------------------

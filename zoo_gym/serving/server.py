@@ -8,7 +8,6 @@ model is loaded, so a wrong start costs nothing.
 
 from __future__ import annotations
 
-import ipaddress
 import logging
 import os
 from collections.abc import Callable
@@ -21,6 +20,7 @@ from zoo_gym.serving.api import create_app
 from zoo_gym.serving.api_guard import KeyCheck, key_digest, read_key_file
 from zoo_gym.serving.engine import Engine, EngineLimits
 from zoo_gym.serving.engine_models import ServingError, load_models
+from zoo_gym.transport.client import is_loopback_host
 
 log = logging.getLogger(__name__)
 
@@ -45,15 +45,6 @@ class ServeSettings:
     read_timeout_s: float = 30.0
 
 
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
 def key_check(settings: ServeSettings) -> KeyCheck:
     """The accepted key digests; ServingError for an unreadable key file, or for a server
     without keys on an address that is not loopback."""
@@ -70,7 +61,7 @@ def key_check(settings: ServeSettings) -> KeyCheck:
     key = settings.api_key or os.environ.get(KEY_VARIABLE)
     if key:
         digests.append(key_digest(key))
-    if not digests and not is_loopback(settings.host):
+    if not digests and not is_loopback_host(settings.host):
         raise ServingError(
             f"no API key configured: anyone reaching {settings.host} could use the models; "
             f"give --api-key-file, --api-key or {KEY_VARIABLE}, or serve on 127.0.0.1"

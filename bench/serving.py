@@ -36,25 +36,14 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, PreTrainedModel, Qwen2Config
+from realistic_round import qwen25_05b_config  # bench/ is on the path of a bench script
+from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from zoo_gym.compression import CodecSpec, encode
 from zoo_gym.core.hashing import sha256_bytes
 from zoo_gym.core.tiny import build_tiny_model
 from zoo_gym.core.weights import load_weights
 
-QWEN_05B = dict(
-    vocab_size=151_936,
-    hidden_size=896,
-    intermediate_size=4864,
-    num_hidden_layers=24,
-    num_attention_heads=14,
-    num_key_value_heads=2,
-    max_position_embeddings=32_768,
-    tie_word_embeddings=True,
-    rope_theta=1_000_000.0,
-    rms_norm_eps=1e-6,
-)
 BASE = "v0000"
 
 
@@ -66,7 +55,7 @@ def build_base(model: str, directory: Path) -> None:
     if model == "tiny":
         net: PreTrainedModel = build_tiny_model(vocab_size=512)
     else:
-        config = Qwen2Config(**QWEN_05B)  # type: ignore[arg-type]
+        config = qwen25_05b_config()
         net = AutoModelForCausalLM.from_config(config, dtype=torch.float32)  # type: ignore[no-untyped-call]
     net.save_pretrained(directory)
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -13,6 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
+from processes import stop
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from typer.testing import CliRunner
 
@@ -50,8 +50,7 @@ def url(tiny_home_template: Path) -> Iterator[str]:
             time.sleep(0.2)
         yield base
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(timeout=30)
+        stop(proc)
 
 
 def greedy_reply(directory: Path, messages: list[dict[str, str]]) -> str:

@@ -6,9 +6,7 @@ default. Helpers live here, not in conftest.py, so test modules import them by a
 
 from __future__ import annotations
 
-import os
 import re
-import signal
 import subprocess
 import sys
 import time
@@ -18,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+from processes import stop
 
 from zoo_gym.simulation.demo import free_port
 
@@ -100,14 +99,3 @@ def serve(
     finally:
         stop(proc)
         log.close()
-
-
-def stop(proc: subprocess.Popen[bytes], timeout_s: float = 30.0) -> None:
-    """SIGTERM the process group, SIGKILL it after `timeout_s`."""
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import threading
@@ -23,6 +22,7 @@ from typing import Any
 import httpx
 import pytest
 import torch
+from processes import stop
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from zoo_gym.coordinator.registry import ModelRegistry
@@ -93,16 +93,6 @@ def start(root: Path, signer: Identity, *args: str) -> Server:
             stop(proc)
             raise RuntimeError(f"gym-serve did not start:\n{log.read_text()}")
         time.sleep(0.2)
-
-
-def stop(proc: subprocess.Popen[bytes]) -> None:
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
 
 
 @pytest.fixture(scope="module")

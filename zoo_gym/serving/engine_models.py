@@ -30,13 +30,17 @@ import torch
 from torch import nn
 
 from zoo_gym.core.manifest import MANIFEST, ManifestError, ModelManifest, read_verified
-from zoo_gym.serving.variants import VariantError, VariantStore, attach
+from zoo_gym.serving.variants import (
+    DIRECTORY,
+    RECORD_FORMAT,
+    VariantError,
+    VariantStore,
+    attach,
+)
 
 log = logging.getLogger(__name__)
 
 VERSION_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")  # a version directory's name
-VARIANTS = "variants"
-VARIANT_FORMAT = 1
 DEFAULT_VARIANT_MEMORY = 2 << 30  # bytes of loaded variants per served parent
 
 Assign = Callable[[Sequence[str | None]], AbstractContextManager[Any]]
@@ -167,11 +171,13 @@ def load_versions(
 
 def variant_records(root: Path) -> Iterator[tuple[str, dict[str, Any]]]:
     """(id, record) of each variant record under `root/variants`; ServingError for a bad one."""
-    for path in sorted((root / VARIANTS).glob("*.json")):
+    for path in sorted((root / DIRECTORY).glob("*.json")):
         try:
             record = json.loads(path.read_text())
-            if record.get("format") != VARIANT_FORMAT or record.get("codec") != "bitdelta":
-                raise ServingError(f"{path}: not a BitDelta variant record of format 1")
+            if record.get("format") != RECORD_FORMAT or record.get("codec") != "bitdelta":
+                raise ServingError(
+                    f"{path}: not a BitDelta variant record of format {RECORD_FORMAT}"
+                )
             yield path.stem, record
         except (ValueError, AttributeError) as exc:
             if isinstance(exc, ServingError):

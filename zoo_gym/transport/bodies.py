@@ -4,6 +4,7 @@ What both HTTP servers (the coordinator's REST API and `gym-serve`) do in their 
 refuse a body whose declared `Content-Length` is over the limit before reading it, read the
 rest chunk by chunk and stop once it passes the limit, give up when it does not arrive in time,
 and hand the app the body as one message. Each server answers the refusals in its own shape.
+The head before the body has its own deadline, in the HTTP protocol itself (`heads`).
 """
 
 from __future__ import annotations

@@ -34,7 +34,7 @@ from zoo_gym.coordinator.api.deps import (
     ViewerDep,
     route_access,
 )
-from zoo_gym.coordinator.api.limits import ApiGuard, RequestLimits, head_deadline, short
+from zoo_gym.coordinator.api.limits import ApiGuard, RequestLimits, short
 from zoo_gym.coordinator.api.pacing import FailurePacing, KeyTable
 from zoo_gym.coordinator.api.routes import auth, contributors, models, policy, rewards, rounds
 from zoo_gym.coordinator.api.routes import ledger as ledger_routes
@@ -42,6 +42,7 @@ from zoo_gym.coordinator.api.routes import metrics as metrics_routes
 from zoo_gym.coordinator.config import CoordinatorConfig
 from zoo_gym.coordinator.control import PolicyError
 from zoo_gym.ledger import Session
+from zoo_gym.transport.heads import head_deadline
 
 OPEN_ROUTES: frozenset[tuple[str, str]] = frozenset(
     {("GET", "/health"), ("POST", "/auth/challenge"), ("POST", "/auth/token")}

@@ -6,7 +6,8 @@ What a request may carry is bounded before anything parses it:
   (h11's limit on an incomplete event); a longer head is answered 400 and the connection closed,
   so neither a long URL nor a long header reaches the app. A connection that has not sent a
   whole head within `api_read_timeout_s` of opening (or of its last answer) is closed
-  (`head_deadline`), so a client trickling bytes cannot hold a connection for ever.
+  (`transport.heads.head_deadline`), so a client trickling bytes cannot hold a connection for
+  ever.
 - `RequestLimits`, pure ASGI middleware around the app, answers a path that holds a control
   character (NUL, ...) with 404 before routing, and bounds the body to `api_max_body_bytes`: a
   larger `Content-Length` is answered 413 before a byte of the body is read, and a body without
@@ -43,19 +44,15 @@ used out), so a flood of new addresses or names cannot grow memory without bound
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import math
 import re
 import time
 from collections.abc import Callable
-from typing import Any
 
-import h11
 from fastapi import HTTPException, Request, status
 from starlette.types import ASGIApp, Receive, Scope, Send
-from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from zoo_gym.ledger.apikeys import token_prefix
 from zoo_gym.transport.bodies import BodyTooLarge, read_body, replay
@@ -252,36 +249,3 @@ async def answer(
         headers.append((b"connection", b"close"))
     await send({"type": "http.response.start", "status": status_code, "headers": headers})
     await send({"type": "http.response.body", "body": body})
-
-
-def head_deadline(timeout_s: float) -> type[H11Protocol]:
-    """uvicorn's h11 protocol, closing a connection that has not sent a whole request head
-    within `timeout_s` of opening or of its last answer (uvicorn itself waits for ever)."""
-
-    class HeadDeadline(H11Protocol):
-        head_timer: asyncio.TimerHandle | None = None
-
-        def connection_made(self, transport: Any) -> None:
-            super().connection_made(transport)
-            self._arm()
-
-        def on_response_complete(self) -> None:
-            super().on_response_complete()
-            self._arm()
-
-        def connection_lost(self, exc: Exception | None) -> None:
-            if self.head_timer is not None:
-                self.head_timer.cancel()
-            super().connection_lost(exc)
-
-        def _arm(self) -> None:
-            if self.head_timer is not None:
-                self.head_timer.cancel()
-            self.head_timer = self.loop.call_later(timeout_s, self._late)
-
-        def _late(self) -> None:
-            # IDLE: no whole head since the timer was armed (a request in progress is not)
-            if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
-                self.timeout_keep_alive_handler()
-
-    return HeadDeadline

@@ -7,9 +7,13 @@ against v0000. Greedy answers are checked against Hugging Face's `generate` on t
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import json
 import os
+import select
 import shutil
+import socket
 import subprocess
 import sys
 import threading
@@ -18,6 +22,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import httpx
 import pytest
@@ -40,6 +45,7 @@ pytestmark = pytest.mark.e2e
 KEY = "sk-zoo-test-key"
 MAX_BODY = 65_536
 QUESTION = [{"role": "user", "content": "What is 8 + 36?"}]
+READ_TIMEOUT_S = 1.0  # the slow-client tests' deadline; the default (30 s) would take minutes
 
 
 @dataclass
@@ -423,3 +429,83 @@ def test_no_key_on_a_public_address_refuses_to_start(tiny_home_template: Path) -
     assert done.returncode == 1
     assert done.stderr.startswith("error: no API key configured")
     assert len(done.stderr.strip().splitlines()) == 1
+
+
+# --- slow clients ---------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def hurried(tiny_home_template: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """`gym-serve` on v0000 alone with a read deadline of READ_TIMEOUT_S, short so that a test
+    waits seconds for it (the default gives a slow but honest network half a minute)."""
+    root = tmp_path_factory.mktemp("hurried") / "models"
+    shutil.copytree(tiny_home_template / "models", root)
+    signer = Identity.load(tiny_home_template / "coordinator.key")
+    served = start(root, signer, "--no-variants", "--read-timeout-s", str(READ_TIMEOUT_S))
+    try:
+        yield served
+    finally:
+        stop(served.proc)
+
+
+def trickle(
+    url: str, *, body: bool = False, every_s: float = 0.2, give_up_s: float = 15.0
+) -> tuple[float, bytes | None]:
+    """Send a request one byte every `every_s`: a head that never ends, or (`body`) a whole head
+    and then its declared 1 KiB body. Seconds until the server answered or closed, and what it
+    sent (b"": it closed without a word; None: it still listened after `give_up_s`)."""
+    parts = urlsplit(url)
+    assert parts.hostname is not None and parts.port is not None
+    head = b"POST /v1/completions HTTP/1.1\r\nHost: serve\r\n"
+    head += f"Authorization: Bearer {KEY}\r\n".encode()
+    drip: Iterator[bytes]
+    if body:
+        head += b"Content-Type: application/json\r\nContent-Length: 1024\r\n\r\n"
+        drip = itertools.repeat(b"{")
+    else:  # the head byte by byte, then a header whose value never ends
+        drip = itertools.chain((bytes([c]) for c in head + b"X-Slow: "), itertools.repeat(b"x"))
+    start = time.monotonic()
+    with socket.create_connection((parts.hostname, parts.port), timeout=give_up_s) as sock:
+        poller = select.poll()  # not select.select: a busy test process has descriptors past 1024
+        poller.register(sock, select.POLLIN)
+        with contextlib.suppress(OSError):  # the server closed while we sent: read what it said
+            if body:
+                sock.sendall(head)
+            while not poller.poll(0) and time.monotonic() - start < give_up_s:
+                sock.sendall(next(drip))
+                time.sleep(every_s)
+        took = time.monotonic() - start
+        if not poller.poll(0):
+            return took, None
+        answer = b""
+        with contextlib.suppress(OSError):
+            while chunk := sock.recv(65536):
+                answer += chunk
+        return took, answer
+
+
+def test_a_trickled_head_is_closed_at_the_deadline(hurried: Server) -> None:
+    took, answer = trickle(hurried.url)
+
+    assert answer == b""  # closed without an answer
+    assert READ_TIMEOUT_S * 0.9 < took < READ_TIMEOUT_S + 5
+    assert hurried.client().models.list().data[0].id == "v0000"
+
+
+def test_a_trickled_body_is_408(hurried: Server) -> None:
+    took, answer = trickle(hurried.url, body=True)
+
+    assert answer is not None
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 408 ") and b"\r\nconnection: close" in head.lower()
+    assert json.loads(body)["error"]["code"] == "request_timeout"
+    assert READ_TIMEOUT_S * 0.9 < took < READ_TIMEOUT_S + 5
+
+
+def test_keep_alive_requests_are_served_past_the_deadline(hurried: Server) -> None:
+    with httpx.Client(base_url=hurried.url, headers={"Authorization": f"Bearer {KEY}"}) as http:
+        first = http.get("/v1/models")
+        time.sleep(READ_TIMEOUT_S * 1.5)  # an idle kept-alive connection may close meanwhile
+        second = http.get("/v1/models")
+
+    assert first.status_code == second.status_code == 200

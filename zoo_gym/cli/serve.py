@@ -58,6 +58,15 @@ BatchWaitOption = Annotated[
     float, typer.Option(help="an idle server waits this many ms to batch requests", min=0.0)
 ]
 MaxBodyOption = Annotated[int, typer.Option(help="largest request body in bytes", min=1)]
+ReadTimeoutOption = Annotated[
+    float,
+    typer.Option(
+        help="seconds a client has to send a request's head (else the connection is closed) "
+        "and again its body (else 408)",
+        min=0.1,
+        max=600.0,
+    ),
+]
 VerboseOption = Annotated[bool, typer.Option("--verbose", "-v")]
 
 
@@ -80,6 +89,7 @@ def serve(
     max_queue: MaxQueueOption = 64,
     batch_wait_ms: BatchWaitOption = 0.0,
     max_body_bytes: MaxBodyOption = 1 << 20,
+    read_timeout_s: ReadTimeoutOption = 30.0,
     verbose: VerboseOption = False,
 ) -> None:
     """Serve every published version under --models (model ids are version names) until Ctrl-C.
@@ -111,6 +121,7 @@ def serve(
             batch_wait_s=batch_wait_ms / 1000,
         ),
         max_body_bytes=max_body_bytes,
+        read_timeout_s=read_timeout_s,
     )
     try:
         run_server(settings, say=lambda line: console.print(line, markup=False, soft_wrap=True))

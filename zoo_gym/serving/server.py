@@ -4,6 +4,10 @@ A server without an API key answers anyone who reaches it, so it starts only on 
 address (127.0.0.1, ::1, localhost); anywhere else it needs keys (`--api-key-file`,
 `--api-key` or the environment variable `ZOO_SERVE_API_KEY`). That is checked before any
 model is loaded, so a wrong start costs nothing.
+
+A client has `read_timeout_s` to send a request's head (else the connection is closed, as the
+coordinator's REST API does: `transport.heads`) and again its body (else 408: `api_guard`), so
+clients trickling bytes cannot hold the server's connections.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from zoo_gym.serving.api_guard import KeyCheck, key_digest, read_key_file
 from zoo_gym.serving.engine import Engine, EngineLimits
 from zoo_gym.serving.engine_models import ServingError, load_models
 from zoo_gym.transport.client import is_loopback_host
+from zoo_gym.transport.heads import head_deadline
 
 log = logging.getLogger(__name__)
 
@@ -113,7 +118,8 @@ def serve(settings: ServeSettings, *, say: Callable[[str], None] = log.info) -> 
         host=settings.host,
         port=settings.port,
         log_level="warning",
-        http="h11",  # h11 bounds the request line and headers; httptools does not
+        # h11 bounds the request line and headers (httptools does not), within a deadline
+        http=head_deadline(settings.read_timeout_s),
         h11_max_incomplete_event_size=MAX_HEADER_BYTES,
     )
     engine.start()

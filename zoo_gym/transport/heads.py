@@ -1,6 +1,6 @@
 """A request head sent whole within a deadline, or the connection closed.
 
-What the coordinator's REST API runs uvicorn with. Its h11
+What both HTTP servers (the coordinator's REST API and `gym-serve`) run uvicorn with. Its h11
 protocol bounds the request line and headers in size (`h11_max_incomplete_event_size`) but waits
 for them for ever, so clients sending a byte every few seconds (slowloris) hold connections as
 long as they like, up to every one the process can open.

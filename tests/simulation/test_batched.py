@@ -146,6 +146,53 @@ def test_batched_engine_refuses_what_it_cannot_train_in_one_line() -> None:
         )
 
 
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+def test_batched_losses_equal_each_contributors_merged_model(arch: str) -> None:
+    # Prepare: 3 contributors with random Bs (rank 4), 2 rows each, right-padded, labels on
+    # the last tokens of each row (one padding row without labels: a short batch)
+    import copy
+
+    from zoo_gym.core.chat import IGNORE_INDEX
+    from zoo_gym.core.lora import LoraSpec
+    from zoo_gym.core.tiny import build_tiny_model
+    from zoo_gym.simulation.batched_training import BatchedFfaLora
+
+    model = build_tiny_model(vocab_size=64, arch=arch, seed=3)
+    reference = copy.deepcopy(model)
+    spec = LoraSpec(rank=4, alpha=8)
+    batched = BatchedFfaLora(model, spec=spec, pad_id=0)
+    g, gen = 3, torch.Generator().manual_seed(7)
+    for layer in batched.layers.values():
+        layer.a = torch.randn(4, layer.base.in_features, generator=gen)
+        layer.b = torch.randn(g, layer.base.out_features, 4, generator=gen) * 0.5
+    lengths = [[9, 6], [12, 12], [7, 0]]  # contributor 2's second row is padding
+    ids = torch.zeros(6, 12, dtype=torch.long)
+    labels = torch.full((6, 12), IGNORE_INDEX)
+    for row, n in enumerate(n for pair in lengths for n in pair):
+        ids[row, :n] = torch.randint(1, 64, (n,), generator=gen)
+        labels[row, max(n - 3, 0) : n] = ids[row, max(n - 3, 0) : n]
+
+    # Execute
+    with torch.no_grad():
+        losses = batched._losses(ids, labels, g)
+
+    # Assert: each contributor's loss is the token-mean NLL of its rows under the base with
+    # W + s * B_c A merged into every target layer, run by the model's own forward
+    for c in range(g):
+        merged = copy.deepcopy(reference)
+        for name, layer in batched.layers.items():
+            weight = merged.get_submodule(name).weight
+            weight.data += spec.scaling * layer.b[c] @ layer.a
+        rows = slice(2 * c, 2 * c + 2)
+        mask = (torch.arange(12) < torch.tensor(lengths[c]).unsqueeze(1)).long()
+        with torch.no_grad():
+            logits = merged(input_ids=ids[rows], attention_mask=mask).logits
+        nll = torch.nn.functional.cross_entropy(
+            logits[:, :-1].reshape(-1, 64), labels[rows, 1:].reshape(-1), ignore_index=IGNORE_INDEX
+        )
+        assert float(losses[c]) == pytest.approx(float(nll), rel=1e-5)
+
+
 ROUND_SCRIPT = """
     import json, resource, shutil, sys, time
     from pathlib import Path

@@ -12,8 +12,9 @@ done for a group of g contributors in one forward and one backward per step:
   contributor c's (a contributor with a short batch gets rows of padding that carry no
   label), so each target layer computes ``W x + s * B_c (A x)`` with one batched matmul;
 - contributor c's loss is the token mean of the next-token NLL over the labelled tokens of
-  its own batch (`zoo_gym.core.chat.token_nll`; the last layer's MLP and the head run at the
-  labelled positions only, see `BatchedFfaLora._losses`); the
+  its own batch (`zoo_gym.core.chat.token_nll`; the last layer's queries, output
+  projection and MLP and the head run at the labelled positions only, see
+  `BatchedFfaLora._losses`); the
   sum over contributors is backpropagated, so each B_c receives exactly the gradient of its
   own loss;
 - AdamW (weight decay 0) steps all the Bs: it is elementwise, so one optimiser over the
@@ -217,10 +218,9 @@ class BatchedFfaLora:
         embeddings, every layer, final norm), with two shortcuts that leave the labelled
         positions' outputs as they are: no attention mask (padding is on the right, so under
         causal attention no labelled position sees it, and the causal kernel needs no
-        `(rows, 1, t, t)` mask), and the last layer's MLP, the final norm and the head run
-        only at the positions whose next token is labelled (a few of each row; only the
-        attention mixes positions), laid out contributor by contributor in blocks padded with
-        zero vectors (which the norm and the MLP map to zero) for the stacked Bs.
+        `(rows, 1, t, t)` mask), and the last layer runs its queries, its output projection,
+        its MLP, the final norm and the head only at the positions whose next token is labelled
+        (a few of each row, `_Queries`): only its keys and values are needed everywhere.
         """
         d = self.decoder
         positions = torch.arange(ids.shape[1]).unsqueeze(0)
@@ -229,35 +229,87 @@ class BatchedFfaLora:
         context = {"attention_mask": None, "position_ids": positions, "position_embeddings": rotary}
         for layer in d.layers[:-1]:
             h = layer(h, **context)
-        last = d.layers[-1]
-        attended, _ = last.self_attn(hidden_states=last.input_layernorm(h), **context)
-        h = h + attended  # (g * rows, t, hidden)
         targets = labels[:, 1:]  # (g * rows, t - 1)
         labelled = targets != IGNORE_INDEX
-        owner = labelled.nonzero()[:, 0] // (ids.shape[0] // g)  # contributor of each token
-        counts = torch.bincount(owner, minlength=g)  # (g,)
-        start = torch.cumsum(counts, 0) - counts
-        slot = torch.arange(owner.shape[0]) - start[owner]  # place among its contributor's
-        x = h[:, :-1][labelled]  # (tokens, hidden)
-        blocks = x.new_zeros((g, int(counts.max()), x.shape[1]))  # (g, most tokens, hidden)
-        blocks = blocks.index_put((owner, slot), x)  # zeros elsewhere: zeros come out
-        x = x + last.mlp(last.post_attention_layernorm(blocks))[owner, slot]
-        logits = self.head(d.norm(x)).float()  # (tokens, vocab)
+        queries = _Queries.of(labelled)
+        x = _last_layer(d.layers[-1], h, rotary, queries)  # (g * rows, most labelled, hidden)
+        logits = self.head(d.norm(x[queries.real])).float()  # (tokens, vocab), row by row
         nll = nn.functional.cross_entropy(logits, targets[labelled], reduction="none")
+        owner = labelled.nonzero()[:, 0] // (ids.shape[0] // g)  # contributor of each token
         sums = torch.zeros(g, dtype=nll.dtype).index_add(0, owner, nll)
-        return sums / counts.clamp(min=1)
+        return sums / torch.bincount(owner, minlength=g).clamp(min=1)
+
+
+@dataclass(frozen=True)
+class _Queries:
+    """The positions of each row whose next token is labelled, left-aligned in a
+    `(rows, most)` table: `position[r, j]` is the j-th such position of row r (0 where
+    `real[r, j]` is False: a slot the row does not fill, whose output is dropped)."""
+
+    position: Tensor  # (rows, most) long
+    real: Tensor  # (rows, most) bool
+
+    @classmethod
+    def of(cls, labelled: Tensor) -> _Queries:
+        counts = labelled.sum(1)  # (rows,)
+        most = max(int(counts.max()), 1)
+        rows, where = labelled.nonzero(as_tuple=True)  # row-major: positions ascending
+        slot = torch.arange(rows.shape[0]) - (torch.cumsum(counts, 0) - counts)[rows]
+        position = torch.zeros((labelled.shape[0], most), dtype=torch.long)
+        real = torch.zeros((labelled.shape[0], most), dtype=torch.bool)
+        position[rows, slot] = where
+        real[rows, slot] = True
+        return cls(position, real)
+
+
+def _last_layer(layer: Any, h: Tensor, rotary: tuple[Tensor, Tensor], queries: _Queries) -> Tensor:
+    """A Llama-style decoder layer's output `(rows, most, hidden)` at `queries` only: keys
+    and values from every position of `h` `(rows, t, hidden)`, each query attending to the
+    positions up to its own (causal), then the output projection, the residual and the MLP.
+    The rows stay contributor by contributor, as the stacked Bs need."""
+    attn = layer.self_attn
+    rows, most = queries.position.shape
+    normed = layer.input_layernorm(h)
+    at = queries.position.unsqueeze(-1)  # (rows, most, 1)
+    residual = h.gather(1, at.expand(-1, -1, h.shape[-1]))  # (rows, most, hidden)
+    q = attn.q_proj(normed.gather(1, at.expand(-1, -1, h.shape[-1])))
+    q = q.view(rows, most, -1, attn.head_dim).transpose(1, 2)  # (rows, heads, most, dim)
+    k = attn.k_proj(normed).view(rows, h.shape[1], -1, attn.head_dim).transpose(1, 2)
+    v = attn.v_proj(normed).view(rows, h.shape[1], -1, attn.head_dim).transpose(1, 2)
+    cos, sin = rotary  # (1, t, dim)
+    q_cos, q_sin = cos[0][queries.position].unsqueeze(1), sin[0][queries.position].unsqueeze(1)
+    q = q * q_cos + _rotate_half(q) * q_sin
+    k = k * cos.unsqueeze(1) + _rotate_half(k) * sin.unsqueeze(1)
+    mask = torch.arange(h.shape[1]) <= at.unsqueeze(1)  # (rows, 1, most, t): causal
+    out = nn.functional.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, scale=attn.scaling, enable_gqa=q.shape[1] != k.shape[1]
+    )
+    x: Tensor = residual + attn.o_proj(out.transpose(1, 2).reshape(rows, most, -1))
+    mixed: Tensor = layer.mlp(layer.post_attention_layernorm(x))
+    return x + mixed
+
+
+def _rotate_half(x: Tensor) -> Tensor:
+    """The rotary embedding's partner of each value (the Llama layout: halves swapped, the
+    first negated)."""
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
 def check_decoder(decoder: Any) -> None:
-    """Refuse, in one line, a decoder that is not Llama-style (pre-norm layers of attention and
-    a gate/up/down MLP, rotary positions, full attention), the kind `_losses` runs."""
+    """Refuse, in one line, a decoder that is not Llama-style (pre-norm layers of attention with
+    q/k/v/o projections and a gate/up/down MLP, rotary positions, full attention), the kind
+    `_losses` and `_last_layer` run."""
     layer = decoder.layers[-1] if hasattr(decoder, "layers") else None
     parts = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")
-    mlp = getattr(layer, "mlp", None)
+    mlp, attn = getattr(layer, "mlp", None), getattr(layer, "self_attn", None)
+    projections = ("q_proj", "k_proj", "v_proj", "o_proj", "head_dim", "scaling")
     if (
         layer is None
         or not all(hasattr(layer, p) for p in parts)
         or not all(hasattr(mlp, p) for p in ("gate_proj", "up_proj", "down_proj", "act_fn"))
+        or not all(hasattr(attn, p) for p in projections)
+        or hasattr(attn, "q_norm")  # normalised queries and keys (Qwen3): not Llama-style
         or not all(hasattr(decoder, p) for p in ("embed_tokens", "rotary_emb", "norm"))
         or getattr(decoder, "has_sliding_layers", False)
     ):

@@ -33,6 +33,7 @@ pass against ``torch.sum``.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import itertools
 import os
@@ -48,8 +49,9 @@ MAX_PACK_GROUP = 8192
 """Largest group the fused pack kernel handles in one program (one group per program)."""
 
 
+@functools.cache
 def available() -> bool:
-    """Whether Triton is installed."""
+    """Whether Triton is installed (looked up once: a lookup walks the import path)."""
     return importlib.util.find_spec("triton") is not None
 
 
@@ -62,12 +64,10 @@ def active_for(where: Tensor | torch.device | str) -> bool:
     """Whether the envelope functions run the kernels for tensors on `where` (see the module
     docstring): CUDA with Triton installed, or the CPU under the interpreter when asked for."""
     device = where.device if isinstance(where, Tensor) else torch.device(where)
-    if not available():
-        return False
     if device.type == "cuda":
-        return True
+        return available()
     on_cpu = os.environ.get(ON_CPU, "0") not in ("", "0")
-    return device.type == "cpu" and on_cpu and interpreted()
+    return device.type == "cpu" and on_cpu and interpreted() and available()
 
 
 def can_pack(group: int) -> bool:

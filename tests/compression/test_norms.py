@@ -126,8 +126,9 @@ def test_a_non_finite_raw_value_is_named(codec: str, fmt: str | None, value: flo
         envelope_norm(bad, inspect_envelope(bad, max_elements=MAX))
 
 
-def test_a_negative_scale_is_invalid_but_not_called_non_finite() -> None:
-    payload = encode({"a": torch.ones(16)}, CodecSpec("int8", 8))
+@pytest.mark.parametrize("codec", ["int8", "bitdelta"])
+def test_a_negative_scale_is_invalid_but_not_called_non_finite(codec: str) -> None:
+    payload = encode({"a": torch.ones(16)}, CodecSpec(codec, 8))
     at = inspect_envelope(payload, max_elements=MAX).sections[0].scales_offset
     bad = rehashed(payload[:at] + struct.pack("<e", -1.0) + payload[at + 2 : -32])
 

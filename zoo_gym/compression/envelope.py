@@ -611,14 +611,21 @@ def decode(payload: bytes, *, max_elements: int, device: torch.device | str | No
     payload = bytes(payload) if isinstance(payload, bytearray | memoryview) else payload
     header = inspect_envelope(payload, max_elements=max_elements)
     delta: Delta = {}
-    if triton and unpacks_together(header):
+    if unpacks_together(header) and (triton or target.type == "cpu"):  # checked once
         packed, scales = bitdelta_parts(payload, header)
         for section in header.sections:
             delta[section.spec.name] = torch.empty(
                 section.spec.shape, dtype=torch.float32, device=target
             )
         outs = [t.view(-1) for t in delta.values()]
-        kernels.unpack_each(packed, scales, header.spec.group_size, outs)
+        if triton:
+            kernels.unpack_each(packed, scales, header.spec.group_size, outs)
+            return delta
+        first = 0
+        for section, bits, out in zip(header.sections, packed, outs, strict=True):
+            group_scales = scales[first : first + section.n_groups]
+            bitdelta.unpack_many([bits], group_scales, [out.numel()], header.spec.group_size, out)
+            first += section.n_groups
         return delta
     for section in header.sections:
         scales, data = section_tensors(payload, section)

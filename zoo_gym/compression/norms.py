@@ -13,12 +13,14 @@ and ``e`` the error-feedback residual it carries from earlier rounds. The coordi
 3. ``||C(y)|| <= codec_growth(spec, groups) * ||y||`` (see `codec_growth`).
 
 `honest_norm_bound` is the product plus a relative `TOLERANCE` for rounding. `envelope_norm`
-computes ``||decode(payload)||_2`` tensor by tensor: BitDelta from its scales alone, the other
-codecs in chunks, so memory stays bounded by one tensor.
+computes ``||decode(payload)||_2`` tensor by tensor: BitDelta from its scales alone (all of an
+envelope's scales in one pass where its tensors share a group size), the other codecs in
+chunks, so memory stays bounded by one tensor.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Iterable, Mapping
 
@@ -29,7 +31,9 @@ from zoo_gym.compression.envelope import (
     EnvelopeHeader,
     TensorSection,
     _frombuffer,
+    bitdelta_parts,
     section_tensors,
+    unpacks_together,
 )
 from zoo_gym.compression.errors import EnvelopeError
 from zoo_gym.compression.spec import CodecSpec, group_length
@@ -132,15 +136,35 @@ def honest_norm_bound(
 
 
 def envelope_norm(payload: bytes, header: EnvelopeHeader) -> float:
-    """``||decode(payload)||_2`` (float64 sums), one tensor at a time.
+    """``||decode(payload)||_2`` (float64 sums), one tensor at a time, or for an envelope of
+    BitDelta tensors of one group size (`unpacks_together`) from all scales at once.
 
     `header` is `inspect_envelope(payload)`. Raises `NonFiniteUpdate` naming the first tensor
     with a NaN or Inf value or scale, `EnvelopeError` for other invalid content.
     """
+    if unpacks_together(header):
+        with contextlib.suppress(EnvelopeError):  # the pass below names what is wrong
+            return math.sqrt(_bitdelta_squared_norm(payload, header))
     total = 0.0
     for section in header.sections:
         total += _squared_norm(payload, section)
     return math.sqrt(total)
+
+
+def _bitdelta_squared_norm(payload: bytes, header: EnvelopeHeader) -> float:
+    """Sum over groups of ``scale² * values in the group`` (every value of a group is +-its
+    scale), every scale and padding checked by `bitdelta_parts` in one pass."""
+    _, scales = bitdelta_parts(payload, header)
+    sections = [s for s in header.sections if s.n_groups]
+    counts = torch.repeat_interleave(
+        torch.tensor([float(s.group) for s in sections], dtype=torch.float64),
+        torch.tensor([s.n_groups for s in sections]),
+    )
+    last = torch.tensor([s.n_groups for s in sections]).cumsum(0) - 1  # each tensor's last group
+    counts[last] = torch.tensor(
+        [float(s.spec.numel - (s.n_groups - 1) * s.group) for s in sections], dtype=torch.float64
+    )
+    return float((scales.double().square() * counts).sum())
 
 
 def _squared_norm(payload: bytes, section: TensorSection) -> float:

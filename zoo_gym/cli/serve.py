@@ -67,6 +67,14 @@ ReadTimeoutOption = Annotated[
         max=600.0,
     ),
 ]
+MaxConnectionsOption = Annotated[
+    int,
+    typer.Option(
+        help="open connections one client address (an IPv6 /64) may hold; another is answered "
+        "503 and closed (behind a proxy every client is the proxy's address)",
+        min=1,
+    ),
+]
 VerboseOption = Annotated[bool, typer.Option("--verbose", "-v")]
 
 
@@ -90,6 +98,7 @@ def serve(
     batch_wait_ms: BatchWaitOption = 0.0,
     max_body_bytes: MaxBodyOption = 1 << 20,
     read_timeout_s: ReadTimeoutOption = 30.0,
+    max_connections_per_address: MaxConnectionsOption = 64,
     verbose: VerboseOption = False,
 ) -> None:
     """Serve every published version under --models (model ids are version names) until Ctrl-C.
@@ -122,6 +131,7 @@ def serve(
         ),
         max_body_bytes=max_body_bytes,
         read_timeout_s=read_timeout_s,
+        max_connections_per_address=max_connections_per_address,
     )
     try:
         run_server(settings, say=lambda line: console.print(line, markup=False, soft_wrap=True))

@@ -355,6 +355,13 @@ class CoordinatorConfig(HomeConfig):
         description="seconds a REST client has to send a request's head, and again its body; "
         "a connection that trickles is closed",
     )
+    api_max_connections_per_address: int = Field(
+        64,
+        ge=1,
+        description="open REST connections one client address (an IPv6 /64) may hold; another "
+        "is answered 503 and closed before it is read (behind a proxy every client is the "
+        "proxy's address)",
+    )
     api_docs: bool = Field(
         False,
         description="serve /docs and /redoc, and /openapi.json without a token; "

@@ -7,7 +7,8 @@ model is loaded, so a wrong start costs nothing.
 
 A client has `read_timeout_s` to send a request's head (else the connection is closed, as the
 coordinator's REST API does: `transport.heads`) and again its body (else 408: `api_guard`), so
-clients trickling bytes cannot hold the server's connections.
+clients trickling bytes cannot hold the server's connections; and one address holds at most
+`max_connections_per_address` of them (another is answered 503 and closed before it is read).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from zoo_gym.serving.api_guard import KeyCheck, key_digest, read_key_file
 from zoo_gym.serving.engine import Engine, EngineLimits
 from zoo_gym.serving.engine_models import ServingError, load_models
 from zoo_gym.transport.client import is_loopback_host
-from zoo_gym.transport.heads import head_deadline
+from zoo_gym.transport.heads import guarded_h11
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +49,7 @@ class ServeSettings:
     limits: EngineLimits = field(default_factory=EngineLimits)
     max_body_bytes: int = 1 << 20
     read_timeout_s: float = 30.0
+    max_connections_per_address: int = 64
 
 
 def key_check(settings: ServeSettings) -> KeyCheck:
@@ -118,8 +120,9 @@ def serve(settings: ServeSettings, *, say: Callable[[str], None] = log.info) -> 
         host=settings.host,
         port=settings.port,
         log_level="warning",
-        # h11 bounds the request line and headers (httptools does not), within a deadline
-        http=head_deadline(settings.read_timeout_s),
+        # h11 bounds the request line and headers (httptools does not), within a deadline,
+        # and connections per address
+        http=guarded_h11(settings.read_timeout_s, settings.max_connections_per_address),
         h11_max_incomplete_event_size=MAX_HEADER_BYTES,
     )
     engine.start()

@@ -42,7 +42,7 @@ from zoo_gym.coordinator.api.routes import metrics as metrics_routes
 from zoo_gym.coordinator.config import CoordinatorConfig
 from zoo_gym.coordinator.control import PolicyError
 from zoo_gym.ledger import Session
-from zoo_gym.transport.heads import head_deadline
+from zoo_gym.transport.heads import guarded_h11
 
 OPEN_ROUTES: frozenset[tuple[str, str]] = frozenset(
     {("GET", "/health"), ("POST", "/auth/challenge"), ("POST", "/auth/token")}
@@ -248,8 +248,9 @@ class RestServer:
             host=host,
             port=int(port),
             log_level="warning",
-            # h11 bounds the request line and headers (httptools does not), within a deadline
-            http=head_deadline(settings.api_read_timeout_s),
+            # h11 bounds the request line and headers (httptools does not), within a deadline,
+            # and connections per address
+            http=guarded_h11(settings.api_read_timeout_s, settings.api_max_connections_per_address),
             h11_max_incomplete_event_size=settings.api_max_header_bytes,
         )
         self.server = uvicorn.Server(config)

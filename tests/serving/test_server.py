@@ -77,13 +77,24 @@ def models_root(template: Path, target: Path) -> tuple[Path, Identity]:
     return target, signer
 
 
-def start(root: Path, signer: Identity, *args: str) -> Server:
-    """`gym-serve` on a free loopback port, once it answers /health (else its log)."""
+LIMIT_FILES = (
+    "import resource, runpy, sys; n = int(sys.argv.pop(1)); "
+    "hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]; "
+    "resource.setrlimit(resource.RLIMIT_NOFILE, (n, hard)); "
+    "runpy.run_module('zoo_gym.cli.serve', run_name='__main__')"
+)
+"""`python -c LIMIT_FILES N ...`: gym-serve with at most N open descriptors (RLIMIT_NOFILE)."""
+
+
+def start(root: Path, signer: Identity, *args: str, files: int = 0) -> Server:
+    """`gym-serve` on a free loopback port, once it answers /health (else its log); with
+    `files`, allowed that many open descriptors."""
     port = free_port()
     keys = root.parent / "keys.txt"
     keys.write_text(f"# test key\n{key_digest(KEY)}\n")
     log = root.parent / f"serve-{port}.log"
-    argv = [sys.executable, "-m", "zoo_gym.cli.serve", "--models", str(root), "--port", str(port)]
+    program = ["-c", LIMIT_FILES, str(files)] if files else ["-m", "zoo_gym.cli.serve"]
+    argv = [sys.executable, *program, "--models", str(root), "--port", str(port)]
     argv += ["--api-key-file", str(keys), "--coordinator-key", signer.public_key.hex(), *args]
     with log.open("wb") as out:
         proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
@@ -509,3 +520,58 @@ def test_keep_alive_requests_are_served_past_the_deadline(hurried: Server) -> No
         second = http.get("/v1/models")
 
     assert first.status_code == second.status_code == 200
+
+
+# --- many connections from one address ------------------------------------------------------------
+
+FILES = 256
+"""Descriptors the crowded server may open: a few hundred sockets reach it, as some thousand reach
+the usual limit (1024 on many hosts), so the test needs few."""
+FLOOD = 300
+PER_ADDRESS = 64  # gym-serve's default --max-connections-per-address
+HEALTH = b"GET /health HTTP/1.1\r\nHost: serve\r\n\r\n"
+
+
+@pytest.fixture(scope="module")
+def crowded(tiny_home_template: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """`gym-serve` on v0000 with its defaults, allowed FILES descriptors."""
+    root = tmp_path_factory.mktemp("crowded") / "models"
+    shutil.copytree(tiny_home_template / "models", root)
+    signer = Identity.load(tiny_home_template / "coordinator.key")
+    served = start(root, signer, "--no-variants", files=FILES)
+    try:
+        yield served
+    finally:
+        stop(served.proc)
+
+
+def status_line(sock: socket.socket, timeout_s: float) -> bytes:
+    """The first line the server sent on `sock` within `timeout_s` (b"": none, or it closed)."""
+    sock.settimeout(timeout_s)
+    data = b""
+    with contextlib.suppress(OSError):
+        while b"\r\n" not in data and (chunk := sock.recv(4096)):
+            data += chunk
+    return data.partition(b"\r\n")[0]
+
+
+def test_one_address_cannot_hold_every_connection(crowded: Server) -> None:
+    address = urlsplit(crowded.url)
+    target = (address.hostname or "", address.port or 0)
+    flood = [socket.create_connection(target, timeout=5) for _ in range(FLOOD)]
+    try:
+        for sock in flood:  # whole requests, then the connections stay open (kept alive)
+            sock.sendall(HEALTH)
+        with socket.create_connection(target, timeout=5, source_address=("127.0.0.2", 0)) as other:
+            other.sendall(HEALTH)
+            served = status_line(other, timeout_s=3)
+        answers = [status_line(sock, timeout_s=0.05) for sock in flood]
+    finally:
+        for sock in flood:
+            sock.close()
+
+    assert served == b"HTTP/1.1 200 OK"
+    assert answers.count(b"HTTP/1.1 200 OK") == PER_ADDRESS
+    assert answers.count(b"HTTP/1.1 503 Service Unavailable") == FLOOD - PER_ADDRESS
+    warnings = [line for line in crowded.log.read_text().splitlines() if "refused" in line]
+    assert len(warnings) == 1 and "from 127.0.0.1, which holds 64," in warnings[0]

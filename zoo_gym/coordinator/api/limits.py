@@ -6,7 +6,7 @@ What a request may carry is bounded before anything parses it:
   (h11's limit on an incomplete event); a longer head is answered 400 and the connection closed,
   so neither a long URL nor a long header reaches the app. A connection that has not sent a
   whole head within `api_read_timeout_s` of opening (or of its last answer) is closed
-  (`transport.heads.head_deadline`, which `gym-serve` runs too), so a client trickling bytes
+  (`transport.heads.guarded_h11`, which `gym-serve` runs too), so a client trickling bytes
   cannot hold a connection for ever.
 - `RequestLimits`, pure ASGI middleware around the app, answers a path that holds a control
   character (NUL, ...) with 404 before routing, and bounds the body to `api_max_body_bytes`: a

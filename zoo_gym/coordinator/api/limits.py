@@ -7,7 +7,9 @@ What a request may carry is bounded before anything parses it:
   so neither a long URL nor a long header reaches the app. A connection that has not sent a
   whole head within `api_read_timeout_s` of opening (or of its last answer) is closed
   (`transport.heads.guarded_h11`, which `gym-serve` runs too), so a client trickling bytes
-  cannot hold a connection for ever.
+  cannot hold a connection for ever; and no address holds more than
+  `api_max_connections_per_address` connections at once (the next is answered 503 and closed
+  before it is read).
 - `RequestLimits`, pure ASGI middleware around the app, answers a path that holds a control
   character (NUL, ...) with 404 before routing, and bounds the body to `api_max_body_bytes`: a
   larger `Content-Length` is answered 413 before a byte of the body is read, and a body without

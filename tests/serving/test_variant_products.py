@@ -71,3 +71,44 @@ def test_decoded_rows_are_those_of_the_whole_delta() -> None:
 
     torch.testing.assert_close(rows, _dense(packed)[index.reshape(-1)], rtol=0, atol=0)
     torch.testing.assert_close(packed.decode(), _dense(packed), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("compiled", [True, False])
+@pytest.mark.parametrize(
+    ("out", "inn", "group", "dtype"),
+    [
+        (40, 64, 128, torch.float16),  # a group spans two rows
+        (52, 256, 128, torch.float16),  # blocks of 16 and 8 outputs and single ones
+        (36, 96, 32, torch.bfloat16),
+        (20, 40, 16, torch.float32),  # groups start mid-row
+    ],
+)
+def test_accumulate_adds_each_variants_product_into_its_rows_of_the_output(
+    compiled: bool, out: int, inn: int, group: int, dtype: torch.dtype
+) -> None:
+    weights = [_packed(out, inn, group, seed, dtype) for seed in range(3)]
+    rows = torch.tensor([5, 0, 6, 2, 3])  # variant 0: rows 5 and 0, 1: none, 2: 6, 2, 3
+    starts = [0, 2, 2, 5]
+    gen = torch.Generator().manual_seed(3)
+    x, base = torch.randn(7, inn, generator=gen), torch.randn(7, out, generator=gen)
+    expected = base.clone()
+    for k, w in enumerate(weights):
+        mine = rows[starts[k] : starts[k + 1]]
+        expected[mine] += binary.product_reference(x[mine], [w], [0, len(mine)])
+    previous = binary.use_compiled(compiled)
+    try:
+        got = base.clone()
+        binary.accumulate(got, x, rows, binary.operands(weights), starts, threads=2)
+    finally:
+        binary.use_compiled(previous)
+
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got[[1, 4]], base[[1, 4]], rtol=0, atol=0)  # rows of no variant
+
+
+def test_the_kernel_refuses_rows_outside_the_output() -> None:
+    weights = [_packed(8, 16, 8, 0, torch.float16)]
+    x, out = torch.randn(2, 16), torch.zeros(2, 8)
+
+    with pytest.raises(ValueError, match="rows must index rows of x and out"):
+        binary.accumulate(out, x, torch.tensor([2]), binary.operands(weights), [0, 1])

@@ -1,25 +1,30 @@
-/* The 1-bit product of BitDelta variants on the CPU: y = x @ (scale * sign)^T per variant.
+/* The 1-bit product of BitDelta variants on the CPU: out += x @ (scale * sign)^T per variant.
  *
- * `product(x, out, starts, bits, scales, in_features, group, scale_kind, threads)` writes, for
- * every variant k and every row r in [starts[k], starts[k + 1]) of x (R, in) float32,
+ * `accumulate(x, out, rows, starts, bits, scales, in_features, group, scale_kind, threads)` adds,
+ * for every variant k and every index i in [starts[k], starts[k + 1]) of rows (R,) int64, with
+ * r = rows[i],
  *
- *     out[r, o] = sum_i x[r, i] * scale_k[(o * in + i) / group] * sign_k(o * in + i)
+ *     out[r, o] += sum_i' x[r, i'] * scale_k[(o * in + i') / group] * sign_k(o * in + i')
  *
- * into out (R, out_features) float32, where sign_k(f) is +1 when bit 7 - f % 8 of byte f / 8 of
- * bits[k] is set and -1 otherwise (the layout of `zoo_gym.compression.bitdelta`) and scale_k
- * are the variant's group scales (float16, bfloat16 or float32: `scale_kind` 0, 1 or 2).
- * Groups run over the row-major flattened (out, in) weight and may span rows.
+ * to out (X, out_features) float32 for x (X, in) float32, where sign_k(f) is +1 when bit
+ * 7 - f % 8 of byte f / 8 of bits[k] is set and -1 otherwise (the layout of
+ * `zoo_gym.compression.bitdelta`) and scale_k are the variant's group scales (float16, bfloat16
+ * or float32: `scale_kind` 0, 1 or 2). Groups run over the row-major flattened (out, in) weight
+ * and may span rows. The products go straight into the rows of the base's output: no buffer,
+ * no gather.
  *
- * Lookup tables (the binary GEMM of BitDelta [Liu et al., 2024] and of LUT-GEMM [Park et al.,
- * 2024]): for each row of x and each byte column j (inputs 8j .. 8j + 7) the 256 sums
- * T_j[p] = sum_k (bit 7 - k of p ? x[8j + k] : -x[8j + k]) are built once (as the sums of two
- * 16-entry nibble tables), so each output reads one float per 8 weights instead of 8 products.
- * A group's lookups are added, then multiplied by its scale. On x86 CPUs with AVX-512 the
- * lookups of 16 consecutive bytes (128 weights) run as one gather. The sums are float32 and
- * are not added in the order of a dense matmul: results agree with `x @ W^T` to rounding.
+ * On x86 CPUs with AVX-512 each output is 2 * (sum of x over set bits) - (sum of x) per group:
+ * one masked add per 16 weights, the mask loaded straight from the packed bytes, four outputs
+ * at a time sharing each load of x, each group's sum scaled into the output's total once.
+ * Elsewhere, lookup tables (the binary GEMM of BitDelta [Liu et al., 2024] and of LUT-GEMM
+ * [Park et al., 2024]): for each row of x and each byte column j (inputs 8j .. 8j + 7) the 256
+ * sums T_j[p] = sum_k (bit 7 - k of p ? x[8j + k] : -x[8j + k]) are built once (as the sums of
+ * two 16-entry nibble tables), so each output reads one float per 8 weights. The sums are
+ * float32 and are not added in the order of a dense matmul: results agree with `x @ W^T` to
+ * rounding.
  *
  * Needs in % 8 == 0 and group % 8 == 0 (no byte straddles two rows or two groups). The GIL is
- * released; the outputs are split among `threads` POSIX threads.
+ * released; the outputs are split among `threads` POSIX threads (each adds to its own columns).
  */
 
 #define PY_SSIZE_T_CLEAN
@@ -32,17 +37,20 @@
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #define GEMM_HAVE_AVX512 1
 #include <immintrin.h>
+#define AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,f16c")))
 #endif
 
 #define TABLE 256
 #define MAX_THREADS 64
 
 /* What a kernel keeps of one row of x: its byte-column tables (portable) or x with each 8
- * values reversed and the prefix sums over byte columns (AVX-512). */
+ * values reversed, the prefix sums over byte columns and the scales of four outputs
+ * (AVX-512). */
 typedef struct {
     float *table;    /* (in / 8, 256) */
-    float *reversed; /* (in,) */
+    float *reversed; /* (in + 8,) */
     double *prefix;  /* (in / 8 + 1,) */
+    float *scales;   /* (in,): 8 outputs' scales, at most in / 8 groups each */
 } row_t;
 
 typedef void (*prepare_fn)(const float *x, Py_ssize_t in, row_t *row);
@@ -51,28 +59,30 @@ typedef void (*prepare_fn)(const float *x, Py_ssize_t in, row_t *row);
 typedef float (*output_fn)(const row_t *row, const unsigned char *bits, Py_ssize_t o,
                            Py_ssize_t in, Py_ssize_t group, const void *scales, int kind);
 
-/* Outputs o .. o + 3 into y[0 .. 3] where every row meets its groups at the same columns. */
-typedef void (*outputs4_fn)(const row_t *row, const unsigned char *bits, Py_ssize_t o,
-                            Py_ssize_t in, Py_ssize_t group, const void *scales, int kind,
-                            float *y);
+/* Adds outputs o0 .. o1 of a row of x to its output row y, as many as the kernel's blocks take;
+ * returns the first output it did not add (the variant's bits and scales whole). */
+typedef Py_ssize_t (*block_fn)(row_t *row, const unsigned char *bits, Py_ssize_t o0,
+                               Py_ssize_t o1, Py_ssize_t in, Py_ssize_t group,
+                               const void *scales, int kind, float *y);
 
 typedef struct {
     prepare_fn prepare;
     output_fn output;
-    outputs4_fn outputs4; /* NULL where the kernel has none */
+    block_fn block; /* NULL where the kernel has none */
     const char *name;
 } kernel_t;
 
-/* One variant's operands. */
+/* One variant's operands: its bits, its scales and its entries of `rows`. */
 typedef struct {
     const unsigned char *bits;
     const void *scales;
-    Py_ssize_t row0, row1; /* rows of x */
+    Py_ssize_t first, last;
 } variant_t;
 
 typedef struct {
     const float *x;
     float *out;
+    const int64_t *rows;
     const variant_t *variants;
     Py_ssize_t n_variants, in, out_features, group, o0, o1;
     int scale_kind;
@@ -156,27 +166,43 @@ static float output_portable(const row_t *row, const unsigned char *bits, Py_ssi
     return total;
 }
 
+#ifdef GEMM_HAVE_AVX512
 /* x with the 8 values of each byte column reversed (lane l of a mask is then bit l of the
- * byte, as AVX-512 reads masks) and the float64 prefix sums of the byte columns. */
-static void prepare_masked(const float *x, Py_ssize_t in, row_t *row)
+ * byte, as AVX-512 reads masks) and the float64 prefix sums of the byte columns (each
+ * column's 8 values added pairwise, so the chain of dependent adds is in / 8 long). */
+AVX512 static void prepare_masked(const float *x, Py_ssize_t in, row_t *row)
 {
+    const __m512i reverse = _mm512_set_epi32(8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
+    Py_ssize_t i = 0;
+    for (; i + 16 <= in; i += 16)
+        _mm512_storeu_ps(row->reversed + i, _mm512_permutexvar_ps(reverse, _mm512_loadu_ps(x + i)));
+    for (; i < in; i++) /* the last 8 when in % 16 == 8 */
+        row->reversed[i] = x[i - i % 8 + 7 - i % 8];
     double sum = 0.0;
     row->prefix[0] = 0.0;
     for (Py_ssize_t j = 0; j < in / 8; j++) {
-        for (int k = 0; k < 8; k++) {
-            row->reversed[8 * j + k] = x[8 * j + 7 - k];
-            sum += x[8 * j + k];
-        }
+        const float *v = x + 8 * j;
+        sum += (((double)v[0] + v[1]) + ((double)v[2] + v[3])) +
+               (((double)v[4] + v[5]) + ((double)v[6] + v[7]));
         row->prefix[j + 1] = sum;
     }
 }
 
-#ifdef GEMM_HAVE_AVX512
+/* The 16-bit mask of the two bytes at p (lane l: bit l). */
+AVX512 static inline __mmask16 mask_at(const unsigned char *p)
+{
+    return _load_mask16((__mmask16 *)(void *)p);
+}
+
+AVX512 static inline float scale_fast(const void *scales, int kind, Py_ssize_t g)
+{
+    return kind == 0 ? _cvtsh_ss(((const uint16_t *)scales)[g]) : scale_at(scales, kind, g);
+}
+
 /* 2 * (sum of x over set bits) - (sum of all x), per group: one masked add per 16 weights,
  * the group's vector scaled into the row's total, one horizontal sum per output. */
-__attribute__((target("avx512f,avx512bw,f16c"))) static float
-output_avx512(const row_t *row, const unsigned char *bits, Py_ssize_t o, Py_ssize_t in,
-              Py_ssize_t group, const void *scales, int kind)
+AVX512 static float output_avx512(const row_t *row, const unsigned char *bits, Py_ssize_t o,
+                                  Py_ssize_t in, Py_ssize_t group, const void *scales, int kind)
 {
     const float *x = row->reversed;
     __m512 total = _mm512_setzero_ps();
@@ -184,44 +210,103 @@ output_avx512(const row_t *row, const unsigned char *bits, Py_ssize_t o, Py_ssiz
     for (Py_ssize_t j = 0, g = o * in / group; j < in / 8; g++) {
         const Py_ssize_t end = group_end(g, o, in, group), first = j;
         __m512 a0 = _mm512_setzero_ps(), a1 = a0;
-        uint16_t m[2];
         for (; j + 4 <= end; j += 4) {
-            memcpy(m, bits + j, 4);
-            a0 = _mm512_mask_add_ps(a0, _cvtu32_mask16(m[0]), a0, _mm512_loadu_ps(x + 8 * j));
-            a1 = _mm512_mask_add_ps(a1, _cvtu32_mask16(m[1]), a1, _mm512_loadu_ps(x + 8 * j + 16));
+            a0 = _mm512_mask_add_ps(a0, mask_at(bits + j), a0,
+                                    _mm512_loadu_ps(x + 8 * j));
+            a1 = _mm512_mask_add_ps(a1, mask_at(bits + j + 2), a1,
+                                    _mm512_loadu_ps(x + 8 * j + 16));
         }
         for (; j < end; j++) /* one byte: lanes 8 .. 15 stay off (x is padded by 8 floats) */
             a0 = _mm512_mask_add_ps(a0, _cvtu32_mask16(bits[j]), a0, _mm512_loadu_ps(x + 8 * j));
-        float scale = kind == 0 ? _cvtsh_ss(((const uint16_t *)scales)[g])
-                                : scale_at(scales, kind, g);
+        const float scale = scale_fast(scales, kind, g);
         total = _mm512_fmadd_ps(_mm512_set1_ps(scale), _mm512_add_ps(a0, a1), total);
         whole += (double)scale * (row->prefix[end] - row->prefix[first]);
     }
     return (float)(2.0 * (double)_mm512_reduce_add_ps(total) - whole);
 }
-#endif
 
-#ifdef GEMM_HAVE_AVX512
-__attribute__((target("avx512f,avx512bw,f16c"))) static inline float
-scale_fast(const void *scales, int kind, Py_ssize_t g)
+/* The float32 scales of `n` consecutive groups from group g, into `to`. */
+AVX512 static void scales_run(const void *scales, int kind, Py_ssize_t g, Py_ssize_t n, float *to)
 {
-    return kind == 0 ? _cvtsh_ss(((const uint16_t *)scales)[g]) : scale_at(scales, kind, g);
+    for (Py_ssize_t i = 0; i < n; i += 16) {
+        const __mmask16 m = n - i >= 16 ? 0xffff : (__mmask16)((1u << (n - i)) - 1);
+        const uint16_t *from = (const uint16_t *)scales + g + i;
+        __m512 v;
+        if (kind == 0) {
+            v = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, from));
+        } else if (kind == 1) {
+            const __m512i wide = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, from));
+            v = _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+        } else {
+            v = _mm512_maskz_loadu_ps(m, (const float *)scales + g + i);
+        }
+        _mm512_mask_storeu_ps(to + i, m, v);
+    }
 }
 
-/* Four outputs o .. o + 3 at once where every row meets its groups at the same columns
- * (in % group == 0, or group % in == 0: one group per row); each x vector is loaded once for
- * the four rows and eight accumulators are in flight. */
-__attribute__((target("avx512f,avx512bw,f16c"))) static void
-outputs4_avx512(const row_t *row, const unsigned char *bits, Py_ssize_t o, Py_ssize_t in,
-                Py_ssize_t group, const void *scales, int kind, float *y)
+/* Adds outputs o0 .. o1 (eight at a time, as many as fit; returns where it stopped) to y where
+ * each row holds `per_row` whole groups of `seg` bytes (seg even). One load of x serves the
+ * eight rows, eight accumulators are in flight, each mask is read from the packed bytes, each
+ * group's sum is scaled once into its row's total (the eight rows' scales converted at once);
+ * `seg` is a constant where the caller inlines it. */
+AVX512 static inline __attribute__((always_inline)) Py_ssize_t
+rows8(row_t *row, const unsigned char *bits, Py_ssize_t o0, Py_ssize_t o1, Py_ssize_t in,
+      Py_ssize_t per_row, Py_ssize_t seg, const void *scales, int kind, float *y)
 {
     const float *x = row->reversed;
-    const Py_ssize_t row_bytes = in / 8, seg = in % group == 0 ? group / 8 : row_bytes;
-    const Py_ssize_t per_row = in % group == 0 ? in / group : 0;
+    const Py_ssize_t row_bytes = in / 8;
+    float *sc = row->scales; /* sc[r * per_row + k]: the scale of row o + r's group k */
+    Py_ssize_t o = o0;
+    for (; o + 8 <= o1; o += 8) {
+        const unsigned char *b = bits + o * row_bytes;
+        scales_run(scales, kind, o * per_row, 8 * per_row, sc);
+        __m512 t[8];
+        for (int r = 0; r < 8; r++)
+            t[r] = _mm512_setzero_ps();
+        for (Py_ssize_t k = 0; k < per_row; k++) {
+            __m512 a[8];
+            for (int r = 0; r < 8; r++)
+                a[r] = _mm512_setzero_ps();
+            for (Py_ssize_t j = k * seg; j < (k + 1) * seg; j += 2) {
+                const __m512 xv = _mm512_loadu_ps(x + 8 * j);
+                for (int r = 0; r < 8; r++)
+                    a[r] = _mm512_mask_add_ps(a[r], mask_at(b + r * row_bytes + j), a[r], xv);
+            }
+            for (int r = 0; r < 8; r++)
+                t[r] = _mm512_fmadd_ps(_mm512_set1_ps(sc[r * per_row + k]), a[r], t[r]);
+        }
+        for (int r = 0; r < 8; r++) {
+            double whole = 0.0;
+            for (Py_ssize_t k = 0; k < per_row; k++)
+                whole += (double)sc[r * per_row + k] *
+                         (row->prefix[(k + 1) * seg] - row->prefix[k * seg]);
+            y[o + r] += (float)(2.0 * (double)_mm512_reduce_add_ps(t[r]) - whole);
+        }
+    }
+    return o;
+}
+
+/* Adds outputs o .. o + 3 to y where every row meets its groups at the same columns (in % group
+ * == 0: `in / group` groups per row, or group % in == 0: one group per row). Each load of x
+ * serves the four rows, eight accumulators are in flight, and each group's sum is scaled
+ * once. */
+AVX512 static void outputs4_avx512(row_t *row, const unsigned char *bits, Py_ssize_t o,
+                                   Py_ssize_t in, Py_ssize_t group, const void *scales, int kind,
+                                   float *y)
+{
+    const float *x = row->reversed;
+    const Py_ssize_t row_bytes = in / 8, per_row = in % group == 0 ? in / group : 1;
+    const Py_ssize_t seg = row_bytes / per_row;
+    float *sc = row->scales; /* sc[r * per_row + k]: the scale of row o + r's group k */
+    if (in % group == 0)
+        scales_run(scales, kind, o * per_row, 4 * per_row, sc);
+    else
+        for (int r = 0; r < 4; r++)
+            sc[r] = scale_fast(scales, kind, (o + r) * in / group);
     __m512 t[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(),
                    _mm512_setzero_ps()};
-    double whole[4] = {0.0, 0.0, 0.0, 0.0};
-    for (Py_ssize_t first = 0, k = 0; first < row_bytes; first += seg, k++) {
+    for (Py_ssize_t k = 0; k < per_row; k++) {
+        const Py_ssize_t first = k * seg;
         __m512 a[4][2];
         for (int r = 0; r < 4; r++)
             a[r][0] = a[r][1] = _mm512_setzero_ps();
@@ -229,10 +314,11 @@ outputs4_avx512(const row_t *row, const unsigned char *bits, Py_ssize_t o, Py_ss
         for (; j + 4 <= first + seg; j += 4) {
             const __m512 x0 = _mm512_loadu_ps(x + 8 * j), x1 = _mm512_loadu_ps(x + 8 * j + 16);
             for (int r = 0; r < 4; r++) {
-                uint32_t m;
-                memcpy(&m, bits + r * row_bytes + j, 4);
-                a[r][0] = _mm512_mask_add_ps(a[r][0], _cvtu32_mask16(m & 0xffffu), a[r][0], x0);
-                a[r][1] = _mm512_mask_add_ps(a[r][1], _cvtu32_mask16(m >> 16), a[r][1], x1);
+                const unsigned char *b = bits + r * row_bytes + j;
+                a[r][0] = _mm512_mask_add_ps(a[r][0], mask_at(b),
+                                             a[r][0], x0);
+                a[r][1] = _mm512_mask_add_ps(a[r][1], mask_at(b + 2),
+                                             a[r][1], x1);
             }
         }
         for (; j < first + seg; j++) { /* one byte: lanes 8 .. 15 stay off */
@@ -241,47 +327,69 @@ outputs4_avx512(const row_t *row, const unsigned char *bits, Py_ssize_t o, Py_ss
                 a[r][0] = _mm512_mask_add_ps(a[r][0], _cvtu32_mask16(bits[r * row_bytes + j]),
                                              a[r][0], x0);
         }
-        const double sum = row->prefix[first + seg] - row->prefix[first];
-        for (int r = 0; r < 4; r++) {
-            const Py_ssize_t g = per_row ? (o + r) * per_row + k : (o + r) * in / group;
-            const float scale = scale_fast(scales, kind, g);
-            t[r] = _mm512_fmadd_ps(_mm512_set1_ps(scale), _mm512_add_ps(a[r][0], a[r][1]), t[r]);
-            whole[r] += (double)scale * sum;
-        }
+        for (int r = 0; r < 4; r++)
+            t[r] = _mm512_fmadd_ps(_mm512_set1_ps(sc[r * per_row + k]),
+                                   _mm512_add_ps(a[r][0], a[r][1]), t[r]);
     }
-    for (int r = 0; r < 4; r++)
-        y[r] = (float)(2.0 * (double)_mm512_reduce_add_ps(t[r]) - whole[r]);
+    for (int r = 0; r < 4; r++) {
+        double whole = 0.0;
+        for (Py_ssize_t k = 0; k < per_row; k++)
+            whole += (double)sc[r * per_row + k] *
+                     (row->prefix[(k + 1) * seg] - row->prefix[k * seg]);
+        y[r] += (float)(2.0 * (double)_mm512_reduce_add_ps(t[r]) - whole);
+    }
+}
+
+/* Adds outputs o0 .. o1 of row x to y, as many as the blocks above take (returns where they
+ * stopped): eight at a time where rows hold whole groups of an even number of bytes (the
+ * constant 16 bytes of groups of 128 inlined), then four at a time where rows meet their groups
+ * at the same columns. */
+AVX512 static Py_ssize_t block_avx512(row_t *row, const unsigned char *bits, Py_ssize_t o0,
+                                      Py_ssize_t o1, Py_ssize_t in, Py_ssize_t group,
+                                      const void *scales, int kind, float *y)
+{
+    const Py_ssize_t row_bytes = in / 8;
+    Py_ssize_t o = o0;
+    if (in % group == 0 && group % 16 == 0) {
+        if (group == 128)
+            o = rows8(row, bits, o, o1, in, in / group, 16, scales, kind, y);
+        else
+            o = rows8(row, bits, o, o1, in, in / group, group / 8, scales, kind, y);
+    }
+    if (in % group == 0 || group % in == 0)
+        for (; o + 4 <= o1; o += 4)
+            outputs4_avx512(row, bits + o * row_bytes, o, in, group, scales, kind, y + o);
+    return o;
 }
 #endif
 
 static const kernel_t portable_kernel = {prepare_portable, output_portable, NULL, "portable"};
 #ifdef GEMM_HAVE_AVX512
-static const kernel_t avx512_kernel = {prepare_masked, output_avx512, outputs4_avx512, "avx512"};
+static const kernel_t avx512_kernel = {prepare_masked, output_avx512, block_avx512, "avx512"};
 #endif
 static const kernel_t *best_kernel = &portable_kernel;
 
-/* out[r, o] for o in [o0, o1) of every row r of one variant. */
-static void variant_rows(const job_t *job, const variant_t *v)
+/* Adds to out[r, o] for o in [o0, o1) of every row r of one variant. */
+static void variant_rows(job_t *job, const variant_t *v)
 {
     const Py_ssize_t in = job->in, row_bytes = in / 8, group = job->group;
-    row_t *mine = (row_t *)&job->row;
-    for (Py_ssize_t r = v->row0; r < v->row1; r++) {
-        job->kernel->prepare(job->x + r * in, in, mine);
+    for (Py_ssize_t i = v->first; i < v->last; i++) {
+        const Py_ssize_t r = (Py_ssize_t)job->rows[i];
+        job->kernel->prepare(job->x + r * in, in, &job->row);
         float *y = job->out + r * job->out_features;
         Py_ssize_t o = job->o0;
-        if (job->kernel->outputs4 != NULL && (in % group == 0 || group % in == 0))
-            for (; o + 4 <= job->o1; o += 4)
-                job->kernel->outputs4(mine, v->bits + o * row_bytes, o, in, group, v->scales,
-                                      job->scale_kind, y + o);
+        if (job->kernel->block != NULL)
+            o = job->kernel->block(&job->row, v->bits, o, job->o1, in, group, v->scales,
+                                   job->scale_kind, y);
         for (; o < job->o1; o++)
-            y[o] = job->kernel->output(&job->row, v->bits + o * row_bytes, o, in, group,
-                                       v->scales, job->scale_kind);
+            y[o] += job->kernel->output(&job->row, v->bits + o * row_bytes, o, in, group,
+                                        v->scales, job->scale_kind);
     }
 }
 
 static void *run_job(void *arg)
 {
-    const job_t *job = (const job_t *)arg;
+    job_t *job = (job_t *)arg;
     for (Py_ssize_t k = 0; k < job->n_variants; k++)
         variant_rows(job, &job->variants[k]);
     return NULL;
@@ -321,7 +429,7 @@ static int get_buffer(PyObject *obj, Py_buffer *view, int writable, Py_ssize_t n
 }
 
 typedef struct {
-    Py_ssize_t rows, in, out_features, group;
+    Py_ssize_t x_rows, n_rows, in, out_features, group;
     int scale_kind, threads;
 } shape_t;
 
@@ -335,15 +443,15 @@ static Py_ssize_t take_variants(PyObject *starts, PyObject *bits, PyObject *scal
     const Py_ssize_t scale_bytes = s->scale_kind == 2 ? 4 : 2;
     Py_ssize_t taken = 0, previous = 0;
     for (; taken < n; taken++) {
-        Py_ssize_t row0 = PyLong_AsSsize_t(PyList_GET_ITEM(starts, taken));
-        Py_ssize_t row1 = PyLong_AsSsize_t(PyList_GET_ITEM(starts, taken + 1));
+        Py_ssize_t first = PyLong_AsSsize_t(PyList_GET_ITEM(starts, taken));
+        Py_ssize_t last = PyLong_AsSsize_t(PyList_GET_ITEM(starts, taken + 1));
         if (PyErr_Occurred())
             break;
-        if (row0 < previous || row1 < row0 || row1 > s->rows) {
-            PyErr_SetString(PyExc_ValueError, "starts must rise within the rows of x");
+        if (first < previous || last < first || last > s->n_rows) {
+            PyErr_SetString(PyExc_ValueError, "starts must rise within the entries of rows");
             break;
         }
-        previous = row1;
+        previous = last;
         if (get_buffer(PyList_GET_ITEM(bits, taken), &views[2 * taken], 0, weights / 8,
                        "bits") < 0)
             break;
@@ -352,7 +460,7 @@ static Py_ssize_t take_variants(PyObject *starts, PyObject *bits, PyObject *scal
             PyBuffer_Release(&views[2 * taken]);
             break;
         }
-        variants[taken] = (variant_t){views[2 * taken].buf, views[2 * taken + 1].buf, row0, row1};
+        variants[taken] = (variant_t){views[2 * taken].buf, views[2 * taken + 1].buf, first, last};
     }
     if (taken == n)
         return n;
@@ -366,11 +474,12 @@ static Py_ssize_t take_variants(PyObject *starts, PyObject *bits, PyObject *scal
 /* Per-thread buffers of the chosen kernel, in one allocation. */
 static size_t row_floats(Py_ssize_t in)
 {
-    return (size_t)TABLE * (size_t)(in / 8) + (size_t)in + 8 + 2 * (size_t)(in / 8 + 1);
+    return (size_t)TABLE * (size_t)(in / 8) + (size_t)in + 8 + 2 * (size_t)(in / 8 + 1) +
+           (size_t)in;
 }
 
-static int compute(const Py_buffer *x, Py_buffer *out, const variant_t *variants, Py_ssize_t n,
-                   const shape_t *s)
+static int compute(const Py_buffer *x, Py_buffer *out, const int64_t *rows,
+                   const variant_t *variants, Py_ssize_t n, const shape_t *s)
 {
     const int threads = s->threads;
     const size_t per_thread = row_floats(s->in);
@@ -386,9 +495,10 @@ static int compute(const Py_buffer *x, Py_buffer *out, const variant_t *variants
         float *mine = buffers + (size_t)t * per_thread;
         float *reversed = mine + (size_t)TABLE * (size_t)(s->in / 8);
         double *prefix = (double *)(void *)(reversed + s->in + 8); /* 8 floats of padding */
-        jobs[t] = (job_t){x->buf, out->buf, variants, n, s->in, s->out_features, s->group,
+        float *scales = (float *)(void *)(prefix + s->in / 8 + 1);
+        jobs[t] = (job_t){x->buf, out->buf, rows, variants, n, s->in, s->out_features, s->group,
                           s->out_features * t / threads, s->out_features * (t + 1) / threads,
-                          s->scale_kind, best_kernel, {mine, reversed, prefix}};
+                          s->scale_kind, best_kernel, {mine, reversed, prefix, scales}};
     }
     int failed;
     Py_BEGIN_ALLOW_THREADS
@@ -420,34 +530,39 @@ static int check_shape(const shape_t *s, PyObject *starts, PyObject *bits, PyObj
     return 0;
 }
 
-static PyObject *gemm_product(PyObject *self, PyObject *args)
+/* x (X, in) and out (X, out) float32 and rows (R,) int64 within [0, X). */
+static int take_rows(const Py_buffer *x, const Py_buffer *out, const Py_buffer *rows, shape_t *s)
 {
-    PyObject *x_obj, *out_obj, *starts, *bits, *scales;
-    shape_t s;
-    if (!PyArg_ParseTuple(args, "OOOOOnnii:product", &x_obj, &out_obj, &starts, &bits, &scales,
-                          &s.in, &s.group, &s.scale_kind, &s.threads))
-        return NULL;
-    if (check_shape(&s, starts, bits, scales) < 0)
-        return NULL;
-    Py_buffer x, out;
-    if (get_buffer(x_obj, &x, 0, 0, "x") < 0)
-        return NULL;
-    s.rows = x.len / (4 * s.in);
-    if (get_buffer(out_obj, &out, 1, 4, "out") < 0) {
-        PyBuffer_Release(&x);
-        return NULL;
+    s->x_rows = x->len / (4 * s->in);
+    s->n_rows = rows->len / 8;
+    s->out_features = s->x_rows ? out->len / (4 * s->x_rows) : 0;
+    if (x->len != 4 * s->in * s->x_rows || out->len != 4 * s->out_features * s->x_rows ||
+        rows->len != 8 * s->n_rows || (s->x_rows == 0 && s->n_rows > 0)) {
+        PyErr_SetString(PyExc_ValueError,
+                        "x must be (X, in) and out (X, out) float32 and rows (R,) int64");
+        return -1;
     }
-    s.out_features = s.rows ? out.len / (4 * s.rows) : 1;
+    const int64_t *index = rows->buf;
+    for (Py_ssize_t i = 0; i < s->n_rows; i++)
+        if (index[i] < 0 || index[i] >= s->x_rows) {
+            PyErr_SetString(PyExc_ValueError, "rows must index rows of x and out");
+            return -1;
+        }
+    return 0;
+}
+
+static PyObject *run_variants(const Py_buffer *x, Py_buffer *out, const Py_buffer *rows,
+                              PyObject *starts, PyObject *bits, PyObject *scales,
+                              const shape_t *s)
+{
     PyObject *result = NULL;
     const Py_ssize_t n = PyList_GET_SIZE(bits);
     variant_t *variants = PyMem_Malloc(sizeof(variant_t) * (size_t)(n + 1));
     Py_buffer *views = PyMem_Malloc(sizeof(Py_buffer) * (size_t)(2 * n + 1));
     if (variants == NULL || views == NULL) {
         PyErr_NoMemory();
-    } else if (x.len != 4 * s.in * s.rows || out.len != 4 * s.out_features * s.rows) {
-        PyErr_SetString(PyExc_ValueError, "x must be (R, in) and out (R, out) float32");
-    } else if (take_variants(starts, bits, scales, &s, variants, views) == n) {
-        if (compute(&x, &out, variants, n, &s) == 0)
+    } else if (take_variants(starts, bits, scales, s, variants, views) == n) {
+        if (compute(x, out, rows->buf, variants, n, s) == 0)
             result = Py_NewRef(Py_None);
         for (Py_ssize_t k = 0; k < n; k++) {
             PyBuffer_Release(&views[2 * k]);
@@ -456,21 +571,47 @@ static PyObject *gemm_product(PyObject *self, PyObject *args)
     }
     PyMem_Free(variants);
     PyMem_Free(views);
+    return result;
+}
+
+static PyObject *gemm_accumulate(PyObject *self, PyObject *args)
+{
+    PyObject *x_obj, *out_obj, *rows_obj, *starts, *bits, *scales;
+    shape_t s;
+    if (!PyArg_ParseTuple(args, "OOOOOOnnii:accumulate", &x_obj, &out_obj, &rows_obj, &starts,
+                          &bits, &scales, &s.in, &s.group, &s.scale_kind, &s.threads))
+        return NULL;
+    if (check_shape(&s, starts, bits, scales) < 0)
+        return NULL;
+    Py_buffer x, out, rows;
+    if (get_buffer(x_obj, &x, 0, 0, "x") < 0)
+        return NULL;
+    if (get_buffer(out_obj, &out, 1, 0, "out") < 0) {
+        PyBuffer_Release(&x);
+        return NULL;
+    }
+    PyObject *result = NULL;
+    if (get_buffer(rows_obj, &rows, 0, 0, "rows") == 0) {
+        if (take_rows(&x, &out, &rows, &s) == 0)
+            result = run_variants(&x, &out, &rows, starts, bits, scales, &s);
+        PyBuffer_Release(&rows);
+    }
     PyBuffer_Release(&x);
     PyBuffer_Release(&out);
     return result;
 }
 
-PyDoc_STRVAR(product_doc,
-             "product(x, out, starts, bits, scales, in_features, group, scale_kind, threads)\n"
+PyDoc_STRVAR(accumulate_doc,
+             "accumulate(x, out, rows, starts, bits, scales, in_features, group, scale_kind,\n"
+             "           threads)\n"
              "--\n\n"
-             "Write the 1-bit product of each variant k (packed sign bytes bits[k], group\n"
+             "Add the 1-bit product of each variant k (packed sign bytes bits[k], group\n"
              "scales scales[k]: float16, bfloat16 or float32 for scale_kind 0, 1, 2) with the\n"
-             "rows starts[k] .. starts[k + 1] of x (R, in) float32 into those rows of out\n"
-             "(R, out) float32, on `threads` threads.");
+             "rows rows[starts[k]] .. rows[starts[k + 1] - 1] of x (X, in) float32 to the same\n"
+             "rows of out (X, out) float32, on `threads` threads.");
 
 static PyMethodDef gemm_methods[] = {
-    {"product", gemm_product, METH_VARARGS, product_doc},
+    {"accumulate", gemm_accumulate, METH_VARARGS, accumulate_doc},
     {NULL, NULL, 0, NULL},
 };
 
@@ -478,7 +619,8 @@ static int gemm_exec(PyObject *module)
 {
 #ifdef GEMM_HAVE_AVX512
     __builtin_cpu_init();
-    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw"))
+    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+        __builtin_cpu_supports("avx512vl"))
         best_kernel = &avx512_kernel;
 #endif
     return PyModule_AddStringConstant(module, "kernel", best_kernel->name);
@@ -492,7 +634,7 @@ static PyModuleDef_Slot gemm_slots[] = {
 static struct PyModuleDef gemm_module = {
     PyModuleDef_HEAD_INIT,
     .m_name = "zoo_gym.serving._binary_gemm",
-    .m_doc = "The 1-bit product of BitDelta variants with rows of x, by lookup tables (CPU).",
+    .m_doc = "The 1-bit products of BitDelta variants added to rows of a layer's output (CPU).",
     .m_size = 0,
     .m_methods = gemm_methods,
     .m_slots = gemm_slots,

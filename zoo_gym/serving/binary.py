@@ -7,14 +7,17 @@ value and one scale per group of `group` consecutive values of the row-major fla
 
     (x @ D^T)[r, o] = sum_g scale[g] * sum_{i in g} sign(o, i) * x[r, i]
 
-`product` computes it for several variants at once (rows grouped by variant):
+`accumulate` adds it for several variants at once to the rows of a layer's output (each
+variant's rows listed in one index), `product` returns it (rows grouped by variant):
 
 - on CUDA tensors, the Triton binary GEMM (`zoo_gym.serving.kernels`), which decodes each tile
   of signs in registers and multiplies it on the tensor cores;
 - on the CPU, the compiled kernel (`zoo_gym/serving/_binary_gemm.c`, built where a C compiler
   was present) for ``in % 8 == 0`` and ``group % 8 == 0``: each output is
   ``2 * (sum of x over set bits) - (sum of x)`` per group, one masked add per 16 weights
-  (AVX-512) or one table lookup per 8 weights elsewhere, reading the packed bits directly;
+  (AVX-512) or one table lookup per 8 weights elsewhere, reading the packed bits directly and
+  adding into the output's rows in place; `operands` prepares a layer's variants for it once
+  (per batch), so that a call hands over prepared lists;
 - otherwise `product_reference`, the torch reference: each variant's delta is decoded into one
   reused float32 buffer and multiplied (correct for every shape, slow).
 
@@ -25,6 +28,8 @@ Bit layout as `zoo_gym.compression.bitdelta`: value ``8i + j`` is bit ``7 - j`` 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -74,6 +79,84 @@ def compiled_for(packed: PackedTensor, device: torch.device) -> bool:
     )
 
 
+@dataclass(frozen=True)
+class Operands:
+    """One layer's weights of several variants (each (out, in)), and, where the compiled
+    kernel takes them all (CPU, one group size and scale dtype), their signs and scales as
+    the arrays it reads: made once by `operands`, handed over by every `accumulate`."""
+
+    weights: tuple[PackedTensor, ...]
+    bits: list[Any]  # numpy uint8 (out * in / 8,) per variant; empty where not compiled
+    scales: list[Any]  # numpy int16 (float16 or bfloat16 bits) or float32 (G,) per variant
+    kind: int  # SCALE_KINDS of the scales; -1 where the compiled kernel does not take them
+
+
+def operands(weights: Sequence[PackedTensor]) -> Operands:
+    """`weights` (one per variant, the same shape) prepared for `accumulate`."""
+    ready = tuple(weights)
+    if not ready:
+        return Operands(ready, [], [], -1)
+    first = ready[0]
+    alike = all(w.group == first.group and w.scales.dtype == first.scales.dtype for w in ready)
+    if not (alike and compiled_for(first, first.bits.device)):
+        return Operands(ready, [], [], -1)
+    kind = SCALE_KINDS[first.scales.dtype]
+    scales = [w.scales.view(torch.int16) if kind < 2 else w.scales for w in ready]
+    return Operands(ready, [w.bits.numpy() for w in ready], [s.numpy() for s in scales], kind)
+
+
+def _compiled_takes(out: Tensor, x: Tensor, prepared: Operands) -> bool:
+    """Whether the compiled kernel adds `prepared`'s products into `out` in place."""
+    return (
+        prepared.kind >= 0
+        and _COMPILED.enabled
+        and out.dtype == torch.float32
+        and out.is_contiguous()
+        and out.device.type == "cpu"
+        and x.device.type == "cpu"
+    )
+
+
+def _threads(rows: int, packed: PackedTensor, threads: int) -> int:
+    return threads or (1 if rows * packed.numel < SMALL else torch.get_num_threads())
+
+
+def accumulate(
+    out: Tensor,
+    x: Tensor,
+    rows: Tensor,
+    prepared: Operands,
+    starts: Sequence[int],
+    *,
+    threads: int = 0,
+) -> None:
+    """``out[rows[j]] += x[rows[j]] @ D_k^T`` for the entries j in starts[k] .. starts[k + 1]
+    of `rows` (R,) int64 and each variant k of `prepared`: x (X, in), out (X, out). The compiled
+    kernel adds in place where out is float32, contiguous and on the CPU; elsewhere `product`
+    runs on the picked rows and `index_add_` adds them. `threads` as for `product`."""
+    if not prepared.weights or len(rows) == 0:
+        return
+    first = prepared.weights[0]
+    if _compiled_takes(out, x, prepared):
+        assert _COMPILED.module is not None
+        _COMPILED.module.accumulate(
+            x.float().contiguous().numpy(),
+            out.numpy(),
+            rows.to(torch.int64).contiguous().numpy(),
+            list(starts),
+            prepared.bits,
+            prepared.scales,
+            first.shape[1],
+            first.group,
+            prepared.kind,
+            _threads(len(rows), first, threads),
+        )
+        return
+    picked = x.index_select(0, rows).float()
+    delta = product(picked, prepared.weights, starts, threads=threads)
+    out.index_add_(0, rows, delta.to(out.dtype))
+
+
 def product(
     x: Tensor, weights: Sequence[PackedTensor], starts: Sequence[int], *, threads: int = 0
 ) -> Tensor:
@@ -84,28 +167,13 @@ def product(
     thread costs more than it saves."""
     if not weights:
         return torch.zeros(x.shape[0], 0, device=x.device)
-    first = weights[0]
     if x.is_cuda and kernels.available():
         from zoo_gym.serving import kernels as triton_kernels
 
         return triton_kernels.product(x, weights, starts)
-    alike = all(w.group == first.group and w.scales.dtype == first.scales.dtype for w in weights)
-    if not (alike and compiled_for(first, x.device)):
+    prepared = operands(weights)
+    if prepared.kind < 0 or x.device.type != "cpu":
         return product_reference(x, weights, starts)
-    x = x.contiguous()
-    out = torch.empty(x.shape[0], first.shape[0])
-    kind = SCALE_KINDS[first.scales.dtype]
-    scales = [w.scales.view(torch.int16) if kind < 2 else w.scales for w in weights]
-    assert _COMPILED.module is not None
-    _COMPILED.module.product(
-        x.numpy(),
-        out.numpy(),
-        list(starts),
-        [w.bits.numpy() for w in weights],
-        [s.numpy() for s in scales],
-        first.shape[1],
-        first.group,
-        kind,
-        threads or (1 if x.shape[0] * first.numel < SMALL else torch.get_num_threads()),
-    )
+    out = torch.zeros(x.shape[0], weights[0].shape[0])
+    accumulate(out, x, torch.arange(x.shape[0]), prepared, starts, threads=threads)
     return out

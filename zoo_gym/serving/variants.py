@@ -13,8 +13,9 @@ used beyond a memory budget.
 row of input_ids) makes the following forward passes, `generate` included, compute
 
 - every `nn.Linear` (the LM head too, tied or not) once for the whole batch, ``x @ W^T + b``,
-  plus for the rows of variant v the 1-bit product ``x_v @ D_v^T`` from the packed bits
-  (`zoo_gym.serving.binary.product`) and v's bias delta;
+  plus for the rows of variant v the 1-bit product ``x_v @ D_v^T`` from the packed bits, added
+  into those rows of the output in place (`zoo_gym.serving.binary.accumulate`, with each
+  layer's operands prepared once per `assign`), and v's bias delta;
 - every `nn.Embedding` once, plus for each row of v the delta rows of its looked-up tokens,
   decoded from those rows' signs and scales only;
 - every other module whose own parameters a variant changes (RMSNorm, LayerNorm: vectors of
@@ -45,7 +46,7 @@ from torch import Tensor, nn
 from zoo_gym.compression import EnvelopeError, inspect_envelope
 from zoo_gym.compression.envelope import bitdelta_parts, unpacks_together
 from zoo_gym.core.hashing import sha256_bytes
-from zoo_gym.serving.binary import product
+from zoo_gym.serving import binary
 from zoo_gym.serving.packed import PackedTensor
 
 logger = logging.getLogger(__name__)
@@ -243,8 +244,24 @@ class _Rows:
     variants: list[PackedVariant]
     order: Tensor  # (R,) rows that use a variant, grouped by variant
     starts: list[int]  # variant k owns order[starts[k] : starts[k + 1]]
-    where: Tensor  # (B,) each row's place in order, len(order) for base rows
     vectors: dict[str, Tensor] = field(default_factory=dict)  # (B, ...) per-row deltas
+    prepared: dict[str, binary.Operands] = field(default_factory=dict)  # by weight name
+    positions: dict[int, tuple[Tensor, list[int]]] = field(default_factory=dict)
+
+    def operands(self, name: str) -> binary.Operands:
+        """The variants' packed weights `name`, prepared for the kernel once per `assign`."""
+        if name not in self.prepared:
+            self.prepared[name] = binary.operands([v.packed[name] for v in self.variants])
+        return self.prepared[name]
+
+    def flat(self, per_row: int) -> tuple[Tensor, list[int]]:
+        """The rows of a (B * per_row, ...) input that use a variant, grouped by variant
+        (R * per_row,), and where each variant's rows start among them."""
+        if per_row not in self.positions:
+            offsets = torch.arange(per_row, device=self.order.device)
+            rows = (self.order.view(-1, 1) * per_row + offsets).view(-1)
+            self.positions[per_row] = (rows, [start * per_row for start in self.starts])
+        return self.positions[per_row]
 
     def row_deltas(self, name: str, like: Tensor) -> Tensor | None:
         """(B, *shape) float32 deltas of the vector `name` per row (zero for base rows), or
@@ -337,12 +354,8 @@ class MixedModel:
         for key in variants:
             starts.append(starts[-1] + len(by_variant[key]))
         device = next(self.model.parameters()).device
-        where = [len(order)] * len(rows)
-        for place, r in enumerate(order):
-            where[r] = place
         index = torch.tensor(order, dtype=torch.long, device=device)
-        places = torch.tensor(where, dtype=torch.long, device=device)
-        return _Rows(len(rows), list(variants.values()), index, starts, places)
+        return _Rows(len(rows), list(variants.values()), index, starts)
 
     def _active(self, batch: int) -> _Rows | None:
         rows = self._rows
@@ -360,22 +373,21 @@ class MixedModel:
             rows = self._active(output.shape[0])
             if rows is None:
                 return None
-            picked = args[0].index_select(0, rows.order)  # (R, ..., in)
-            per_row = picked[0].numel() // picked.shape[-1]  # positions per row
-            delta = product(
-                picked.reshape(-1, picked.shape[-1]).float(),
-                [variant.packed[weight] for variant in rows.variants],
-                [start * per_row for start in rows.starts],
-            ).view(*picked.shape[:-1], -1)
+            x = args[0]
+            output = output.contiguous()
+            flat, starts = rows.flat(x[0].numel() // x.shape[-1])  # rows x positions
+            binary.accumulate(
+                output.view(-1, output.shape[-1]),
+                x.reshape(-1, x.shape[-1]),
+                flat,
+                rows.operands(weight),
+                starts,
+            )
             biases = None if bias is None else rows.row_deltas(bias, module.bias)
-            if biases is not None:
-                shape = (len(rows.order),) + (1,) * (picked.ndim - 2) + (biases.shape[-1],)
-                delta += biases.index_select(0, rows.order).view(shape)
-            if len(rows.order) < rows.batch:  # base rows gather a zero row
-                delta = torch.cat([delta, delta.new_zeros((1, *delta.shape[1:]))])
-            # a gather back into batch order: scatters (index_add_, index_put_) took 7 to 140 ms
-            # for the (100, 1, 151936) logits of Qwen2.5-0.5B's head on the CPU
-            return output.add_(delta.index_select(0, rows.where).to(output.dtype))
+            if biases is not None:  # (B, out), zero for base rows
+                shape = (rows.batch,) + (1,) * (output.ndim - 2) + (biases.shape[-1],)
+                output.add_(biases.view(shape).to(output.dtype))
+            return output
 
         return hook
 

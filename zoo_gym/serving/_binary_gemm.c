@@ -13,15 +13,19 @@
  * and may span rows. The products go straight into the rows of the base's output: no buffer,
  * no gather.
  *
- * On x86 CPUs with AVX-512 each output is 2 * (sum of x over set bits) - (sum of x) per group:
- * one masked add per 16 weights, the mask loaded straight from the packed bytes, four outputs
- * at a time sharing each load of x, each group's sum scaled into the output's total once.
- * Elsewhere, lookup tables (the binary GEMM of BitDelta [Liu et al., 2024] and of LUT-GEMM
- * [Park et al., 2024]): for each row of x and each byte column j (inputs 8j .. 8j + 7) the 256
- * sums T_j[p] = sum_k (bit 7 - k of p ? x[8j + k] : -x[8j + k]) are built once (as the sums of
- * two 16-entry nibble tables), so each output reads one float per 8 weights. The sums are
- * float32 and are not added in the order of a dense matmul: results agree with `x @ W^T` to
- * rounding.
+ * On x86 CPUs with AVX-512, where rows hold whole groups of a multiple of 32 weights (groups of
+ * 128 and layer inputs a multiple of 128, as in every layer of Qwen2.5), 16 outputs run at once, one per lane, by nibble tables (the
+ * LUT-GEMM of [Park et al., 2024]): for each 4 inputs of a row of x the 16 sums
+ * sum_k (bit 3 - k of p ? x_k : -x_k) are one register, and a permute picks, for each of the 16
+ * outputs, the entry its 4 sign bits select (the 16 rows' bits transposed 64 bytes at a time),
+ * so one permute, one shift and one add cover 64 weights; each group's 16 sums are then scaled
+ * by their rows' scales. The other outputs are 2 * (sum of x over set bits) - (sum of x) per
+ * group: one masked add per 16 weights, eight or four outputs sharing each load of x.
+ * Elsewhere, byte tables (the binary GEMM of BitDelta [Liu et al., 2024]): for each row of x and
+ * each byte column j (inputs 8j .. 8j + 7) the 256 sums T_j[p] = sum_k (bit 7 - k of p ?
+ * x[8j + k] : -x[8j + k]) are built once (as the sums of two 16-entry nibble tables), so each
+ * output reads one float per 8 weights. The sums are float32 and are not added in the order of a
+ * dense matmul: results agree with `x @ W^T` to rounding.
  *
  * Needs in % 8 == 0 and group % 8 == 0 (no byte straddles two rows or two groups). The GIL is
  * released; the outputs are split among `threads` POSIX threads (each adds to its own columns).
@@ -47,10 +51,11 @@
  * values reversed, the prefix sums over byte columns and the scales of four outputs
  * (AVX-512). */
 typedef struct {
-    float *table;    /* (in / 8, 256) */
+    float *table;    /* (in / 8, 256) portable, (in / 4, 16) AVX-512 where `nibbles` */
     float *reversed; /* (in + 8,) */
     double *prefix;  /* (in / 8 + 1,) */
-    float *scales;   /* (in,): 8 outputs' scales, at most in / 8 groups each */
+    float *scales;   /* (in,): 16 outputs' scales, at most in / 16 groups each */
+    int nibbles;     /* build the 16-entry tables of each 4 inputs (AVX-512) */
 } row_t;
 
 typedef void (*prepare_fn)(const float *x, Py_ssize_t in, row_t *row);
@@ -167,6 +172,29 @@ static float output_portable(const row_t *row, const unsigned char *bits, Py_ssi
 }
 
 #ifdef GEMM_HAVE_AVX512
+/* The tables of the nibbles of x (in,) in the order a dword of packed bits shifts them out:
+ * nibble n of dword d (bytes 4d .. 4d + 3; the low nibble of a byte first) is table 8d + n,
+ * over the inputs 8 * (4d + n / 2) + (n even ? 4 : 0) + 0 .. 3, and entry p of a table is
+ * sum_k (bit 3 - k of p ? x_k : -x_k) (bit 7 - j of a byte is input j). */
+AVX512 static void nibble_tables(const float *x, Py_ssize_t in, float *tables)
+{
+    const __m512 one = _mm512_set1_ps(1.0f), minus = _mm512_set1_ps(-1.0f);
+    const __m512 s0 = _mm512_mask_blend_ps(0xff00, minus, one);
+    const __m512 s1 = _mm512_mask_blend_ps(0xf0f0, minus, one);
+    const __m512 s2 = _mm512_mask_blend_ps(0xcccc, minus, one);
+    const __m512 s3 = _mm512_mask_blend_ps(0xaaaa, minus, one);
+    for (Py_ssize_t q = 0; q < in / 4; q++) {
+        const float *v = x + 8 * (4 * (q / 8) + q % 8 / 2) + (q % 2 == 0 ? 4 : 0);
+        const __m512 lo = _mm512_fmadd_ps(s1, _mm512_set1_ps(v[1]),
+                                          _mm512_mul_ps(s0, _mm512_set1_ps(v[0])));
+        const __m512 hi = _mm512_fmadd_ps(s3, _mm512_set1_ps(v[3]),
+                                          _mm512_mul_ps(s2, _mm512_set1_ps(v[2])));
+        _mm512_storeu_ps(tables + 16 * q, _mm512_add_ps(lo, hi));
+    }
+}
+#endif
+
+#ifdef GEMM_HAVE_AVX512
 /* x with the 8 values of each byte column reversed (lane l of a mask is then bit l of the
  * byte, as AVX-512 reads masks) and the float64 prefix sums of the byte columns (each
  * column's 8 values added pairwise, so the chain of dependent adds is in / 8 long). */
@@ -186,6 +214,8 @@ AVX512 static void prepare_masked(const float *x, Py_ssize_t in, row_t *row)
                (((double)v[4] + v[5]) + ((double)v[6] + v[7]));
         row->prefix[j + 1] = sum;
     }
+    if (row->nibbles)
+        nibble_tables(x, in, row->table);
 }
 
 /* The 16-bit mask of the two bytes at p (lane l: bit l). */
@@ -242,6 +272,93 @@ AVX512 static void scales_run(const void *scales, int kind, Py_ssize_t g, Py_ssi
         }
         _mm512_mask_storeu_ps(to + i, m, v);
     }
+}
+
+/* t[j] lane l = dword j of r[l]: a 16 x 16 transpose of dwords (unpacks of dwords and of
+ * quadwords within 128-bit lanes, then two shuffles of 128-bit lanes). */
+AVX512 static void transpose16(const __m512i *r, __m512i *t)
+{
+    __m512i u[16];
+    for (int g = 0; g < 4; g++) {
+        const __m512i *q = r + 4 * g;
+        const __m512i s0 = _mm512_unpacklo_epi32(q[0], q[1]);
+        const __m512i s1 = _mm512_unpackhi_epi32(q[0], q[1]);
+        const __m512i s2 = _mm512_unpacklo_epi32(q[2], q[3]);
+        const __m512i s3 = _mm512_unpackhi_epi32(q[2], q[3]);
+        /* u[4g + m], 128-bit lane c: dword 4c + m of rows 4g .. 4g + 3 */
+        u[4 * g] = _mm512_unpacklo_epi64(s0, s2);
+        u[4 * g + 1] = _mm512_unpackhi_epi64(s0, s2);
+        u[4 * g + 2] = _mm512_unpacklo_epi64(s1, s3);
+        u[4 * g + 3] = _mm512_unpackhi_epi64(s1, s3);
+    }
+    for (int m = 0; m < 4; m++) {
+        const __m512i v0 = _mm512_shuffle_i32x4(u[m], u[4 + m], 0x44);
+        const __m512i v1 = _mm512_shuffle_i32x4(u[m], u[4 + m], 0xee);
+        const __m512i v2 = _mm512_shuffle_i32x4(u[8 + m], u[12 + m], 0x44);
+        const __m512i v3 = _mm512_shuffle_i32x4(u[8 + m], u[12 + m], 0xee);
+        t[m] = _mm512_shuffle_i32x4(v0, v2, 0x88);
+        t[4 + m] = _mm512_shuffle_i32x4(v0, v2, 0xdd);
+        t[8 + m] = _mm512_shuffle_i32x4(v1, v3, 0x88);
+        t[12 + m] = _mm512_shuffle_i32x4(v1, v3, 0xdd);
+    }
+}
+
+/* Adds to a[0 .. 3] the table entries that the 8 nibbles of each lane of v select from the 8
+ * tables at t (one permute per 64 weights: the index is the low 4 bits of each lane). */
+AVX512 static inline __attribute__((always_inline)) void nibbles8(__m512i v, const float *t,
+                                                                  __m512 *a)
+{
+    for (int n = 0; n < 8; n++) {
+        const __m512i index = n ? _mm512_srli_epi32(v, 4 * n) : v;
+        const __m512 table = _mm512_loadu_ps(t + 16 * n);
+        a[n % 4] = _mm512_add_ps(a[n % 4], _mm512_permutexvar_ps(index, table));
+    }
+}
+
+/* Adds outputs o0 .. o1 (sixteen at a time, as many as fit; returns where it stopped) to y
+ * where each row holds `per_row` whole groups of a multiple of 32 weights: lane l is output
+ * o + l, a dword of packed bits of each of the 16 rows (64 bytes of each transposed at once,
+ * gathered where fewer are left) and each of its 8 nibbles selects the sum of its 4 signed
+ * inputs from that nibble's table (the LUT-GEMM of [Park et al., 2024] on 16 rows at once);
+ * each group's sums are scaled by the 16 rows' scales, gathered from their converted run. */
+AVX512 static Py_ssize_t rows16(row_t *row, const unsigned char *bits, Py_ssize_t o0,
+                                Py_ssize_t o1, Py_ssize_t in, Py_ssize_t group,
+                                const void *scales, int kind, float *y)
+{
+    const Py_ssize_t row_bytes = in / 8, per_row = in / group, dwords = group / 32;
+    const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    const __m512i offsets = _mm512_mullo_epi32(lane, _mm512_set1_epi32((int)row_bytes));
+    const __m512i firsts = _mm512_mullo_epi32(lane, _mm512_set1_epi32((int)per_row));
+    float *sc = row->scales; /* sc[l * per_row + k]: the scale of row o + l's group k */
+    __m512i chunk[16], v[16];
+    Py_ssize_t o = o0;
+    for (; o + 16 <= o1; o += 16) {
+        const unsigned char *b = bits + o * row_bytes;
+        scales_run(scales, kind, o * per_row, 16 * per_row, sc);
+        __m512 total = _mm512_setzero_ps();
+        __m512 a[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(),
+                       _mm512_setzero_ps()};
+        for (Py_ssize_t d = 0; d < row_bytes / 4; d++) {
+            const int whole = 4 * (d - d % 16 + 16) <= row_bytes;
+            if (d % 16 == 0 && whole) {
+                for (int l = 0; l < 16; l++)
+                    chunk[l] = _mm512_loadu_si512(b + l * row_bytes + 4 * d);
+                transpose16(chunk, v);
+            }
+            nibbles8(whole ? v[d % 16] : _mm512_i32gather_epi32(offsets, b + 4 * d, 1),
+                     row->table + 128 * d, a);
+            if ((d + 1) % dwords == 0) {
+                const __m512i k = _mm512_set1_epi32((int)(d / dwords));
+                const __m512 scale = _mm512_i32gather_ps(_mm512_add_epi32(firsts, k), sc, 4);
+                const __m512 sum =
+                    _mm512_add_ps(_mm512_add_ps(a[0], a[1]), _mm512_add_ps(a[2], a[3]));
+                total = _mm512_fmadd_ps(scale, sum, total);
+                a[0] = a[1] = a[2] = a[3] = _mm512_setzero_ps();
+            }
+        }
+        _mm512_storeu_ps(y + o, _mm512_add_ps(_mm512_loadu_ps(y + o), total));
+    }
+    return o;
 }
 
 /* Adds outputs o0 .. o1 (eight at a time, as many as fit; returns where it stopped) to y where
@@ -341,15 +458,18 @@ AVX512 static void outputs4_avx512(row_t *row, const unsigned char *bits, Py_ssi
 }
 
 /* Adds outputs o0 .. o1 of row x to y, as many as the blocks above take (returns where they
- * stopped): eight at a time where rows hold whole groups of an even number of bytes (the
- * constant 16 bytes of groups of 128 inlined), then four at a time where rows meet their groups
- * at the same columns. */
+ * stopped): sixteen at a time by nibble tables where rows hold whole groups of a multiple of
+ * 32 weights, eight at a time by masked adds where they hold whole groups of an even number of
+ * bytes (the constant 16 bytes of groups of 128 inlined), then four at a time where rows meet
+ * their groups at the same columns. */
 AVX512 static Py_ssize_t block_avx512(row_t *row, const unsigned char *bits, Py_ssize_t o0,
                                       Py_ssize_t o1, Py_ssize_t in, Py_ssize_t group,
                                       const void *scales, int kind, float *y)
 {
     const Py_ssize_t row_bytes = in / 8;
     Py_ssize_t o = o0;
+    if (row->nibbles)
+        o = rows16(row, bits, o, o1, in, group, scales, kind, y);
     if (in % group == 0 && group % 16 == 0) {
         if (group == 128)
             o = rows8(row, bits, o, o1, in, in / group, 16, scales, kind, y);
@@ -483,6 +603,7 @@ static int compute(const Py_buffer *x, Py_buffer *out, const int64_t *rows,
 {
     const int threads = s->threads;
     const size_t per_thread = row_floats(s->in);
+    const int nibbles = best_kernel->block != NULL && s->in % s->group == 0 && s->group % 32 == 0;
     float *buffers = PyMem_RawMalloc(sizeof(float) * (size_t)threads * per_thread);
     job_t *jobs = PyMem_RawMalloc(sizeof(job_t) * (size_t)threads);
     if (buffers == NULL || jobs == NULL) {
@@ -498,7 +619,7 @@ static int compute(const Py_buffer *x, Py_buffer *out, const int64_t *rows,
         float *scales = (float *)(void *)(prefix + s->in / 8 + 1);
         jobs[t] = (job_t){x->buf, out->buf, rows, variants, n, s->in, s->out_features, s->group,
                           s->out_features * t / threads, s->out_features * (t + 1) / threads,
-                          s->scale_kind, best_kernel, {mine, reversed, prefix, scales}};
+                          s->scale_kind, best_kernel, {mine, reversed, prefix, scales, nibbles}};
     }
     int failed;
     Py_BEGIN_ALLOW_THREADS

@@ -13,11 +13,12 @@ variant's rows listed in one index), `product` returns it (rows grouped by varia
 - on CUDA tensors, the Triton binary GEMM (`zoo_gym.serving.kernels`), which decodes each tile
   of signs in registers and multiplies it on the tensor cores;
 - on the CPU, the compiled kernel (`zoo_gym/serving/_binary_gemm.c`, built where a C compiler
-  was present) for ``in % 8 == 0`` and ``group % 8 == 0``: each output is
-  ``2 * (sum of x over set bits) - (sum of x)`` per group, one masked add per 16 weights
-  (AVX-512) or one table lookup per 8 weights elsewhere, reading the packed bits directly and
-  adding into the output's rows in place; `operands` prepares a layer's variants for it once
-  (per batch), so that a call hands over prepared lists;
+  was present) for ``in % 8 == 0`` and ``group % 8 == 0``, reading the packed bits directly and
+  adding into the output's rows in place: with AVX-512, 16 outputs at once by nibble tables
+  (one permute per 64 weights) where rows hold whole groups of a multiple of 32 weights, and
+  ``2 * (sum of x over set bits) - (sum of x)`` per group by masked adds (one per 16 weights)
+  for the others; byte tables (one lookup per 8 weights) elsewhere. `operands` prepares a
+  layer's variants for it once (per batch), so that a call hands over prepared lists;
 - otherwise `product_reference`, the torch reference: each variant's delta is decoded into one
   reused float32 buffer and multiplied (correct for every shape, slow).
 

@@ -79,7 +79,7 @@ def test_decoded_rows_are_those_of_the_whole_delta() -> None:
     [
         (40, 64, 128, torch.float16),  # a group spans two rows
         (52, 256, 128, torch.float16),  # blocks of 16 and 8 outputs and single ones
-        (34, 640, 128, torch.float16),  # 64 bytes of a row transposed, the rest gathered
+        (76, 640, 128, torch.float16),  # 32 + 4 + 2 outputs; 64 of 80 bytes transposed
         (36, 96, 32, torch.bfloat16),
         (20, 40, 16, torch.float32),  # groups start mid-row
     ],

@@ -13,13 +13,14 @@
  * and may span rows. The products go straight into the rows of the base's output: no buffer,
  * no gather.
  *
- * On x86 CPUs with AVX-512, where rows hold whole groups of a multiple of 32 weights (groups of
- * 128 and layer inputs a multiple of 128, as in every layer of Qwen2.5), 16 outputs run at once, one per lane, by nibble tables (the
- * LUT-GEMM of [Park et al., 2024]): for each 4 inputs of a row of x the 16 sums
- * sum_k (bit 3 - k of p ? x_k : -x_k) are one register, and a permute picks, for each of the 16
- * outputs, the entry its 4 sign bits select (the 16 rows' bits transposed 64 bytes at a time),
- * so one permute, one shift and one add cover 64 weights; each group's 16 sums are then scaled
- * by their rows' scales. The other outputs are 2 * (sum of x over set bits) - (sum of x) per
+ * On x86 CPUs with AVX-512, where rows hold whole groups of a multiple of 32 weights (groups
+ * of 128 and layer inputs a multiple of 128, as in every layer of Qwen2.5), 16 or 32 outputs
+ * run at once, one per lane, by nibble tables (the LUT-GEMM of [Park et al., 2024]): for each
+ * 4 inputs of a row of x the 16 sums sum_k (bit 3 - k of p ? x_k : -x_k) are one register,
+ * and a permute picks, for each of 16 outputs, the entry its 4 sign bits select (the rows'
+ * bits transposed 64 bytes at a time), so one permute, one shift and one add cover 64 weights;
+ * each group's 16 sums are then scaled by their rows' scales (32 outputs share each load of a
+ * table). The other outputs are 2 * (sum of x over set bits) - (sum of x) per
  * group: one masked add per 16 weights, eight or four outputs sharing each load of x.
  * Elsewhere, byte tables (the binary GEMM of BitDelta [Liu et al., 2024]): for each row of x and
  * each byte column j (inputs 8j .. 8j + 7) the 256 sums T_j[p] = sum_k (bit 7 - k of p ?
@@ -54,7 +55,7 @@ typedef struct {
     float *table;    /* (in / 8, 256) portable, (in / 4, 16) AVX-512 where `nibbles` */
     float *reversed; /* (in + 8,) */
     double *prefix;  /* (in / 8 + 1,) */
-    float *scales;   /* (in,): 16 outputs' scales, at most in / 16 groups each */
+    float *scales;   /* (in,): 32 outputs' scales, at most in / 32 groups each */
     int nibbles;     /* build the 16-entry tables of each 4 inputs (AVX-512) */
 } row_t;
 
@@ -303,62 +304,86 @@ AVX512 static void transpose16(const __m512i *r, __m512i *t)
     }
 }
 
-/* Adds to a[0 .. 3] the table entries that the 8 nibbles of each lane of v select from the 8
- * tables at t (one permute per 64 weights: the index is the low 4 bits of each lane). */
-AVX512 static inline __attribute__((always_inline)) void nibbles8(__m512i v, const float *t,
-                                                                  __m512 *a)
+/* Adds to a[h][0 .. 3] the table entries that the 8 nibbles of each lane of v[h] select from
+ * the 8 tables at t, for the `blocks` blocks of 16 outputs h (one permute per 64 weights: the
+ * index is the low 4 bits of each lane; each table loaded once for the blocks). */
+AVX512 static inline __attribute__((always_inline)) void
+nibbles8(const __m512i *v, const float *t, __m512 (*a)[4], const int blocks)
 {
     for (int n = 0; n < 8; n++) {
-        const __m512i index = n ? _mm512_srli_epi32(v, 4 * n) : v;
         const __m512 table = _mm512_loadu_ps(t + 16 * n);
-        a[n % 4] = _mm512_add_ps(a[n % 4], _mm512_permutexvar_ps(index, table));
+        for (int h = 0; h < blocks; h++) {
+            const __m512i index = n ? _mm512_srli_epi32(v[h], 4 * n) : v[h];
+            a[h][n % 4] = _mm512_add_ps(a[h][n % 4], _mm512_permutexvar_ps(index, table));
+        }
     }
 }
 
-/* Adds outputs o0 .. o1 (sixteen at a time, as many as fit; returns where it stopped) to y
- * where each row holds `per_row` whole groups of a multiple of 32 weights: lane l is output
- * o + l, a dword of packed bits of each of the 16 rows (64 bytes of each transposed at once,
- * gathered where fewer are left) and each of its 8 nibbles selects the sum of its 4 signed
- * inputs from that nibble's table (the LUT-GEMM of [Park et al., 2024] on 16 rows at once);
- * each group's sums are scaled by the 16 rows' scales, gathered from their converted run. */
-AVX512 static Py_ssize_t rows16(row_t *row, const unsigned char *bits, Py_ssize_t o0,
-                                Py_ssize_t o1, Py_ssize_t in, Py_ssize_t group,
-                                const void *scales, int kind, float *y)
+/* Adds outputs o0 .. o1 (16 x `blocks` at a time, as many as fit; returns where it stopped) to
+ * y where each row holds `per_row` whole groups of a multiple of 32 weights: lane l of block h
+ * is output o + 16h + l, a dword of packed bits of each of its 16 rows (64 bytes of each
+ * transposed at once, gathered where fewer are left) and each of its 8 nibbles selects the sum
+ * of its 4 signed inputs from that nibble's table (the LUT-GEMM of [Park et al., 2024] on 16
+ * rows at once); each group's sums are scaled by the rows' scales, gathered from their
+ * converted run. */
+AVX512 static inline __attribute__((always_inline)) Py_ssize_t
+rows_lut(row_t *row, const unsigned char *bits, Py_ssize_t o0, Py_ssize_t o1, Py_ssize_t in,
+         Py_ssize_t group, const void *scales, int kind, float *y, const int blocks)
 {
     const Py_ssize_t row_bytes = in / 8, per_row = in / group, dwords = group / 32;
     const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
     const __m512i offsets = _mm512_mullo_epi32(lane, _mm512_set1_epi32((int)row_bytes));
     const __m512i firsts = _mm512_mullo_epi32(lane, _mm512_set1_epi32((int)per_row));
     float *sc = row->scales; /* sc[l * per_row + k]: the scale of row o + l's group k */
-    __m512i chunk[16], v[16];
+    __m512i chunk[16], v[2][16], now[2];
     Py_ssize_t o = o0;
-    for (; o + 16 <= o1; o += 16) {
+    for (; o + 16 * blocks <= o1; o += 16 * blocks) {
         const unsigned char *b = bits + o * row_bytes;
-        scales_run(scales, kind, o * per_row, 16 * per_row, sc);
-        __m512 total = _mm512_setzero_ps();
-        __m512 a[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(),
-                       _mm512_setzero_ps()};
+        scales_run(scales, kind, o * per_row, 16 * blocks * per_row, sc);
+        __m512 total[2], a[2][4];
+        for (int h = 0; h < blocks; h++) {
+            total[h] = _mm512_setzero_ps();
+            a[h][0] = a[h][1] = a[h][2] = a[h][3] = _mm512_setzero_ps();
+        }
         for (Py_ssize_t d = 0; d < row_bytes / 4; d++) {
-            const int whole = 4 * (d - d % 16 + 16) <= row_bytes;
-            if (d % 16 == 0 && whole) {
-                for (int l = 0; l < 16; l++)
-                    chunk[l] = _mm512_loadu_si512(b + l * row_bytes + 4 * d);
-                transpose16(chunk, v);
+            const int whole = 4 * (d - d % 16 + 16) <= row_bytes; /* 64 bytes left of the row */
+            for (int h = 0; h < blocks; h++) {
+                const unsigned char *mine = b + 16 * h * row_bytes;
+                if (d % 16 == 0 && whole) {
+                    for (int l = 0; l < 16; l++)
+                        chunk[l] = _mm512_loadu_si512(mine + l * row_bytes + 4 * d);
+                    transpose16(chunk, v[h]);
+                }
+                now[h] = whole ? v[h][d % 16] : _mm512_i32gather_epi32(offsets, mine + 4 * d, 1);
             }
-            nibbles8(whole ? v[d % 16] : _mm512_i32gather_epi32(offsets, b + 4 * d, 1),
-                     row->table + 128 * d, a);
+            nibbles8(now, row->table + 128 * d, a, blocks);
             if ((d + 1) % dwords == 0) {
                 const __m512i k = _mm512_set1_epi32((int)(d / dwords));
-                const __m512 scale = _mm512_i32gather_ps(_mm512_add_epi32(firsts, k), sc, 4);
-                const __m512 sum =
-                    _mm512_add_ps(_mm512_add_ps(a[0], a[1]), _mm512_add_ps(a[2], a[3]));
-                total = _mm512_fmadd_ps(scale, sum, total);
-                a[0] = a[1] = a[2] = a[3] = _mm512_setzero_ps();
+                for (int h = 0; h < blocks; h++) {
+                    const __m512i at = _mm512_add_epi32(
+                        _mm512_add_epi32(firsts, k), _mm512_set1_epi32((int)(16 * h * per_row)));
+                    const __m512 scale = _mm512_i32gather_ps(at, sc, 4);
+                    const __m512 sum = _mm512_add_ps(_mm512_add_ps(a[h][0], a[h][1]),
+                                                     _mm512_add_ps(a[h][2], a[h][3]));
+                    total[h] = _mm512_fmadd_ps(scale, sum, total[h]);
+                    a[h][0] = a[h][1] = a[h][2] = a[h][3] = _mm512_setzero_ps();
+                }
             }
         }
-        _mm512_storeu_ps(y + o, _mm512_add_ps(_mm512_loadu_ps(y + o), total));
+        for (int h = 0; h < blocks; h++)
+            _mm512_storeu_ps(y + o + 16 * h,
+                             _mm512_add_ps(_mm512_loadu_ps(y + o + 16 * h), total[h]));
     }
     return o;
+}
+
+/* 32 outputs at a time (each table load serves both blocks of 16), then 16. */
+AVX512 static Py_ssize_t rows16(row_t *row, const unsigned char *bits, Py_ssize_t o0,
+                                Py_ssize_t o1, Py_ssize_t in, Py_ssize_t group,
+                                const void *scales, int kind, float *y)
+{
+    const Py_ssize_t o = rows_lut(row, bits, o0, o1, in, group, scales, kind, y, 2);
+    return rows_lut(row, bits, o, o1, in, group, scales, kind, y, 1);
 }
 
 /* Adds outputs o0 .. o1 (eight at a time, as many as fit; returns where it stopped) to y where

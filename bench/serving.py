@@ -2,6 +2,7 @@
 
     python bench/serving.py --model tiny --variants 1,10,100,1000
     python bench/serving.py --model qwen2.5-0.5b --variants 1,10,100 --new-tokens 8
+    python bench/serving.py --model qwen2.5-0.5b --profile 100 --new-tokens 2
 
 For each count n of distinct variants, a batch of B = max(n, --min-batch) rows (row r uses
 variant r % n) decodes --new-tokens tokens greedily with a KV cache after a prompt of
@@ -21,13 +22,21 @@ initialised model with Qwen2.5-0.5B's configuration; variants are random deltas
 (0.01 x N(0, 1) per weight) written as BitDelta envelopes with records as
 `gym-coordinator variant` writes them (group 128, float16 scales). Everything is float32 on
 the CPU; the bytes of a variant are compared with the bf16 model's (2 bytes per parameter).
+
+--profile n times the decode steps of the base alone and of n distinct variants (mixed) on
+the same batch, then runs one more mixed step under cProfile and says where it went: the
+compiled kernel, the rest of the linear hooks around it (argument lists, conversions, adding
+the products), the embedding and norm hooks, the base's own linear layers, and the rest of
+the model's forward.
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
 import json
 import os
+import pstats
 import resource
 import subprocess
 import sys
@@ -159,6 +168,84 @@ def run_one(args: argparse.Namespace) -> dict[str, float]:
     return figures
 
 
+def _hook_lines(method: Callable[..., object]) -> set[int]:
+    """First lines of the `hook` closures that a MixedModel hook factory makes."""
+    return {
+        c.co_firstlineno
+        for c in method.__code__.co_consts
+        if hasattr(c, "co_name") and c.co_name == "hook"
+    }
+
+
+def _profile_parts(stats: pstats.Stats) -> dict[str, float]:
+    """Seconds of one profiled mixed step by part (see --profile)."""
+    from zoo_gym.serving import variants
+
+    lines = {
+        "linear": _hook_lines(variants.MixedModel._linear_hook),
+        "embedding": _hook_lines(variants.MixedModel._embedding_hook),
+        "norm": _hook_lines(variants.MixedModel._vector_hook),
+    }
+    parts = dict.fromkeys(["kernel", "linear", "embedding", "norm", "base linear"], 0.0)
+    for (filename, line, name), row in stats.stats.items():  # type: ignore[attr-defined]
+        own, total = row[2], row[3]
+        if "_binary_gemm" in name:
+            parts["kernel"] += own
+        elif name == "<built-in method torch._C._nn.linear>":
+            parts["base linear"] += own
+        elif filename.endswith("serving/variants.py") and name == "hook":
+            for part, hooks in lines.items():
+                parts[part] += total if line in hooks else 0.0
+    parts["linear"] -= parts["kernel"]
+    return parts
+
+
+def profile(args: argparse.Namespace) -> None:
+    """Where a decode step of --profile distinct variants goes (module docstring)."""
+    from zoo_gym.serving.variants import VariantStore, attach
+
+    models = Path(args.workdir) / args.model / "models"
+    n, steps = args.profile, args.new_tokens
+    batch = max(n, args.min_batch)
+    base = AutoModelForCausalLM.from_pretrained(models / BASE, dtype=torch.float32).eval()
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(4, base.config.vocab_size, (batch, args.prompt), generator=gen)
+    store = VariantStore(models, BASE, budget_bytes=1 << 40)
+    mixed = attach(base, store)
+    rows = [store.get(f"var{1 + r % n:04d}") for r in range(batch)]
+
+    def run_mixed() -> float:
+        with mixed.assign(rows):
+            return _decode_once(base, ids, steps)
+
+    with torch.no_grad():
+        alone, together = _best([lambda: _decode_once(base, ids, steps), run_mixed], 2)
+        with mixed.assign(rows):
+            out = base(ids, use_cache=True)
+            token = out.logits[:, -1].argmax(-1, keepdim=True)
+            profiler = cProfile.Profile()
+            profiler.runcall(base, token, past_key_values=out.past_key_values, use_cache=True)
+    stats = pstats.Stats(profiler)
+    parts = _profile_parts(stats)
+    step = stats.total_tt  # type: ignore[attr-defined]
+    print(
+        f"{args.model}: batch {batch} of {n} distinct variants, {torch.get_num_threads()} threads"
+    )
+    print("| part | ms per decode step |\n|---|---|")
+    print(f"| base alone, whole step | {1e3 * alone / steps:.1f} |")
+    print(f"| mixed, whole step | {1e3 * together / steps:.1f} |")
+    print(f"| one mixed step under cProfile | {1e3 * step:.1f} |")
+    names = {
+        "kernel": "compiled kernel (the 1-bit products)",
+        "linear": "linear hooks around the kernel (lists, conversions, adds; LM head too)",
+        "embedding": "embedding hook (each row's delta rows)",
+        "norm": "norm hooks (per-row norm weights)",
+        "base linear": "the base's linear layers (torch)",
+    }
+    for key, label in names.items():
+        print(f"| {label} | {1e3 * parts[key]:.1f} |")
+
+
 def _measure(args: argparse.Namespace, n: int, mode: str) -> dict[str, float]:
     """`run_one` in a fresh process (under the --lock file when given)."""
     command = [sys.executable, __file__, "--model", args.model, "--workdir", args.workdir]
@@ -206,16 +293,20 @@ def main() -> None:
     parser.add_argument("--lock", default="", help="flock file held around each measurement")
     parser.add_argument("--merged-limit", type=float, default=8 * 2**30, help="bytes of copies")
     parser.add_argument("--mixed-limit", type=float, default=12 * 2**30, help="bytes of variants")
+    parser.add_argument("--profile", type=int, default=0, help="profile n distinct variants")
     parser.add_argument("--one-variants", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--one-mode", default="", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one_mode:
         print(json.dumps(run_one(args)))
         return
-    counts = [int(c) for c in args.variants.split(",")]
+    counts = [args.profile] if args.profile else [int(c) for c in args.variants.split(",")]
     models = Path(args.workdir) / args.model / "models"
     build_base(args.model, models / BASE)
     write_variants(models, max(counts))
+    if args.profile:
+        profile(args)
+        return
     params = sum(t.numel() for t in load_weights(models / BASE).values())
     print(
         f"{args.model}: {params:,} parameters, bf16 {2 * params / 2**20:.1f} MiB; "

@@ -3,6 +3,7 @@
     python bench/serving.py --model tiny --variants 1,10,100,1000
     python bench/serving.py --model qwen2.5-0.5b --variants 1,10,100 --new-tokens 8
     python bench/serving.py --model qwen2.5-0.5b --profile 100 --new-tokens 2
+    python bench/serving.py --kernel 4864x896 --variants 100
 
 For each count n of distinct variants, a batch of B = max(n, --min-batch) rows (row r uses
 variant r % n) decodes --new-tokens tokens greedily with a KV cache after a prompt of
@@ -28,6 +29,11 @@ the same batch, then runs one more mixed step under cProfile and says where it w
 compiled kernel, the rest of the linear hooks around it (argument lists, conversions, adding
 the products), the embedding and norm hooks, the base's own linear layers, and the rest of
 the model's forward.
+
+--kernel OUTxIN times the compiled kernel alone on one (OUT, IN) layer of --variants distinct
+random variants, one row each (group 128, float16 scales), on one thread and on torch's, as
+gigabytes of sign bits read per second, against numpy's sum (one thread) and torch's (torch's
+threads) over 2 GiB of float64 in the same run: how near the kernel runs to the memory's speed.
 """
 
 from __future__ import annotations
@@ -42,6 +48,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -246,6 +253,49 @@ def profile(args: argparse.Namespace) -> None:
         print(f"| {label} | {1e3 * parts[key]:.1f} |")
 
 
+def kernel(args: argparse.Namespace) -> None:
+    """The compiled kernel on one layer against the memory's read speed (module docstring)."""
+    import numpy as np
+
+    from zoo_gym.serving import binary
+    from zoo_gym.serving.packed import PackedTensor
+
+    out_features, in_features = (int(v) for v in args.kernel.split("x"))
+    n = int(args.variants.split(",")[-1])
+    gen = torch.Generator().manual_seed(0)
+    weights = []
+    for k in range(n):
+        bits = np.random.default_rng(k).bytes(out_features * in_features // 8)
+        scales = 0.01 * torch.rand(out_features * in_features // 128, generator=gen) + 1e-3
+        packed = torch.frombuffer(bytearray(bits), dtype=torch.uint8)
+        weights.append(PackedTensor((out_features, in_features), packed, scales.half(), 128))
+    x, out = torch.randn(n, in_features, generator=gen), torch.zeros(n, out_features)
+    prepared, rows, starts = binary.operands(weights), torch.arange(n), list(range(n + 1))
+    array = np.ones(2**30 // 4)  # 2 GiB of float64
+    tensor = torch.from_numpy(array)
+    threads = torch.get_num_threads()
+    runs: dict[str, tuple[Callable[[], object], float]] = {
+        "numpy sum, 1 thread": (array.sum, array.nbytes),
+        f"torch sum, {threads} threads": (tensor.sum, array.nbytes),
+    }
+    for t in sorted({1, threads}):
+        run = partial(binary.accumulate, out, x, rows, prepared, starts, threads=t)
+        runs[f"kernel, {t} thread(s)"] = (run, n * out_features * in_features / 8)
+    seconds = _best([partial(_seconds, run) for run, _ in runs.values()], args.repeats)
+    print(
+        f"{out_features}x{in_features} layer, {n} variants x 1 row: {n * out_features * in_features / 8e6:.1f} MB of sign bits"
+    )
+    print("| read | ms | GB/s |\n|---|---|---|")
+    for (name, (_, nbytes)), t in zip(runs.items(), seconds, strict=True):
+        print(f"| {name} | {1e3 * t:.2f} | {nbytes / t / 1e9:.2f} |")
+
+
+def _seconds(run: Callable[[], object]) -> float:
+    start = time.perf_counter()
+    run()
+    return time.perf_counter() - start
+
+
 def _measure(args: argparse.Namespace, n: int, mode: str) -> dict[str, float]:
     """`run_one` in a fresh process (under the --lock file when given)."""
     command = [sys.executable, __file__, "--model", args.model, "--workdir", args.workdir]
@@ -294,11 +344,15 @@ def main() -> None:
     parser.add_argument("--merged-limit", type=float, default=8 * 2**30, help="bytes of copies")
     parser.add_argument("--mixed-limit", type=float, default=12 * 2**30, help="bytes of variants")
     parser.add_argument("--profile", type=int, default=0, help="profile n distinct variants")
+    parser.add_argument("--kernel", default="", help="OUTxIN: the kernel alone on one layer")
     parser.add_argument("--one-variants", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--one-mode", default="", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one_mode:
         print(json.dumps(run_one(args)))
+        return
+    if args.kernel:
+        kernel(args)
         return
     counts = [args.profile] if args.profile else [int(c) for c in args.variants.split(",")]
     models = Path(args.workdir) / args.model / "models"

@@ -40,7 +40,9 @@ from zoo_gym.core.extension import Extension
 from zoo_gym.serving.packed import PackedTensor
 
 _COMPILED = Extension("zoo_gym.serving._binary_gemm")
-SMALL = 1 << 22  # weights x rows below which the CPU kernel runs on one thread
+# weights x rows below which the CPU kernel runs on one thread: a second thread cost more than
+# it saved on a 128 x 896 layer of 100 variants (0.44 ms against 0.32 ms on one)
+SMALL = 1 << 24
 SCALE_KINDS = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}  # as `_binary_gemm` reads
 
 

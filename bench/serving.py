@@ -226,7 +226,7 @@ def profile(args: argparse.Namespace) -> None:
             return _decode_once(base, ids, steps)
 
     with torch.no_grad():
-        alone, together = _best([lambda: _decode_once(base, ids, steps), run_mixed], 2)
+        alone, together = _best([lambda: _decode_once(base, ids, steps), run_mixed], args.repeats)
         with mixed.assign(rows):
             out = base(ids, use_cache=True)
             token = out.logits[:, -1].argmax(-1, keepdim=True)

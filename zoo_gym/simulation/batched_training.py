@@ -28,19 +28,23 @@ the per-contributor trainer up to float rounding.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 from transformers import PreTrainedModel
+from transformers.models.llama import modeling_llama
 
 from zoo_gym.client.trainers.sft import length_bucketed_batches
 from zoo_gym.core.chat import IGNORE_INDEX
 from zoo_gym.core.delta import Delta
 from zoo_gym.core.lora import LoraSpec, frozen_a, linear_layers, target_weights, update_key
 from zoo_gym.simulation.sweep import SweepError
+
+_rotate_half: Callable[[Tensor], Tensor] = modeling_llama.rotate_half
+"""The rotary embedding's partner of each value, as Llama-style decoders apply it."""
 
 
 class BatchedEngineError(SweepError):
@@ -287,13 +291,6 @@ def _last_layer(layer: Any, h: Tensor, rotary: tuple[Tensor, Tensor], queries: _
     x: Tensor = residual + attn.o_proj(out.transpose(1, 2).reshape(rows, most, -1))
     mixed: Tensor = layer.mlp(layer.post_attention_layernorm(x))
     return x + mixed
-
-
-def _rotate_half(x: Tensor) -> Tensor:
-    """The rotary embedding's partner of each value (the Llama layout: halves swapped, the
-    first negated)."""
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
 def check_decoder(decoder: Any) -> None:

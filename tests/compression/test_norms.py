@@ -98,6 +98,12 @@ def test_bitdelta_never_grows_a_norm_and_int2_grows_sparse_groups_most() -> None
     assert 1 + math.sqrt(127) / 3 - 0.01 < int2**2 <= codec_growth(CodecSpec("int2"), [128]) ** 2
 
 
+def test_an_envelope_of_empty_tensors_has_norm_zero() -> None:
+    payload = encode({"a": torch.ones(0, 4), "b": torch.ones(0)}, CodecSpec("bitdelta", 8))
+
+    assert envelope_norm(payload, inspect_envelope(payload, max_elements=MAX)) == 0.0
+
+
 @pytest.mark.parametrize(("bits", "what"), [(0x7E00, "NaN"), (0x7C00, "Inf"), (0xFC00, "-Inf")])
 def test_a_non_finite_bitdelta_scale_is_named(bits: int, what: str) -> None:
     payload = encode({"a": torch.ones(16), "b": torch.ones(16)}, CodecSpec("bitdelta", 8))

@@ -156,11 +156,11 @@ def _bitdelta_squared_norm(payload: bytes, header: EnvelopeHeader) -> float:
     scale), every scale and padding checked by `bitdelta_parts` in one pass."""
     _, scales = bitdelta_parts(payload, header)
     sections = [s for s in header.sections if s.n_groups]
+    groups = torch.tensor([s.n_groups for s in sections], dtype=torch.long)
     counts = torch.repeat_interleave(
-        torch.tensor([float(s.group) for s in sections], dtype=torch.float64),
-        torch.tensor([s.n_groups for s in sections]),
+        torch.tensor([float(s.group) for s in sections], dtype=torch.float64), groups
     )
-    last = torch.tensor([s.n_groups for s in sections]).cumsum(0) - 1  # each tensor's last group
+    last = groups.cumsum(0) - 1  # each tensor's last group
     counts[last] = torch.tensor(
         [float(s.spec.numel - (s.n_groups - 1) * s.group) for s in sections], dtype=torch.float64
     )

@@ -12,6 +12,8 @@ from zoo_gym.serving import binary
 from zoo_gym.serving.packed import PackedTensor
 
 pytest.importorskip("triton")
+from zoo_gym.serving import kernels as serving_kernels
+
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
@@ -25,9 +27,11 @@ def test_the_kernel_can_run_here() -> None:
         ((3, 0, 17), 40, 64, 128),  # a group spans two rows; a variant without rows
         ((5, 2), 33, 40, 16),  # groups start mid-row; edges of every block
         ((1,), 64, 96, 8),
+        ((2, 1, 3), 70, 256, 128),  # whole groups per row: the +-1 tiles, scaled per block
+        ((1, 16, 17), 64, 384, 128),  # a variant with more rows than one block
     ],
 )
-@pytest.mark.parametrize("scale_dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("scale_dtype", [torch.float16, torch.bfloat16, torch.float32])
 def test_binary_gemm_matches_the_reference(
     rows: tuple[int, ...], out: int, inn: int, group: int, scale_dtype: torch.dtype
 ) -> None:
@@ -46,4 +50,51 @@ def test_binary_gemm_matches_the_reference(
     got = serving_kernels.product(x.to(DEVICE), [w.to(DEVICE) for w in weights], starts)
 
     expected = binary.product_reference(x, weights, starts)
+    torch.testing.assert_close(got.cpu(), expected, rtol=1e-5, atol=1e-4)
+
+
+def _variants(
+    gen: torch.Generator, count: int, out: int, inn: int, group: int
+) -> list[PackedTensor]:
+    weights = []
+    for _ in range(count):
+        bits, scales = bitdelta.pack(torch.randn(out * inn, generator=gen), group)
+        weights.append(PackedTensor((out, inn), bits, scales.half(), group))
+    return weights
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("inn", "group"), [(256, 128), (40, 16)])
+def test_accumulate_adds_into_the_rows_of_each_variant_in_one_launch(
+    dtype: torch.dtype, inn: int, group: int
+) -> None:
+    """Rows scattered over the output, a row left to the base, a bfloat16 model's output: each
+    variant's product lands in its rows, the others keep their values."""
+    gen = torch.Generator().manual_seed(inn)
+    weights = _variants(gen, 3, 70, inn, group)
+    rows, starts = torch.tensor([6, 0, 3, 1, 4, 5]), [0, 2, 3, 6]  # row 2 uses the base
+    x = torch.randn(7, inn, generator=gen).to(dtype)
+    before = torch.randn(7, 70, generator=gen).to(dtype)
+    out = before.clone().to(DEVICE)
+
+    serving_kernels.accumulate(
+        out, x.to(DEVICE), rows.to(DEVICE), [w.to(DEVICE) for w in weights], starts
+    )
+
+    expected = before.float()
+    delta = binary.product_reference(x.float().index_select(0, rows), weights, starts)
+    expected.index_add_(0, rows, delta)
+    tolerance = {"rtol": 1e-5, "atol": 1e-4} if dtype == torch.float32 else {}
+    torch.testing.assert_close(out.cpu(), expected.to(dtype), **tolerance)
+    assert torch.equal(out[2].cpu(), before[2])
+
+
+def test_variants_of_different_group_sizes_in_one_batch() -> None:
+    gen = torch.Generator().manual_seed(5)
+    weights = _variants(gen, 1, 32, 128, 128) + _variants(gen, 1, 32, 128, 16)
+    x = torch.randn(3, 128, generator=gen)
+
+    got = serving_kernels.product(x.to(DEVICE), [w.to(DEVICE) for w in weights], [0, 2, 3])
+
+    expected = binary.product_reference(x, weights, [0, 2, 3])
     torch.testing.assert_close(got.cpu(), expected, rtol=1e-5, atol=1e-4)

@@ -10,8 +10,9 @@ value and one scale per group of `group` consecutive values of the row-major fla
 `accumulate` adds it for several variants at once to the rows of a layer's output (each
 variant's rows listed in one index), `product` returns it (rows grouped by variant):
 
-- on CUDA tensors, the Triton binary GEMM (`zoo_gym.serving.kernels`), which decodes each tile
-  of signs in registers and multiplies it on the tensor cores;
+- on CUDA tensors, the Triton binary GEMM (`zoo_gym.serving.kernels`): one launch per layer for
+  all the variants of a batch, each tile of signs decoded in registers and multiplied on the
+  tensor cores, the products added into the output's rows in place;
 - on the CPU, the compiled kernel (`zoo_gym/serving/_binary_gemm.c`, built where a C compiler
   was present) for ``in % 8 == 0`` and ``group % 8 == 0``, reading the packed bits directly and
   adding into the output's rows in place: with AVX-512, 16 outputs at once by nibble tables
@@ -92,6 +93,7 @@ class Operands:
     bits: list[Any]  # numpy uint8 (out * in / 8,) per variant; empty where not compiled
     scales: list[Any]  # numpy int16 (float16 or bfloat16 bits) or float32 (G,) per variant
     kind: int  # SCALE_KINDS of the scales; -1 where the compiled kernel does not take them
+    addresses: Tensor | None = None  # on CUDA: the Triton kernel's table of each variant's arrays
 
 
 def operands(weights: Sequence[PackedTensor]) -> Operands:
@@ -100,6 +102,10 @@ def operands(weights: Sequence[PackedTensor]) -> Operands:
     if not ready:
         return Operands(ready, [], [], -1)
     first = ready[0]
+    if first.bits.is_cuda and kernels.available():
+        from zoo_gym.serving import kernels as triton_kernels
+
+        return Operands(ready, [], [], -1, triton_kernels.table(ready))
     alike = all(w.group == first.group and w.scales.dtype == first.scales.dtype for w in ready)
     if not (alike and compiled_for(first, first.bits.device)):
         return Operands(ready, [], [], -1)
@@ -134,12 +140,18 @@ def accumulate(
     threads: int = 0,
 ) -> None:
     """``out[rows[j]] += x[rows[j]] @ D_k^T`` for the entries j in starts[k] .. starts[k + 1]
-    of `rows` (R,) int64 and each variant k of `prepared`: x (X, in), out (X, out). The compiled
-    kernel adds in place where out is float32, contiguous and on the CPU; elsewhere `product`
-    runs on the picked rows and `index_add_` adds them. `threads` as for `product`."""
+    of `rows` (R,) int64 and each variant k of `prepared`: x (X, in), out (X, out). On CUDA the
+    Triton kernel adds in place (any float dtype); on the CPU the compiled kernel does where out
+    is float32 and contiguous; elsewhere `product` runs on the picked rows and `index_add_` adds
+    them. `threads` as for `product`."""
     if not prepared.weights or len(rows) == 0:
         return
     first = prepared.weights[0]
+    if out.is_cuda and kernels.available():
+        from zoo_gym.serving import kernels as triton_kernels
+
+        triton_kernels.accumulate(out, x, rows, prepared.weights, starts, prepared.addresses)
+        return
     if _compiled_takes(out, x, prepared):
         assert _COMPILED.module is not None
         _COMPILED.module.accumulate(

@@ -1,16 +1,25 @@
-"""A Triton binary GEMM for the 1-bit product of BitDelta variants (the GPU path).
+"""A Triton binary GEMM for the 1-bit products of BitDelta variants (the GPU path).
 
-For each variant k with rows x_k (M, K) and a delta D_k (N, K) stored as packed signs and group
-scales, ``out_k = x_k @ D_k^T``. As in BitDelta [Liu et al., 2024], the signs are never
-materialised in memory: each program decodes a (BLOCK_N, BLOCK_K) tile of D from the packed
-bytes and the scales in registers (``where(bit, scale, -scale)``) and multiplies it with the
-(BLOCK_M, BLOCK_K) tile of x with `tl.dot` in float32 (IEEE, no TF32). Bits are read once
-per tile of rows, so a batch reads each variant's 1.125 bits per weight instead of a merged
-copy's 16.
+For each variant k with rows x_k (M_k, K) and a delta D_k (N, K) stored as packed signs and group
+scales, ``out[rows_k] += x[rows_k] @ D_k^T``: one launch per layer for every variant of a batch
+(a grid of variants x blocks of outputs; each program finds its variant's signs and scales through
+a table of addresses), so a decode step of 100 distinct variants costs one launch per linear layer,
+not one per variant. As in BitDelta [Liu et al., 2024], the signs are never materialised in memory:
+each program decodes a (BLOCK_N, BLOCK_K) tile of signs from the packed bytes in registers.
 
-Bit layout and groups as `zoo_gym.serving.binary` (the torch reference this is tested
-against: value f of the flattened (N, K) delta is bit 7 - f % 8 of byte f // 8, scale
-f // group). Runs on CUDA tensors, and on CPU tensors under ``TRITON_INTERPRET=1`` (tests).
+- Where every row holds whole groups and a block of inputs lies in one group (``K % group == 0``
+  and ``group % BLOCK_K == 0``: Qwen2.5's and Llama's layers with BitDelta's groups of 128), the
+  tile is +-1 in x's dtype: ``tl.dot`` of x with the signs is exact per product (bfloat16 and
+  float16 on the tensor cores, float32 in IEEE arithmetic), accumulated in float32 and then scaled
+  by the block's group scales, the reference's ``sum_g scale_g * sum_{i in g} sign * x``.
+- Elsewhere (groups that start mid-row) each weight is ``where(bit, scale, -scale)`` and the dot
+  runs in float32 (IEEE, no TF32).
+
+Products are added into the output in place (float32 sums, rounded once to the output's dtype);
+each row of the output belongs to one variant. Bit layout and groups as `zoo_gym.serving.binary`
+(the torch reference this is tested against: value f of the flattened (N, K) delta is bit
+7 - f % 8 of byte f // 8, scale f // group). Runs on CUDA tensors, and on CPU tensors under
+``TRITON_INTERPRET=1`` (tests).
 """
 
 # mypy: disable-error-code="untyped-decorator,no-untyped-def"
@@ -26,70 +35,156 @@ from torch import Tensor
 
 from zoo_gym.serving.packed import PackedTensor
 
-BLOCK_M = 16  # rows of x per program (tl.dot needs 16 or more)
-BLOCK_N = 32  # outputs per program
-BLOCK_K = 32  # inputs per step
+BLOCK_M = 16  # rows of x per step (tl.dot needs 16 or more)
+BLOCK_N = 64  # outputs per program
+WIDE_K = 128  # inputs per step where a step lies in one group
+NARROW_K = 32  # inputs per step elsewhere
 
 
 @triton.jit
-def _binary_gemm_kernel(
+def _signs(bits_ptr, rn, k0, K, n_mask, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The (BLOCK_N, BLOCK_K) tile of signs (+1 / -1, int32) of rows rn, inputs k0 ..: one load
+    of BLOCK_K / 8 bytes per row, each byte's 8 bits shifted out in registers."""
+    rb = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+    at = rn[:, None].to(tl.int64) * (K // 8) + rb[None, :]
+    byte = tl.load(bits_ptr + at, mask=n_mask[:, None], other=0).to(tl.int32)
+    shift = 7 - tl.arange(0, 8)
+    bit = (byte[:, :, None] >> shift[None, None, :]) & 1
+    return tl.reshape(bit * 2 - 1, (BLOCK_N, BLOCK_K))
+
+
+@triton.jit
+def _weights(bits_ptr, scale_ptr, rn, rk, K, group, n_mask, k_mask):
+    """The (BLOCK_N, BLOCK_K) tile of scaled weights, float32, for any group layout."""
+    flat = rn[:, None].to(tl.int64) * K + rk[None, :]
+    w_mask = n_mask[:, None] & k_mask[None, :]
+    byte = tl.load(bits_ptr + flat // 8, mask=w_mask, other=0).to(tl.int32)
+    bit = (byte >> (7 - (flat % 8)).to(tl.int32)) & 1
+    scale = tl.load(scale_ptr + flat // group, mask=w_mask, other=0.0).to(tl.float32)
+    return tl.where(bit != 0, scale, -scale)
+
+
+@triton.jit
+def _accumulate_kernel(
     x_ptr,
-    bits_ptr,
-    scale_ptr,
     out_ptr,
-    M,
+    rows_ptr,
+    starts_ptr,
+    bits_table,
+    scales_table,
+    scale_like,
     N,
     K,
     group,
-    stride_xm,
-    stride_om,
+    stride_x,
+    stride_out,
+    ROW_GROUPS: tl.constexpr,
+    IEEE: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    v = tl.program_id(0)
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        rk = k0 + tl.arange(0, BLOCK_K)
-        x_mask = (rm[:, None] < M) & (rk[None, :] < K)
-        x = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :], mask=x_mask, other=0.0)
-        flat = rn[:, None].to(tl.int64) * K + rk[None, :]  # (BLOCK_N, BLOCK_K)
-        w_mask = (rn[:, None] < N) & (rk[None, :] < K)
-        byte = tl.load(bits_ptr + flat // 8, mask=w_mask, other=0).to(tl.int32)
-        bit = (byte >> (7 - (flat % 8)).to(tl.int32)) & 1
-        scale = tl.load(scale_ptr + flat // group, mask=w_mask, other=0.0).to(tl.float32)
-        w = tl.where(bit != 0, scale, -scale)
-        acc += tl.dot(x.to(tl.float32), tl.trans(w), input_precision="ieee")
-    out_mask = (rm[:, None] < M) & (rn[None, :] < N)
-    tl.store(out_ptr + rm[:, None] * stride_om + rn[None, :], acc, mask=out_mask)
+    n_mask = rn < N
+    r0 = tl.load(starts_ptr + v)
+    r1 = tl.load(starts_ptr + v + 1)
+    bits_ptr = tl.load(bits_table + v).to(tl.pointer_type(tl.uint8))
+    scale_ptr = tl.load(scales_table + v).to(tl.pointer_type(scale_like.dtype.element_ty))
+    for m0 in range(r0, r1, BLOCK_M):
+        jm = m0 + tl.arange(0, BLOCK_M)
+        m_mask = jm < r1
+        rid = tl.load(rows_ptr + jm, mask=m_mask, other=0).to(tl.int64)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            rk = k0 + tl.arange(0, BLOCK_K)
+            k_mask = rk < K
+            x_at = x_ptr + rid[:, None] * stride_x + rk[None, :]
+            x = tl.load(x_at, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+            if ROW_GROUPS:
+                sign = _signs(bits_ptr, rn, k0, K, n_mask, BLOCK_N, BLOCK_K).to(x.dtype)
+                if IEEE:
+                    part = tl.dot(x, tl.trans(sign), input_precision="ieee")
+                else:
+                    part = tl.dot(x, tl.trans(sign))
+                g = (rn.to(tl.int64) * K + k0) // group
+                scale = tl.load(scale_ptr + g, mask=n_mask, other=0.0).to(tl.float32)
+                acc += part * scale[None, :]
+            else:
+                w = _weights(bits_ptr, scale_ptr, rn, rk, K, group, n_mask, k_mask)
+                acc += tl.dot(x.to(tl.float32), tl.trans(w), input_precision="ieee")
+        o_at = out_ptr + rid[:, None] * stride_out + rn[None, :]
+        o_mask = m_mask[:, None] & n_mask[None, :]
+        current = tl.load(o_at, mask=o_mask, other=0.0).to(tl.float32)
+        tl.store(o_at, (current + acc).to(out_ptr.dtype.element_ty), mask=o_mask)
+
+
+def table(weights: Sequence[PackedTensor]) -> Tensor:
+    """(2, V) int64 on the weights' device: each variant's address of its signs and of its
+    scales, what `accumulate` hands the kernel (the weights must stay alive while it is used)."""
+    addresses = [[w.bits.data_ptr() for w in weights], [w.scales.data_ptr() for w in weights]]
+    return torch.tensor(addresses, dtype=torch.int64, device=weights[0].bits.device)
+
+
+def accumulate(
+    out: Tensor,
+    x: Tensor,
+    rows: Tensor,
+    weights: Sequence[PackedTensor],
+    starts: Sequence[int],
+    addresses: Tensor | None = None,
+) -> None:
+    """``out[rows[j]] += x[rows[j]] @ D_k^T`` for the entries j in starts[k] .. starts[k + 1]
+    of `rows` (R,) and each variant k of `weights` (each (out, in), on `x`'s device), in one
+    launch where they share one group size and scale dtype (else one per variant): x (X, in)
+    and out (X, out, unit stride along a row) of any float dtype. `addresses` is
+    `table(weights)` where the caller keeps it."""
+    if not weights or len(rows) == 0:
+        return
+    first = weights[0]
+    if any(w.group != first.group or w.scales.dtype != first.scales.dtype for w in weights):
+        for k, packed in enumerate(weights):  # one launch needs one group size and scale dtype
+            accumulate(
+                out, x, rows[starts[k] : starts[k + 1]], [packed], [0, starts[k + 1] - starts[k]]
+            )
+        return
+    out_features, in_features = first.shape
+    if out.stride(-1) != 1:
+        raise ValueError("accumulate adds in place into rows of unit stride; pass a contiguous out")
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    if not x.is_cuda:  # the interpreter multiplies 16-bit tiles as integers: float32 there
+        x = x.float()
+    row_groups = in_features % first.group == 0 and first.group % WIDE_K == 0
+    addresses = table(weights) if addresses is None else addresses
+    bounds = torch.as_tensor(starts, dtype=torch.int64).to(x.device)
+    grid = (len(weights), triton.cdiv(out_features, BLOCK_N))
+    _accumulate_kernel[grid](
+        x,
+        out,
+        rows.to(torch.int64),
+        bounds,
+        addresses[0],
+        addresses[1],
+        first.scales,
+        out_features,
+        in_features,
+        first.group,
+        x.stride(0),
+        out.stride(0),
+        ROW_GROUPS=row_groups,
+        IEEE=x.dtype == torch.float32,
+        BLOCK_M=BLOCK_M,
+        BLOCK_N=BLOCK_N,
+        BLOCK_K=WIDE_K if row_groups else NARROW_K,
+    )
 
 
 def product(x: Tensor, weights: Sequence[PackedTensor], starts: Sequence[int]) -> Tensor:
     """``x[starts[k]:starts[k+1]] @ D_k^T`` for every variant k -> (R, out) float32, on
     `x`'s device; `x` (R, in) is float32 or bfloat16, each `weights[k]` an (out, in) delta
     whose signs and scales live on that device."""
-    out_features, in_features = weights[0].shape
+    out_features = weights[0].shape[0]
     x = x.contiguous()
     out = torch.zeros(x.shape[0], out_features, dtype=torch.float32, device=x.device)
-    for k, packed in enumerate(weights):
-        rows = starts[k + 1] - starts[k]
-        if rows == 0:
-            continue
-        grid = (triton.cdiv(rows, BLOCK_M), triton.cdiv(out_features, BLOCK_N))
-        _binary_gemm_kernel[grid](
-            x[starts[k] :],
-            packed.bits,
-            packed.scales,
-            out[starts[k] :],
-            rows,
-            out_features,
-            in_features,
-            packed.group,
-            x.stride(0),
-            out.stride(0),
-            BLOCK_M=BLOCK_M,
-            BLOCK_N=BLOCK_N,
-            BLOCK_K=BLOCK_K,
-        )
+    accumulate(out, x, torch.arange(x.shape[0], device=x.device), weights, starts)
     return out

@@ -4,6 +4,7 @@
     python bench/serving.py --model qwen2.5-0.5b --variants 1,10,100 --new-tokens 8
     python bench/serving.py --model qwen2.5-0.5b --profile 100 --new-tokens 2
     python bench/serving.py --kernel 4864x896 --variants 100
+    python bench/serving.py --model qwen2.5-0.5b --variants 1,10,100,1000 --device cuda
 
 For each count n of distinct variants, a batch of B = max(n, --min-batch) rows (row r uses
 variant r % n) decodes --new-tokens tokens greedily with a KV cache after a prompt of
@@ -23,6 +24,10 @@ initialised model with Qwen2.5-0.5B's configuration; variants are random deltas
 (0.01 x N(0, 1) per weight) written as BitDelta envelopes with records as
 `gym-coordinator variant` writes them (group 128, float16 scales). Everything is float32 on
 the CPU; the bytes of a variant are compared with the bf16 model's (2 bytes per parameter).
+
+--device cuda runs the models in bfloat16 on the GPU, as `gym-serve --device cuda` does (the
+variants' products through the Triton kernel, the variants generated there too), synchronises
+before reading each clock, and reports the peak GPU memory allocated beside the peak RSS.
 
 --profile n times the decode steps of the base alone and of n distinct variants (mixed) on
 the same batch, then runs one more mixed step under cProfile and says where it went: the
@@ -76,9 +81,10 @@ def build_base(model: str, directory: Path) -> None:
     net.save_pretrained(directory)
 
 
-def write_variants(models: Path, count: int) -> None:
-    """Random variants var0001 .. of the base, as envelopes and records (missing ones only)."""
-    weights = load_weights(models / BASE)
+def write_variants(models: Path, count: int, device: str = "cpu") -> None:
+    """Random variants var0001 .. of the base, as envelopes and records (missing ones only),
+    their deltas drawn on `device`."""
+    weights = {k: v.to(device) for k, v in load_weights(models / BASE).items()}
     spec = CodecSpec("bitdelta", group_size=128)
     (models / "variants").mkdir(exist_ok=True)
     for i in range(1, count + 1):
@@ -86,8 +92,11 @@ def write_variants(models: Path, count: int) -> None:
         stem = models / "variants" / f"{version}-from-{BASE}"
         if stem.with_suffix(".json").exists():
             continue
-        gen = torch.Generator().manual_seed(i)
-        delta = {k: 0.01 * torch.randn(v.shape, generator=gen) for k, v in sorted(weights.items())}
+        gen = torch.Generator(device).manual_seed(i)
+        delta = {
+            k: 0.01 * torch.randn(v.shape, generator=gen, device=device)
+            for k, v in sorted(weights.items())
+        }
         payload = encode(delta, spec)
         stem.with_suffix(".zgde").write_bytes(payload)
         record = dict(
@@ -103,16 +112,30 @@ def write_variants(models: Path, count: int) -> None:
         stem.with_suffix(".json").write_text(json.dumps(record, sort_keys=True, indent=1))
 
 
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def _decode_once(model: torch.nn.Module, ids: torch.Tensor, new_tokens: int) -> float:
     out = model(ids, use_cache=True)
     past, token = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
     out = model(token, past_key_values=past, use_cache=True)  # one step untimed: warm-up
     past, token = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
+    _sync(ids.device)
     start = time.perf_counter()
     for _ in range(new_tokens):
         out = model(token, past_key_values=past, use_cache=True)
         past, token = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
+    _sync(ids.device)
     return time.perf_counter() - start
+
+
+def _load_base(models: Path, device: torch.device) -> PreTrainedModel:
+    """The base model as `gym-serve` runs it on `device`: float32 on the CPU, bfloat16 else."""
+    dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
+    model = AutoModelForCausalLM.from_pretrained(models / BASE, dtype=dtype)
+    return model.to(device).eval()  # type: ignore[no-any-return]
 
 
 def _best(runs: list[Callable[[], float]], repeats: int) -> list[float]:
@@ -125,8 +148,8 @@ def _best(runs: list[Callable[[], float]], repeats: int) -> list[float]:
     return best
 
 
-def _merged_copies(models: Path, n: int) -> list[torch.nn.Module]:
-    """One model per variant with P + decode(variant) loaded."""
+def _merged_copies(models: Path, n: int, device: torch.device) -> list[torch.nn.Module]:
+    """One model per variant with P + decode(variant) loaded, as the base runs on `device`."""
     from zoo_gym.coordinator.variants import apply_variant
 
     state = load_weights(models / BASE)  # as saved: a tied head is stored once
@@ -136,7 +159,8 @@ def _merged_copies(models: Path, n: int) -> list[torch.nn.Module]:
         copy = AutoModelForCausalLM.from_pretrained(models / BASE, dtype=torch.float32)
         missing = copy.load_state_dict(apply_variant(state, payload), strict=False)
         assert set(missing.missing_keys) <= {"lm_head.weight"}, missing  # tied to the embedding
-        copies.append(copy.eval())
+        dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
+        copies.append(copy.to(device, dtype).eval())
     return copies
 
 
@@ -146,15 +170,15 @@ def run_one(args: argparse.Namespace) -> dict[str, float]:
 
     models = Path(args.workdir) / args.model / "models"
     n, mode, steps = args.one_variants, args.one_mode, args.new_tokens
-    batch = max(n, args.min_batch)
-    base = AutoModelForCausalLM.from_pretrained(models / BASE, dtype=torch.float32).eval()
+    batch, device = max(n, args.min_batch), torch.device(args.device)
+    base = _load_base(models, device)
     ids = torch.randint(
         4, base.config.vocab_size, (batch, args.prompt), generator=torch.Generator().manual_seed(0)
-    )
+    ).to(device)
     figures: dict[str, float] = {"batch": batch}
     runs = [lambda: _decode_once(base, ids, steps)]
     if mode == "mixed":
-        store = VariantStore(models, BASE, budget_bytes=1 << 40)
+        store = VariantStore(models, BASE, budget_bytes=1 << 40, device=device)
         mixed = attach(base, store)
         rows = [store.get(f"var{1 + r % n:04d}") for r in range(batch)]
         figures["variant_bytes"] = store.nbytes / n
@@ -165,13 +189,15 @@ def run_one(args: argparse.Namespace) -> dict[str, float]:
 
         runs.append(run_mixed)
     elif mode == "merged":
-        copies = _merged_copies(models, n)  # each copy decodes its own rows
+        copies = _merged_copies(models, n, device)  # each copy decodes its own rows
         runs.append(lambda: sum(_decode_once(c, ids[k::n], steps) for k, c in enumerate(copies)))
     with torch.no_grad():
         seconds = _best(runs, args.repeats)
     figures["base_tokens_per_s"] = batch * steps / seconds[0]
     figures["tokens_per_s"] = batch * steps / seconds[-1]
     figures["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    if device.type == "cuda":
+        figures["peak_gpu_mib"] = torch.cuda.max_memory_allocated(device) / 2**20
     return figures
 
 
@@ -213,11 +239,11 @@ def profile(args: argparse.Namespace) -> None:
 
     models = Path(args.workdir) / args.model / "models"
     n, steps = args.profile, args.new_tokens
-    batch = max(n, args.min_batch)
-    base = AutoModelForCausalLM.from_pretrained(models / BASE, dtype=torch.float32).eval()
+    batch, device = max(n, args.min_batch), torch.device(args.device)
+    base = _load_base(models, device)
     gen = torch.Generator().manual_seed(0)
-    ids = torch.randint(4, base.config.vocab_size, (batch, args.prompt), generator=gen)
-    store = VariantStore(models, BASE, budget_bytes=1 << 40)
+    ids = torch.randint(4, base.config.vocab_size, (batch, args.prompt), generator=gen).to(device)
+    store = VariantStore(models, BASE, budget_bytes=1 << 40, device=device)
     mixed = attach(base, store)
     rows = [store.get(f"var{1 + r % n:04d}") for r in range(batch)]
 
@@ -301,6 +327,7 @@ def _measure(args: argparse.Namespace, n: int, mode: str) -> dict[str, float]:
     command = [sys.executable, __file__, "--model", args.model, "--workdir", args.workdir]
     command += ["--min-batch", str(args.min_batch), "--prompt", str(args.prompt)]
     command += ["--new-tokens", str(args.new_tokens), "--repeats", str(args.repeats)]
+    command += ["--device", args.device]
     command += ["--one-variants", str(n), "--one-mode", mode]
     if args.lock:
         command = ["flock", args.lock, *command]
@@ -324,10 +351,13 @@ def _row(args: argparse.Namespace, n: int, params: int) -> str:
         return f"{figures['tokens_per_s']:.1f} | {ratio:.2f}"
 
     share = f"1/{2 * params / mixed['variant_bytes']:.1f}" if mixed else "-"
-    rss = " / ".join(f"{f['peak_rss_mib']:.0f}" if f else "-" for f in (base, mixed, merged))
+    runs = (base, mixed, merged)
+    memory = " / ".join(f"{f['peak_rss_mib']:.0f}" if f else "-" for f in runs)
+    if args.device != "cpu":
+        memory += " | " + " / ".join(f"{f['peak_gpu_mib']:.0f}" if f else "-" for f in runs)
     return (
         f"| {n} | {base['batch']:.0f} | {base['tokens_per_s']:.1f} | {rate(mixed)} | "
-        f"{rate(merged)} | {share} | {rss} |"
+        f"{rate(merged)} | {share} | {memory} |"
     )
 
 
@@ -345,6 +375,7 @@ def main() -> None:
     parser.add_argument("--mixed-limit", type=float, default=12 * 2**30, help="bytes of variants")
     parser.add_argument("--profile", type=int, default=0, help="profile n distinct variants")
     parser.add_argument("--kernel", default="", help="OUTxIN: the kernel alone on one layer")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda (bfloat16 there)")
     parser.add_argument("--one-variants", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--one-mode", default="", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -357,20 +388,24 @@ def main() -> None:
     counts = [args.profile] if args.profile else [int(c) for c in args.variants.split(",")]
     models = Path(args.workdir) / args.model / "models"
     build_base(args.model, models / BASE)
-    write_variants(models, max(counts))
+    write_variants(models, max(counts), args.device)
     if args.profile:
         profile(args)
         return
     params = sum(t.numel() for t in load_weights(models / BASE).values())
+    where = f"{torch.get_num_threads()} threads"
+    if args.device != "cpu":
+        where = f"{torch.cuda.get_device_name(args.device)}, bfloat16"
     print(
         f"{args.model}: {params:,} parameters, bf16 {2 * params / 2**20:.1f} MiB; "
-        f"prompt {args.prompt}, {args.new_tokens} new tokens, {torch.get_num_threads()} threads"
+        f"prompt {args.prompt}, {args.new_tokens} new tokens, {where}"
     )
+    gpu = (" | peak GPU MiB base / mixed / merged", "|---") if args.device != "cpu" else ("", "")
     print(
         "| variants | batch | base tok/s | mixed tok/s | mixed / base | merged tok/s | "
-        "merged / base | variant / bf16 model | peak RSS MiB base / mixed / merged |"
+        f"merged / base | variant / bf16 model | peak RSS MiB base / mixed / merged{gpu[0]} |"
     )
-    print("|---|---|---|---|---|---|---|---|---|")
+    print(f"|---|---|---|---|---|---|---|---|---{gpu[1]}|")
     for n in counts:
         print(_row(args, n, params), flush=True)
 

@@ -98,3 +98,25 @@ def test_variants_of_different_group_sizes_in_one_batch() -> None:
 
     expected = binary.product_reference(x, weights, [0, 2, 3])
     torch.testing.assert_close(got.cpu(), expected, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("group", [128, 24])
+def test_add_rows_adds_each_positions_looked_up_delta_row(group: int) -> None:
+    """An embedding's rows: position p of variant k gets row ids[p] of D_k, in one launch."""
+    gen = torch.Generator().manual_seed(group)
+    weights = _variants(gen, 2, 50, 96, group)  # a vocabulary of 50 tokens of width 96
+    ids = torch.randint(0, 50, (6,), generator=gen)
+    rows, starts = torch.tensor([4, 0, 5, 2]), [0, 1, 4]  # positions 1 and 3: the base
+    before = torch.randn(6, 96, generator=gen)
+    out = before.clone().to(DEVICE)
+
+    serving_kernels.add_rows(
+        out, ids.to(DEVICE), rows.to(DEVICE), [w.to(DEVICE) for w in weights], starts
+    )
+
+    expected = before.clone()
+    for k, w in enumerate(weights):
+        mine = rows[starts[k] : starts[k + 1]]
+        expected[mine] += w.decode_rows(ids[mine])
+    torch.testing.assert_close(out.cpu(), expected)
+    assert torch.equal(out[[1, 3]].cpu(), before[[1, 3]])

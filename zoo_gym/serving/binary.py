@@ -147,7 +147,7 @@ def accumulate(
     if not prepared.weights or len(rows) == 0:
         return
     first = prepared.weights[0]
-    if out.is_cuda and kernels.available():
+    if on_gpu(out):
         from zoo_gym.serving import kernels as triton_kernels
 
         triton_kernels.accumulate(out, x, rows, prepared.weights, starts, prepared.addresses)
@@ -170,6 +170,22 @@ def accumulate(
     picked = x.index_select(0, rows).float()
     delta = product(picked, prepared.weights, starts, threads=threads)
     out.index_add_(0, rows, delta.to(out.dtype))
+
+
+def on_gpu(out: Tensor) -> bool:
+    """Whether the Triton kernels run for an output on `out`'s device (CUDA with Triton)."""
+    return out.is_cuda and kernels.available()
+
+
+def add_rows(
+    out: Tensor, ids: Tensor, rows: Tensor, prepared: Operands, starts: Sequence[int]
+) -> None:
+    """``out[rows[j]] += D_k[ids[rows[j]]]`` for the entries j in starts[k] .. starts[k + 1]
+    of `rows` and each variant k of `prepared` (an embedding's (V, cols) weights): the rows
+    each position looks up, every variant in one launch. CUDA tensors only (`on_gpu`)."""
+    from zoo_gym.serving import kernels as triton_kernels
+
+    triton_kernels.add_rows(out, ids, rows, prepared.weights, starts, prepared.addresses)
 
 
 def product(

@@ -26,6 +26,7 @@ each row of the output belongs to one variant. Bit layout and groups as `zoo_gym
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import torch
@@ -39,6 +40,7 @@ BLOCK_M = 16  # rows of x per step (tl.dot needs 16 or more)
 BLOCK_N = 64  # outputs per program
 WIDE_K = 128  # inputs per step where a step lies in one group
 NARROW_K = 32  # inputs per step elsewhere
+ROWS_BLOCK = 256  # values of an embedding row per program
 
 
 @triton.jit
@@ -119,6 +121,83 @@ def _accumulate_kernel(
         tl.store(o_at, (current + acc).to(out_ptr.dtype.element_ty), mask=o_mask)
 
 
+@triton.jit
+def _rows_kernel(
+    out_ptr,
+    ids_ptr,
+    rows_ptr,
+    starts_ptr,
+    bits_table,
+    scales_table,
+    scale_like,
+    cols,
+    group,
+    stride_out,
+    BLOCK: tl.constexpr,
+):
+    v = tl.program_id(0)
+    rc = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    c_mask = rc < cols
+    bits_ptr = tl.load(bits_table + v).to(tl.pointer_type(tl.uint8))
+    scale_ptr = tl.load(scales_table + v).to(tl.pointer_type(scale_like.dtype.element_ty))
+    for j in range(tl.load(starts_ptr + v), tl.load(starts_ptr + v + 1)):
+        row = tl.load(rows_ptr + j).to(tl.int64)
+        flat = tl.load(ids_ptr + row).to(tl.int64) * cols + rc
+        byte = tl.load(bits_ptr + flat // 8, mask=c_mask, other=0).to(tl.int32)
+        scale = tl.load(scale_ptr + flat // group, mask=c_mask, other=0.0).to(tl.float32)
+        value = tl.where(((byte >> (7 - (flat % 8)).to(tl.int32)) & 1) != 0, scale, -scale)
+        at = out_ptr + row * stride_out + rc
+        current = tl.load(at, mask=c_mask, other=0.0).to(tl.float32)
+        tl.store(at, (current + value).to(out_ptr.dtype.element_ty), mask=c_mask)
+
+
+def add_rows(
+    out: Tensor,
+    ids: Tensor,
+    rows: Tensor,
+    weights: Sequence[PackedTensor],
+    starts: Sequence[int],
+    addresses: Tensor | None = None,
+) -> None:
+    """``out[rows[j]] += D_k[ids[rows[j]]]`` for the entries j in starts[k] .. starts[k + 1]
+    of `rows` and each variant k of `weights` (each (V, cols), one group size and scale dtype,
+    on `out`'s device): an embedding's looked-up rows of every variant in one launch. `ids`
+    (X,) integer, out (X, cols) of unit stride along a row, any float dtype."""
+    if not weights or len(rows) == 0:
+        return
+    first = weights[0]
+    if any(w.group != first.group or w.scales.dtype != first.scales.dtype for w in weights):
+        for k, packed in enumerate(weights):  # one launch needs one group size and scale dtype
+            mine = rows[starts[k] : starts[k + 1]]
+            add_rows(out, ids, mine, [packed], [0, len(mine)])
+        return
+    if out.stride(-1) != 1:
+        raise ValueError("add_rows adds in place into rows of unit stride; pass a contiguous out")
+    cols = first.shape[1]
+    addresses = table(weights) if addresses is None else addresses
+    grid = (len(weights), triton.cdiv(cols, ROWS_BLOCK))
+    _rows_kernel[grid](
+        out,
+        ids,
+        rows,
+        _bounds(tuple(starts), out.device),
+        addresses[0],
+        addresses[1],
+        first.scales,
+        cols,
+        first.group,
+        out.stride(0),
+        BLOCK=ROWS_BLOCK,
+    )
+
+
+@functools.lru_cache(maxsize=256)
+def _bounds(starts: tuple[int, ...], device: torch.device) -> Tensor:
+    """`starts` as an int64 tensor on `device`, made once: a copy to the GPU on every call
+    would wait for the queue of kernels ahead of it."""
+    return torch.tensor(starts, dtype=torch.int64, device=device)
+
+
 def table(weights: Sequence[PackedTensor]) -> Tensor:
     """(2, V) int64 on the weights' device: each variant's address of its signs and of its
     scales, what `accumulate` hands the kernel (the weights must stay alive while it is used)."""
@@ -156,13 +235,12 @@ def accumulate(
         x = x.float()
     row_groups = in_features % first.group == 0 and first.group % WIDE_K == 0
     addresses = table(weights) if addresses is None else addresses
-    bounds = torch.as_tensor(starts, dtype=torch.int64).to(x.device)
     grid = (len(weights), triton.cdiv(out_features, BLOCK_N))
     _accumulate_kernel[grid](
         x,
         out,
         rows.to(torch.int64),
-        bounds,
+        _bounds(tuple(starts), x.device),
         addresses[0],
         addresses[1],
         first.scales,

@@ -396,6 +396,17 @@ class MixedModel:
             rows = self._active(output.shape[0])
             if rows is None:
                 return None
+            if binary.on_gpu(output):  # every variant's looked-up rows in one launch
+                flat, starts = rows.flat(args[0][0].numel())  # rows x positions
+                output = output.contiguous()
+                binary.add_rows(
+                    output.view(-1, output.shape[-1]),
+                    args[0].reshape(-1),
+                    flat,
+                    rows.operands(weight),
+                    starts,
+                )
+                return output
             for k, variant in enumerate(rows.variants):
                 mine = rows.order[rows.starts[k] : rows.starts[k + 1]]
                 ids = args[0].index_select(0, mine)

@@ -23,9 +23,11 @@ from __future__ import annotations
 
 import bisect
 import itertools
+import logging
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -44,6 +46,9 @@ from zoo_gym.core.delta import Layout
 
 __all__ = ["PayloadColumns"]
 
+logger = logging.getLogger(__name__)
+
+_SLAB = 1 << 26  # bytes of one host slab on the way to the device, at most
 _SCALE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}
 _RAW_BYTES = {"none": 4, "fp16": 2, "bf16": 2}
 
@@ -64,7 +69,14 @@ class PayloadColumns:
     padding), as `decode_into` would; content errors found while decoding a range (a
     non-finite raw value, an invalid quantiser code) raise `EnvelopeError` then. `budget`
     is the number of bytes a rule may spend per chunk (see
-    `zoo_gym.aggregation.columns`); chunks are decoded on the CPU and moved to `device`.
+    `zoo_gym.aggregation.columns`).
+
+    Where every tensor is BitDelta with one group and scale dtype in every payload and
+    `resident` (by default: when `device` is not the CPU), the sign bytes and scales go to
+    `device` once, here (about 1.1 bits a value; built in host slabs within `budget`), and
+    each chunk is decoded there by torch ops, equal to the host decode bit for bit: no chunk
+    crosses the bus. Otherwise, or where the upload runs out of device memory (one warning),
+    chunks are decoded on the CPU and moved to `device`.
     """
 
     def __init__(
@@ -76,6 +88,7 @@ class PayloadColumns:
         budget: int,
         device: torch.device | str | None = None,
         headers: Sequence[EnvelopeHeader] | None = None,
+        resident: bool | None = None,
     ) -> None:
         if budget < 1:
             raise ValueError(f"budget must be a positive number of bytes, got {budget}")
@@ -89,6 +102,22 @@ class PayloadColumns:
         self._signs = _SignColumns.of(self.payloads, self.headers, self._starts)
         covered = set() if self._signs is None else self._signs.covered
         self._rows = [t for t in range(len(layout)) if t not in covered]  # decoded row by row
+        if resident is None:
+            resident = self._device.type != "cpu"
+        if resident and self._signs is not None and not self._rows:
+            self._upload()
+
+    def _upload(self) -> None:
+        """Sign bytes and scales to the device, or the host path where they do not fit."""
+        assert self._signs is not None
+        try:
+            self._signs.upload(self._device, min(self._budget, _SLAB))
+        except torch.OutOfMemoryError:
+            logger.warning(
+                "the payloads' signs and scales do not fit in %s memory: decoding column "
+                "chunks on the CPU and copying them there instead",
+                self._device,
+            )
 
     @staticmethod
     def check(payload: bytes, layout: Layout, max_elements: int) -> EnvelopeHeader:
@@ -122,15 +151,21 @@ class PayloadColumns:
     def budget(self) -> int | None:
         return self._budget
 
+    @property
+    def resident(self) -> bool:
+        """Whether chunks are decoded from sign bytes and scales held on `device`."""
+        return self._signs is not None and self._signs.uploaded
+
     def columns(self, start: int, stop: int, rows: Sequence[int] | None = None) -> Tensor:
-        """Columns [start, stop) of the decoded updates `(len(rows), stop - start)` float32,
-        row j decoded from payload `rows[j]` (all payloads when None)."""
+        """Columns [start, stop) of the decoded updates `(len(rows), stop - start)` float32
+        on `device`, row j decoded from payload `rows[j]` (all payloads when None)."""
         if not 0 <= start <= stop <= self.d:
             raise ValueError(f"column range [{start}, {stop}) outside [0, {self.d})")
         order = range(self.n) if rows is None else rows
-        out = torch.empty((len(order), stop - start), dtype=torch.float32)
+        where = torch.device("cpu") if self._signs is None else self._signs.device
+        out = torch.empty((len(order), stop - start), dtype=torch.float32, device=where)
         if self._signs is not None:
-            self._signs.decode(order, start, stop, out)
+            self._signs.decode(rows, start, stop, out)
         pieces = [t for t in self._rows if self._starts[t] < stop and start < self._starts[t + 1]]
         if pieces:
             for j, i in enumerate(order):
@@ -183,6 +218,161 @@ class _SignTensor:
     data: tuple[int, ...]  # (n,) byte offset of the tensor's sign bytes in each payload
     scales: tuple[int, ...]  # (n,) byte offset of its scales in each payload
 
+    @property
+    def nbytes(self) -> int:
+        return -(-self.numel // 8)
+
+    @property
+    def padded_groups(self) -> int:
+        """Groups that values up to the end of the last byte reach (beyond `n_groups` when
+        that byte's padding passes the last group)."""
+        return max(self.n_groups, -(-self.nbytes * 8 // self.group))
+
+
+class _Rows(Protocol):
+    """The sign bytes and scales of one tensor for some rows (m of them), and the table
+    lookup that turns bytes into +-1 values, on the device the values are written on."""
+
+    m: int
+    device: torch.device
+
+    def signs(self, tensor: int, first: int, count: int) -> Tensor:
+        """Bytes [first, first + count) of the tensor in each row, (m, count) uint8."""
+        ...
+
+    def scales(self, tensor: int, first: int, count: int) -> Tensor:
+        """Scales [first, first + count) of the tensor in each row (0 from its `n_groups`
+        on), (m, count) float32."""
+        ...
+
+    def values(self, signs: Tensor, target: Tensor) -> None:
+        """The +-1.0 values of `signs` (m, k) uint8 into `target` (m, 8 k) float32."""
+        ...
+
+
+class _HostRows:
+    """Rows read from the payloads' bytes in host memory, copied per range."""
+
+    device = torch.device("cpu")
+
+    def __init__(
+        self,
+        arrays: list[NDArray[np.uint8]],
+        tensors: list[_SignTensor | None],
+        rows: Sequence[int],
+    ) -> None:
+        self._arrays, self._tensors, self._rows = arrays, tensors, rows
+        self.m = len(rows)
+
+    def signs(self, tensor: int, first: int, count: int) -> Tensor:
+        t = self._tensors[tensor]
+        assert t is not None
+        return torch.from_numpy(self._gather(t.data, first, count, t.nbytes, 1))
+
+    def scales(self, tensor: int, first: int, count: int) -> Tensor:
+        t = self._tensors[tensor]
+        assert t is not None
+        raw = self._gather(t.scales, first, count, t.n_groups, t.scale_bytes)
+        return torch.from_numpy(raw).view(t.scale_dtype).float()
+
+    def values(self, signs: Tensor, target: Tensor) -> None:
+        packed, values = signs.numpy(), target.view(self.m, -1, 8).numpy()  # (m, k, 8)
+        if values.flags.c_contiguous:
+            bitdelta.sign_values_into(packed, values)
+        else:  # a part of the chunk's rows: NumPy would take into a copy and write it back
+            for j in range(self.m):
+                bitdelta.sign_values_into(packed[j], values[j])
+
+    def _gather(
+        self, offsets: tuple[int, ...], first: int, count: int, avail: int, width: int
+    ) -> NDArray[np.uint8]:
+        """(m, count * width) bytes: items [first, first + count) of `width` bytes each
+        from `offsets[i]` of each payload i in the rows, zeros for items from `avail` on."""
+        real = max(0, min(count, avail - first)) * width
+        out = np.empty((self.m, count * width), dtype=np.uint8)
+        out[:, real:] = 0
+        for j, i in enumerate(self._rows):
+            at = offsets[i] + first * width
+            out[j, :real] = self._arrays[i][at : at + real]
+        return out
+
+
+class _DeviceRows:
+    """Rows read from the sign bytes and scales held on the device (see `_Resident`)."""
+
+    def __init__(self, resident: _Resident, rows: Sequence[int] | None) -> None:
+        self._resident = resident
+        self.device = resident.device
+        self._index = None
+        if rows is not None:
+            self._index = torch.tensor(list(rows), dtype=torch.long, device=self.device)
+        self.m = resident.n if rows is None else len(rows)
+
+    def signs(self, tensor: int, first: int, count: int) -> Tensor:
+        return self._select(self._resident.signs[tensor][:, first : first + count])
+
+    def scales(self, tensor: int, first: int, count: int) -> Tensor:
+        return self._select(self._resident.scales[tensor][:, first : first + count]).float()
+
+    def values(self, signs: Tensor, target: Tensor) -> None:
+        index = signs.reshape(-1).to(torch.int32)
+        table = self._resident.table
+        if target.is_contiguous():
+            torch.index_select(table, 0, index, out=target.view(-1, 8))
+        else:  # the tensor's part of a chunk that spans several tensors
+            target.view(self.m, -1, 8).copy_(table.index_select(0, index).view(self.m, -1, 8))
+
+    def _select(self, columns: Tensor) -> Tensor:
+        return columns if self._index is None else columns.index_select(0, self._index)
+
+
+class _Resident:
+    """The sign bytes `(n, ceil(numel / 8))` uint8 and scales `(n, padded_groups)` (in the
+    payloads' scale dtype, zero past `n_groups`) of every tensor, uploaded to `device` once,
+    and the `(256, 8)` float32 sign table there. The host builds them in slabs of at most
+    `budget` bytes (a row longer than that in several), never a whole `(n, bytes)` copy."""
+
+    def __init__(
+        self,
+        arrays: list[NDArray[np.uint8]],
+        tensors: list[_SignTensor],
+        device: torch.device,
+        budget: int,
+    ) -> None:
+        self.n, self.device = len(arrays), device
+        self.table = bitdelta.sign_values(torch.arange(256, dtype=torch.uint8)).view(256, 8)
+        self.table = self.table.to(device)
+        self.signs: list[Tensor] = []
+        self.scales: list[Tensor] = []
+        for t in tensors:
+            signs = torch.empty((self.n, t.nbytes), dtype=torch.uint8, device=device)
+            _upload(arrays, t.data, signs, budget)
+            scales = torch.zeros(
+                (self.n, t.padded_groups * t.scale_bytes), dtype=torch.uint8, device=device
+            )
+            _upload(arrays, t.scales, scales[:, : t.n_groups * t.scale_bytes], budget)
+            self.signs.append(signs)
+            self.scales.append(scales.view(t.scale_dtype))
+
+
+def _upload(
+    arrays: list[NDArray[np.uint8]], offsets: tuple[int, ...], out: Tensor, budget: int
+) -> None:
+    """Bytes [offsets[i], offsets[i] + width) of each payload i into row i of `out` (n,
+    width) uint8 on its device, through host slabs of at most `budget` bytes."""
+    n, width = out.shape
+    cols = max(1, min(width, budget))
+    step = max(1, budget // cols)
+    slab = np.empty((min(n, step), cols), dtype=np.uint8)
+    for c0 in range(0, width, cols):
+        c = min(cols, width - c0)
+        for r0 in range(0, n, step):
+            r = min(step, n - r0)
+            for j in range(r):
+                at = offsets[r0 + j] + c0
+                slab[j, :c] = arrays[r0 + j][at : at + c]
+            out[r0 : r0 + r, c0 : c0 + c].copy_(torch.from_numpy(slab[:r, :c]))
+
 
 class _SignColumns:
     """Column ranges of the BitDelta tensors of n envelopes of one layout, decoded for all
@@ -190,10 +380,13 @@ class _SignColumns:
 
     A tensor is taken (`covered`) when it is BitDelta with one group and scale dtype in
     every payload: a column range then covers the same bytes and groups of every payload,
-    so they are computed once per tensor, each row's bytes and scales copied into one `(m,
+    so they are computed once per tensor, the rows' bytes and scales taken as one `(m,
     bytes)` and one `(m, groups)` array, and the values written by one sign-table lookup and
     one scaling per group run straight into the output chunk. Values of a range that starts
     or ends inside a byte are decoded from that byte into an `(m, 8)` scratch and copied.
+
+    The bytes and scales are copied per range from the payloads in host memory, or, after
+    `upload`, sliced from their copies on a device, where the chunk is then written.
     """
 
     def __init__(
@@ -206,6 +399,7 @@ class _SignColumns:
         self._arrays = [np.frombuffer(p, dtype=np.uint8) for p in payloads]
         self._tensors = tensors
         self.covered = frozenset(t for t, tensor in enumerate(tensors) if tensor is not None)
+        self._resident: _Resident | None = None
 
     @classmethod
     def of(
@@ -220,76 +414,80 @@ class _SignColumns:
             return None
         return cls(payloads, tensors, starts)
 
-    def decode(self, rows: Sequence[int], start: int, stop: int, out: Tensor) -> None:
-        """Columns [start, stop) of payloads `rows` into `out` (len(rows), stop - start)."""
+    @property
+    def uploaded(self) -> bool:
+        return self._resident is not None
+
+    @property
+    def device(self) -> torch.device:
+        """Where `decode` writes: the CPU, or the device of the uploaded bytes."""
+        return torch.device("cpu") if self._resident is None else self._resident.device
+
+    def upload(self, device: torch.device, budget: int) -> None:
+        """Copy the sign bytes and scales of every tensor (all covered) to `device` once,
+        through host slabs of at most `budget` bytes; ranges are decoded there from then on.
+        Raises `torch.OutOfMemoryError` where they do not fit, leaving the host path."""
+        tensors = [t for t in self._tensors if t is not None]
+        if len(tensors) != len(self._tensors):
+            raise ValueError("only payloads whose every tensor is covered can be uploaded")
+        self._resident = _Resident(self._arrays, tensors, device, budget)
+
+    def decode(self, rows: Sequence[int] | None, start: int, stop: int, out: Tensor) -> None:
+        """Columns [start, stop) of payloads `rows` (all, in order, when None) into `out`
+        (len(rows), stop - start) on `device`."""
+        source: _Rows
+        if self._resident is None:
+            order = range(len(self._arrays)) if rows is None else rows
+            source = _HostRows(self._arrays, self._tensors, order)
+        else:
+            source = _DeviceRows(self._resident, rows)
         t = bisect.bisect_right(self._starts, start) - 1
         while t < len(self._tensors) and self._starts[t] < stop:
             t0, tensor = self._starts[t], self._tensors[t]
             lo, hi = max(start, t0) - t0, min(stop, self._starts[t + 1]) - t0
             if lo < hi and tensor is not None:
                 target = out[:, t0 + lo - start : t0 + hi - start]
-                self._decode_piece(tensor, rows, lo, hi, target)
+                _decode_piece(source, t, tensor.group, lo, hi, target)
             t += 1
 
-    def _decode_piece(
-        self, tensor: _SignTensor, rows: Sequence[int], lo: int, hi: int, target: Tensor
-    ) -> None:
-        """Values [lo, hi) of one tensor into `target` (m, hi - lo): the whole bytes in place,
-        the values of a byte cut by lo or hi through a scratch."""
-        a0, a1 = -(-lo // 8) * 8, hi // 8 * 8
-        if a0 < a1:
-            self._decode_span(tensor, rows, a0, a1, target[:, a0 - lo : a1 - lo])
-        edges = [(lo, min(a0, hi))] if lo < a0 else []
-        if a0 <= a1 < hi:
-            edges.append((a1, hi))
-        for e0, e1 in edges:
-            base = e0 // 8 * 8
-            scratch = torch.empty((len(rows), 8), dtype=torch.float32)
-            self._decode_span(tensor, rows, base, base + 8, scratch)
-            target[:, e0 - lo : e1 - lo].copy_(scratch[:, e0 - base : e1 - base])
 
-    def _decode_span(
-        self, tensor: _SignTensor, rows: Sequence[int], v0: int, v1: int, target: Tensor
-    ) -> None:
-        """Values [v0, v1) (whole bytes; v1 may pass the tensor's end inside its last byte)
-        of one tensor into `target` (m, v1 - v0), unit stride along a row."""
-        group, m = tensor.group, len(rows)
-        signs = self._gather(tensor.data, rows, v0 // 8, (v1 - v0) // 8, -(-tensor.numel // 8), 1)
-        g0, g1 = v0 // group, -(-v1 // group)
-        raw = self._gather(tensor.scales, rows, g0, g1 - g0, tensor.n_groups, tensor.scale_bytes)
-        scales = torch.from_numpy(raw).view(tensor.scale_dtype).float()  # (m, g1 - g0)
-        values = target.view(m, -1, 8).numpy()  # (m, bytes, 8)
-        if values.flags.c_contiguous:
-            bitdelta.sign_values_into(signs, values)
-        else:  # a part of the chunk's rows: NumPy would take into a copy and write it back
-            for j in range(m):
-                bitdelta.sign_values_into(signs[j], values[j])
-        head = min(v1, (g0 + 1) * group) - v0  # the values of group g0
-        target[:, :head].mul_(scales[:, :1])
-        if g1 - g0 > 1:
-            last = (g1 - 1) * group - v0  # where the last group starts
-            middle = target[:, head:last].view(m, g1 - g0 - 2, group)
-            middle.mul_(scales[:, 1:-1, None])
-            target[:, last:].mul_(scales[:, -1:])
+def _decode_piece(source: _Rows, t: int, group: int, lo: int, hi: int, target: Tensor) -> None:
+    """Values [lo, hi) of tensor `t` into `target` (m, hi - lo): the whole bytes in place,
+    the values of a byte cut by lo or hi through a scratch."""
+    a0, a1 = -(-lo // 8) * 8, hi // 8 * 8
+    if a0 < a1:
+        _decode_span(source, t, group, a0, a1, target[:, a0 - lo : a1 - lo])
+    edges = [(lo, min(a0, hi))] if lo < a0 else []
+    if a0 <= a1 < hi:
+        edges.append((a1, hi))
+    for e0, e1 in edges:
+        base = e0 // 8 * 8
+        scratch = torch.empty((source.m, 8), dtype=torch.float32, device=source.device)
+        _decode_span(source, t, group, base, base + 8, scratch)
+        target[:, e0 - lo : e1 - lo].copy_(scratch[:, e0 - base : e1 - base])
 
-    def _gather(
-        self,
-        offsets: tuple[int, ...],
-        rows: Sequence[int],
-        first: int,
-        count: int,
-        avail: int,
-        width: int,
-    ) -> NDArray[np.uint8]:
-        """(len(rows), count * width) bytes: items [first, first + count) of `width` bytes
-        each from `offsets[i]` of each payload i in `rows`, zeros for items from `avail` on."""
-        real = min(count, avail - first) * width
-        out = np.empty((len(rows), count * width), dtype=np.uint8)
-        out[:, real:] = 0
-        for j, i in enumerate(rows):
-            at = offsets[i] + first * width
-            out[j, :real] = self._arrays[i][at : at + real]
-        return out
+
+def _decode_span(source: _Rows, t: int, group: int, v0: int, v1: int, target: Tensor) -> None:
+    """Values [v0, v1) (whole bytes; v1 may pass the tensor's end inside its last byte)
+    of tensor `t` into `target` (m, v1 - v0), unit stride along a row."""
+    g0, g1 = v0 // group, -(-v1 // group)
+    source.values(source.signs(t, v0 // 8, (v1 - v0) // 8), target)
+    _scale_groups(target, source.scales(t, g0, g1 - g0), v0, v1, group)
+
+
+def _scale_groups(target: Tensor, scales: Tensor, v0: int, v1: int, group: int) -> None:
+    """Multiply values [v0, v1) of a tensor, held in `target` (m, v1 - v0) (unit stride
+    along a row, on any device), by their groups' scales `scales` (m, groups from v0 //
+    group on) float32, in place: one multiplication for each run of whole groups and one
+    for each cut group at either end."""
+    m, g0, g1 = target.shape[0], v0 // group, -(-v1 // group)
+    head = min(v1, (g0 + 1) * group) - v0  # the values of group g0
+    target[:, :head].mul_(scales[:, :1])
+    if g1 - g0 > 1:
+        last = (g1 - 1) * group - v0  # where the last group starts
+        middle = target[:, head:last].view(m, g1 - g0 - 2, group)
+        middle.mul_(scales[:, 1:-1, None])
+        target[:, last:].mul_(scales[:, -1:])
 
 
 def _sign_tensor(headers: Sequence[EnvelopeHeader], t: int) -> _SignTensor | None:

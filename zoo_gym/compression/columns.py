@@ -315,7 +315,7 @@ class _DeviceRows:
         return self._select(self._resident.scales[tensor][:, first : first + count]).float()
 
     def values(self, signs: Tensor, target: Tensor) -> None:
-        index = signs.reshape(-1).to(torch.int32)
+        index = signs.to(torch.int32).reshape(-1)  # (m k,): one copy of the sliced view
         table = self._resident.table
         if target.is_contiguous():
             torch.index_select(table, 0, index, out=target.view(-1, 8))

@@ -15,8 +15,9 @@ that budget), so n x d never has to fit.
 
 Decoding and aggregation run on the coordinator's `device` ("auto": the first CUDA device when
 PyTorch sees one, else the CPU). On CUDA the envelopes are decoded (and, for fused FedAvg,
-accumulated) by the Triton kernels (`zoo_gym.compression.kernels.active_for`); the round's
-update and rows come back to the CPU. On the CPU nothing changes.
+accumulated) by the Triton kernels (`zoo_gym.compression.kernels.active_for`), and a column
+source over BitDelta payloads holds their signs and scales on the GPU, decoding each chunk
+there; the round's update and rows come back to the CPU. On the CPU nothing changes.
 """
 
 from __future__ import annotations

@@ -2,9 +2,10 @@
 
 For each variant k with rows x_k (M_k, K) and a delta D_k (N, K) stored as packed signs and group
 scales, ``out[rows_k] += x[rows_k] @ D_k^T``: one launch per layer for every variant of a batch
-(a grid of variants x blocks of outputs; each program finds its variant's signs and scales through
-a table of addresses), so a decode step of 100 distinct variants costs one launch per linear layer,
-not one per variant. As in BitDelta [Liu et al., 2024], the signs are never materialised in memory:
+(a grid of variants x blocks of outputs x up to `MAX_SPLIT` programs sharing a variant's blocks of
+rows, the positions of a prompt; each program finds its variant's signs and scales through a
+table of addresses), so a decode step of 100 distinct variants costs one launch per linear layer,
+not one per variant, and a long prompt of one variant still fills the GPU. As in BitDelta [Liu et al., 2024], the signs are never materialised in memory:
 each program decodes a (BLOCK_N, BLOCK_K) tile of signs from the packed bytes in registers.
 
 - Where every row holds whole groups and a block of inputs lies in one group (``K % group == 0``
@@ -27,6 +28,7 @@ each row of the output belongs to one variant. Bit layout and groups as `zoo_gym
 from __future__ import annotations
 
 import functools
+import itertools
 from collections.abc import Sequence
 
 import torch
@@ -41,6 +43,7 @@ BLOCK_N = 64  # outputs per program
 WIDE_K = 128  # inputs per step where a step lies in one group
 NARROW_K = 32  # inputs per step elsewhere
 ROWS_BLOCK = 256  # values of an embedding row per program
+MAX_SPLIT = 128  # programs that share one variant's rows (a prompt's positions) per block
 
 
 @triton.jit
@@ -93,7 +96,7 @@ def _accumulate_kernel(
     r1 = tl.load(starts_ptr + v + 1)
     bits_ptr = tl.load(bits_table + v).to(tl.pointer_type(tl.uint8))
     scale_ptr = tl.load(scales_table + v).to(tl.pointer_type(scale_like.dtype.element_ty))
-    for m0 in range(r0, r1, BLOCK_M):
+    for m0 in range(r0 + tl.program_id(2) * BLOCK_M, r1, BLOCK_M * tl.num_programs(2)):
         jm = m0 + tl.arange(0, BLOCK_M)
         m_mask = jm < r1
         rid = tl.load(rows_ptr + jm, mask=m_mask, other=0).to(tl.int64)
@@ -140,7 +143,8 @@ def _rows_kernel(
     c_mask = rc < cols
     bits_ptr = tl.load(bits_table + v).to(tl.pointer_type(tl.uint8))
     scale_ptr = tl.load(scales_table + v).to(tl.pointer_type(scale_like.dtype.element_ty))
-    for j in range(tl.load(starts_ptr + v), tl.load(starts_ptr + v + 1)):
+    first, stop = tl.load(starts_ptr + v), tl.load(starts_ptr + v + 1)
+    for j in range(first + tl.program_id(2), stop, tl.num_programs(2)):
         row = tl.load(rows_ptr + j).to(tl.int64)
         flat = tl.load(ids_ptr + row).to(tl.int64) * cols + rc
         byte = tl.load(bits_ptr + flat // 8, mask=c_mask, other=0).to(tl.int32)
@@ -175,12 +179,13 @@ def add_rows(
         raise ValueError("add_rows adds in place into rows of unit stride; pass a contiguous out")
     cols = first.shape[1]
     addresses = table(weights) if addresses is None else addresses
-    grid = (len(weights), triton.cdiv(cols, ROWS_BLOCK))
+    bounds, most = _bounds(tuple(starts), out.device)
+    grid = (len(weights), triton.cdiv(cols, ROWS_BLOCK), min(most, MAX_SPLIT))
     _rows_kernel[grid](
         out,
         ids,
         rows,
-        _bounds(tuple(starts), out.device),
+        bounds,
         addresses[0],
         addresses[1],
         first.scales,
@@ -192,10 +197,11 @@ def add_rows(
 
 
 @functools.lru_cache(maxsize=256)
-def _bounds(starts: tuple[int, ...], device: torch.device) -> Tensor:
-    """`starts` as an int64 tensor on `device`, made once: a copy to the GPU on every call
-    would wait for the queue of kernels ahead of it."""
-    return torch.tensor(starts, dtype=torch.int64, device=device)
+def _bounds(starts: tuple[int, ...], device: torch.device) -> tuple[Tensor, int]:
+    """`starts` as an int64 tensor on `device`, made once (a copy to the GPU on every call
+    would wait for the queue of kernels ahead of it), and the most rows a variant has."""
+    most = max(b - a for a, b in itertools.pairwise(starts))
+    return torch.tensor(starts, dtype=torch.int64, device=device), most
 
 
 def table(weights: Sequence[PackedTensor]) -> Tensor:
@@ -235,12 +241,17 @@ def accumulate(
         x = x.float()
     row_groups = in_features % first.group == 0 and first.group % WIDE_K == 0
     addresses = table(weights) if addresses is None else addresses
-    grid = (len(weights), triton.cdiv(out_features, BLOCK_N))
+    bounds, most = _bounds(tuple(starts), x.device)
+    grid = (
+        len(weights),
+        triton.cdiv(out_features, BLOCK_N),
+        min(triton.cdiv(most, BLOCK_M), MAX_SPLIT),
+    )
     _accumulate_kernel[grid](
         x,
         out,
         rows.to(torch.int64),
-        _bounds(tuple(starts), x.device),
+        bounds,
         addresses[0],
         addresses[1],
         first.scales,

@@ -93,7 +93,7 @@ class Operands:
     bits: list[Any]  # numpy uint8 (out * in / 8,) per variant; empty where not compiled
     scales: list[Any]  # numpy int16 (float16 or bfloat16 bits) or float32 (G,) per variant
     kind: int  # SCALE_KINDS of the scales; -1 where the compiled kernel does not take them
-    addresses: Tensor | None = None  # on CUDA: the Triton kernel's table of each variant's arrays
+    addresses: Tensor | None = None  # on CUDA, where one launch takes them: the kernel's table
 
 
 def operands(weights: Sequence[PackedTensor]) -> Operands:
@@ -105,7 +105,8 @@ def operands(weights: Sequence[PackedTensor]) -> Operands:
     if first.bits.is_cuda and kernels.available():
         from zoo_gym.serving import kernels as triton_kernels
 
-        return Operands(ready, [], [], -1, triton_kernels.table(ready))
+        addresses = triton_kernels.table(ready) if triton_kernels.alike(ready) else None
+        return Operands(ready, [], [], -1, addresses)
     alike = all(w.group == first.group and w.scales.dtype == first.scales.dtype for w in ready)
     if not (alike and compiled_for(first, first.bits.device)):
         return Operands(ready, [], [], -1)

@@ -170,7 +170,7 @@ def add_rows(
     if not weights or len(rows) == 0:
         return
     first = weights[0]
-    if any(w.group != first.group or w.scales.dtype != first.scales.dtype for w in weights):
+    if addresses is None and not alike(weights):
         for k, packed in enumerate(weights):  # one launch needs one group size and scale dtype
             mine = rows[starts[k] : starts[k + 1]]
             add_rows(out, ids, mine, [packed], [0, len(mine)])
@@ -204,6 +204,12 @@ def _bounds(starts: tuple[int, ...], device: torch.device) -> tuple[Tensor, int]
     return torch.tensor(starts, dtype=torch.int64, device=device), most
 
 
+def alike(weights: Sequence[PackedTensor]) -> bool:
+    """Whether one launch takes all of `weights`: one group size and scale dtype."""
+    first = weights[0]
+    return all(w.group == first.group and w.scales.dtype == first.scales.dtype for w in weights)
+
+
 def table(weights: Sequence[PackedTensor]) -> Tensor:
     """(2, V) int64 on the weights' device: each variant's address of its signs and of its
     scales, what `accumulate` hands the kernel (the weights must stay alive while it is used)."""
@@ -223,11 +229,11 @@ def accumulate(
     of `rows` (R,) and each variant k of `weights` (each (out, in), on `x`'s device), in one
     launch where they share one group size and scale dtype (else one per variant): x (X, in)
     and out (X, out, unit stride along a row) of any float dtype. `addresses` is
-    `table(weights)` where the caller keeps it."""
+    `table(weights)` where the caller keeps it (and has checked that they are `alike`)."""
     if not weights or len(rows) == 0:
         return
     first = weights[0]
-    if any(w.group != first.group or w.scales.dtype != first.scales.dtype for w in weights):
+    if addresses is None and not alike(weights):
         for k, packed in enumerate(weights):  # one launch needs one group size and scale dtype
             accumulate(
                 out, x, rows[starts[k] : starts[k + 1]], [packed], [0, starts[k + 1] - starts[k]]

@@ -120,12 +120,13 @@ def test_a_variant_is_kept_packed_at_about_one_fourteenth_of_bf16(models: Path) 
 
     matrices = {n: p.numel() for n, p in base.named_parameters() if p.dim() == 2}
     vectors = {n: p.numel() for n, p in base.named_parameters() if p.dim() == 1}
-    packed = sum(-(-n // 8) + 2 * -(-n // 128) for n in matrices.values())  # signs, fp16 scales
-    assert set(variant.packed) == set(matrices) and set(variant.dense) == set(vectors)
-    assert all(p.bits.dtype == torch.uint8 for p in variant.packed.values())
-    assert sum(p.nbytes for p in variant.packed.values()) == packed
-    assert variant.nbytes == packed + 4 * sum(vectors.values())  # float32 norms and biases
-    assert packed < 2 * sum(matrices.values()) / 14  # 1.125 bits per weight against 16
+    sizes = [*matrices.values(), *vectors.values()]
+    packed = sum(-(-n // 8) + 2 * -(-n // 128) for n in sizes)  # signs, fp16 scales
+    assert set(variant.packed) == set(matrices) and set(variant.vectors) == set(vectors)
+    kept = [*variant.packed.values(), *variant.vectors.values()]
+    assert all(p.bits.dtype == torch.uint8 and p.scales.dtype == torch.float16 for p in kept)
+    assert variant.nbytes == packed  # norms and biases packed as well
+    assert variant.nbytes < 2 * sum(sizes) / 14  # 1.125 bits per value against bf16's 16
     assert variant.version == "v0001" and variant.parent == "v0000"
 
 
@@ -158,7 +159,7 @@ def test_a_batch_refuses_a_variant_of_another_shape_and_a_wrong_row_count(models
     variant = load_variant(models, "v0001", base="v0000")
     mixed = attach(_model(models / "v0000"))
     name = next(iter(variant.shapes))
-    other = type(variant)(variant.version, "v0000", variant.packed, variant.dense, {name: (1,)})
+    other = type(variant)(variant.version, "v0000", variant.packed, variant.vectors, {name: (1,)})
 
     with pytest.raises(VariantError, match="holds other tensors than the served model"):
         mixed.assign([other]).__enter__()

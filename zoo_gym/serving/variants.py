@@ -5,7 +5,7 @@ BitDelta envelope of V - P over every tensor, with a JSON record beside it (form
 parent, codec, group size, sha256, size). `load_variant` checks the record against the served
 base P and the envelope against the record, and keeps each weight matrix as packed signs and
 group scales (`PackedTensor`, 1.125 bits per value with float16 scales of 128 values: about
-1/14 of the bf16 model). `VariantStore` loads variants on demand and evicts the least recently
+1/14 of the bf16 model), vectors (norms, biases) as well. `VariantStore` loads variants on demand and evicts the least recently
 used beyond a memory budget.
 
 `attach(model)` hooks a Hugging Face causal LM so that one batch mixes rows of several variants
@@ -19,9 +19,10 @@ row of input_ids) makes the following forward passes, `generate` included, compu
 - every `nn.Embedding` once, plus for each row of v the delta rows of its looked-up tokens,
   decoded from those rows' signs and scales only;
 - every other module whose own parameters a variant changes (RMSNorm, LayerNorm: vectors of
-  the hidden size) with each row's own parameters: the variant keeps those small deltas as
-  float32 copies, and the module runs once with per-row weights (B, 1, ..., h) broadcast over
-  the batch, or, where its forward does not broadcast them, once per variant on its rows.
+  the hidden size) with each row's own parameters: the variant keeps those deltas packed too,
+  decoded once per `assign`, and the module runs once with per-row weights (B, 1, ..., h)
+  broadcast over the batch, or, where its forward does not broadcast them, once per variant on
+  its rows.
 
 Row r then computes exactly what the merged model P + decode(variant) computes, up to float
 rounding (sums in another order). Beam search reorders rows and is not supported; sampling
@@ -62,20 +63,19 @@ class VariantError(ValueError):
 
 @dataclass(frozen=True)
 class PackedVariant:
-    """A loaded variant: matrices as packed signs and scales, vectors (norms, biases) as
-    float32 deltas."""
+    """A loaded variant: matrices (`packed`) and vectors (norms, biases: `vectors`), each as
+    packed signs and scales."""
 
     version: str
     parent: str
     packed: dict[str, PackedTensor]
-    dense: dict[str, Tensor]
+    vectors: dict[str, PackedTensor]
     shapes: dict[str, tuple[int, ...]] = field(repr=False)
 
     @property
     def nbytes(self) -> int:
-        """Bytes held: packed signs, scales and the float32 vectors."""
-        vectors = sum(t.numel() * t.element_size() for t in self.dense.values())
-        return sum(p.nbytes for p in self.packed.values()) + vectors
+        """Bytes held: packed signs and scales."""
+        return sum(p.nbytes for p in (*self.packed.values(), *self.vectors.values()))
 
 
 def variant_files(models_root: Path, version: str, parent: str) -> tuple[Path, Path]:
@@ -140,19 +140,19 @@ def load_variant(
             "replaced; write the variant again"
         )
     try:
-        packed, dense, shapes = _unpack_envelope(payload, envelope)
+        packed, vectors, shapes = _unpack_envelope(payload, envelope)
     except EnvelopeError as exc:
         raise VariantError(f"{envelope}: {exc}") from None
     packed = {name: p.to(device) for name, p in packed.items()}
-    dense = {name: t.to(device) for name, t in dense.items()}
-    return PackedVariant(version, base, packed, dense, shapes)
+    vectors = {name: p.to(device) for name, p in vectors.items()}
+    return PackedVariant(version, base, packed, vectors, shapes)
 
 
 def _unpack_envelope(
     payload: bytes, path: Path
-) -> tuple[dict[str, PackedTensor], dict[str, Tensor], dict[str, tuple[int, ...]]]:
-    """Matrices as `PackedTensor` (own copies of signs and stored scales), 1-D tensors as
-    float32 deltas, and every tensor's shape."""
+) -> tuple[dict[str, PackedTensor], dict[str, PackedTensor], dict[str, tuple[int, ...]]]:
+    """Matrices and 1-D tensors as `PackedTensor` (own copies of signs and stored scales),
+    and every tensor's shape."""
     header = inspect_envelope(payload, max_elements=8 * len(payload))
     if not unpacks_together(header):
         raise VariantError(f"{path} is not a BitDelta envelope of one group size")
@@ -160,7 +160,7 @@ def _unpack_envelope(
     scale_dtype = _SCALE_DTYPES[header.spec.scale_dtype]
     group = header.spec.group_size
     packed: dict[str, PackedTensor] = {}
-    dense: dict[str, Tensor] = {}
+    vectors: dict[str, PackedTensor] = {}
     shapes: dict[str, tuple[int, ...]] = {}
     for section, bits in zip(header.sections, signs, strict=True):
         name, shape = section.spec.name, tuple(section.spec.shape)
@@ -168,11 +168,8 @@ def _unpack_envelope(
         scales = _owned(payload[start:stop]).view(scale_dtype)
         tensor = PackedTensor(shape, bits.clone(), scales, group)
         shapes[name] = shape
-        if len(shape) >= 2:
-            packed[name] = tensor
-        else:
-            dense[name] = tensor.decode()
-    return packed, dense, shapes
+        (packed if len(shape) >= 2 else vectors)[name] = tensor
+    return packed, vectors, shapes
 
 
 def _owned(data: bytes) -> Tensor:
@@ -267,13 +264,13 @@ class _Rows:
         """(B, *shape) float32 deltas of the vector `name` per row (zero for base rows), or
         None when no variant of the batch changes it."""
         if name not in self.vectors:
-            if not any(name in v.dense for v in self.variants):
+            if not any(name in v.vectors for v in self.variants):
                 return None
             rows = torch.zeros(self.batch, *like.shape, device=like.device)
             for k, variant in enumerate(self.variants):
-                delta = variant.dense.get(name)
+                delta = variant.vectors.get(name)
                 if delta is not None:
-                    rows[self.order[self.starts[k] : self.starts[k + 1]]] = delta
+                    rows[self.order[self.starts[k] : self.starts[k + 1]]] = delta.decode()
             self.vectors[name] = rows
         return self.vectors[name]
 
@@ -424,7 +421,9 @@ class MixedModel:
             if rows is None:
                 return None
             changed = [
-                n for n in own.values() if any(n in v.dense or n in v.packed for v in rows.variants)
+                n
+                for n in own.values()
+                if any(n in v.vectors or n in v.packed for v in rows.variants)
             ]
             if not changed:
                 return None
@@ -476,10 +475,9 @@ class MixedModel:
             params = {}
             for attr, name in own.items():
                 base = getattr(module, attr)
-                if name in variant.dense:
-                    params[attr] = base + variant.dense[name].to(base.dtype)
-                elif name in variant.packed:
-                    params[attr] = base + variant.packed[name].decode().to(base.dtype)
+                delta = variant.vectors.get(name) or variant.packed.get(name)
+                if delta is not None:
+                    params[attr] = base + delta.decode().to(base.dtype)
             if params:
                 mine = rows.order[rows.starts[k] : rows.starts[k + 1]]
                 picked = (args[0].index_select(0, mine), *args[1:])

@@ -12,11 +12,16 @@ the rule's temporaries of the same shape. A rule picks widths of
 beyond that it keeps O(n^2) float64 matrices and its `(d,)` output. A source with
 `budget=None` is the in-memory tensor at its default widths (1% of the input, as
 before), which is what a plain tensor argument means.
+
+A source may also offer `sign_groups(start, stop)` (optional, see `SignGroups`): a range of
+BitDelta values as sign bits and per-group scales, from which the coordinate-wise rules
+select order statistics without sorting (`_signs`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Protocol
 
 import torch
 from torch import Tensor
@@ -27,10 +32,50 @@ __all__ = [
     "Columns",
     "MixedColumns",
     "ScaledColumns",
+    "SignGroups",
+    "SignPiece",
     "TensorColumns",
     "Updates",
     "cached",
 ]
+
+
+class SignPiece(Protocol):
+    """Columns [start, stop) of a range, all in one BitDelta tensor: row i's value in
+    column start + j is -s if `negative[i, j]` else +s, s = `scales[i, (phase + j) //
+    group]` (groups of `group` consecutive values; the piece starts at value `phase` of
+    its first group)."""
+
+    @property
+    def start(self) -> int: ...
+
+    @property
+    def stop(self) -> int: ...
+
+    @property
+    def group(self) -> int: ...
+
+    @property
+    def phase(self) -> int: ...
+
+    @property
+    def scales(self) -> Tensor:
+        """`(n, groups)` float32 on the CPU, float16 values, not negative."""
+        ...
+
+    @property
+    def negative(self) -> Tensor:
+        """`(n, stop - start)` bool on the CPU."""
+        ...
+
+
+class SignGroups(Protocol):
+    """The optional method of a source whose values are signs times group scales."""
+
+    def sign_groups(self, start: int, stop: int) -> Sequence[SignPiece] | None:
+        """Columns [start, stop) as pieces covering them in order, or None where the source
+        is not all BitDelta with float16 scales."""
+        ...
 
 
 class TensorColumns:

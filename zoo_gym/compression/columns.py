@@ -44,7 +44,7 @@ from zoo_gym.compression.envelope import (
 )
 from zoo_gym.core.delta import Layout
 
-__all__ = ["PayloadColumns"]
+__all__ = ["PayloadColumns", "SignPiece"]
 
 logger = logging.getLogger(__name__)
 
@@ -172,6 +172,17 @@ class PayloadColumns:
                 self._decode_row(i, pieces, start, stop, out[j])
         return out.to(self._device)
 
+    def sign_groups(self, start: int, stop: int) -> list[SignPiece] | None:
+        """Columns [start, stop) as their signs and group scales, one `SignPiece` per tensor
+        they cover, on the CPU; None unless every tensor is BitDelta with float16 scales
+        and one group size in every payload. The value of row i in column j of a piece is
+        -scale if `negative[i, j]` else +scale, scale being row i's scale of j's group."""
+        if not 0 <= start <= stop <= self.d:
+            raise ValueError(f"column range [{start}, {stop}) outside [0, {self.d})")
+        if self._signs is None or self._rows or not self._signs.half_scales:
+            return None
+        return self._signs.pieces(start, stop)
+
     def _decode_row(self, i: int, tensors: list[int], start: int, stop: int, out: Tensor) -> None:
         """Values [start, stop) of `tensors` (indices into the layout) of payload i's flat
         update into `out` (stop - start,)."""
@@ -227,6 +238,22 @@ class _SignTensor:
         """Groups that values up to the end of the last byte reach (beyond `n_groups` when
         that byte's padding passes the last group)."""
         return max(self.n_groups, -(-self.nbytes * 8 // self.group))
+
+
+@dataclass(frozen=True)
+class SignPiece:
+    """Columns [start, stop) of a range, all in one BitDelta tensor, as signs and scales.
+
+    Row i's value in column start + j is -s if `negative[i, j]` else +s, where s is
+    `scales[i, (phase + j) // group]`: groups of `group` consecutive values of the tensor,
+    the piece's first value being value `phase` of its first group."""
+
+    start: int
+    stop: int
+    group: int
+    phase: int
+    scales: Tensor  # (n, groups) float32, the groups the piece covers
+    negative: Tensor  # (n, stop - start) bool
 
 
 class _Rows(Protocol):
@@ -417,6 +444,38 @@ class _SignColumns:
     @property
     def uploaded(self) -> bool:
         return self._resident is not None
+
+    @property
+    def half_scales(self) -> bool:
+        """Whether every tensor is covered, with float16 scales."""
+        return all(t is not None and t.scale_dtype == torch.float16 for t in self._tensors)
+
+    def pieces(self, start: int, stop: int) -> list[SignPiece]:
+        """Columns [start, stop) as one `SignPiece` per tensor they cover (all covered), read
+        from the payloads in host memory."""
+        rows = _HostRows(self._arrays, self._tensors, range(len(self._arrays)))
+        out = []
+        t = bisect.bisect_right(self._starts, start) - 1
+        while t < len(self._tensors) and self._starts[t] < stop:
+            t0, tensor = self._starts[t], self._tensors[t]
+            assert tensor is not None
+            lo, hi = max(start, t0) - t0, min(stop, self._starts[t + 1]) - t0
+            if lo < hi:
+                b0, g0 = lo // 8, lo // tensor.group
+                bits = np.unpackbits(rows.signs(t, b0, -(-hi // 8) - b0).numpy(), axis=1)
+                negative = torch.from_numpy(bits[:, lo - 8 * b0 : hi - 8 * b0] == 0)
+                scales = rows.scales(t, g0, (hi - 1) // tensor.group + 1 - g0)
+                piece = SignPiece(
+                    t0 + lo - start,
+                    t0 + hi - start,
+                    tensor.group,
+                    lo - g0 * tensor.group,
+                    scales,
+                    negative,
+                )
+                out.append(piece)
+            t += 1
+        return out
 
     @property
     def device(self) -> torch.device:

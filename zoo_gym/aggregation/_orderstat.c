@@ -75,7 +75,8 @@ enum { MEDIAN = 0, TRIMMED = 1 };
 
 /* A kernel runs one rule over a chunk: see `chunk` in the template below. */
 typedef Py_ssize_t (*kernel_fn)(const char *x, Py_ssize_t stride, int n, Py_ssize_t c, int f,
-                                const int32_t *pairs, Py_ssize_t npairs, float *out,
+                                const int32_t *pairs, Py_ssize_t npairs, const char *cuts,
+                                Py_ssize_t cut_stride, const double *kept, float *out,
                                 int64_t *counts, double *shares, void *work);
 
 /* A column whose window of sorted positions [p, q) starts or ends inside a run of equal
@@ -423,35 +424,66 @@ static PyObject *orderstat_work_size(PyObject *self, PyObject *args)
     return PyLong_FromSsize_t(work_size(n, c));
 }
 
-static PyObject *run_rule(PyObject *args, int rule)
+/* The cut values (4, c) of the x dtype, rows contiguous, and kept sums (c,) float64 (trimmed)
+ * that `median_at` and `trimmed_at` take instead of sorting; 0 when usable. */
+static int check_given(const Py_buffer *x, const Py_buffer *cuts, const Py_buffer *kept)
 {
-    PyObject *x_obj, *pairs_obj, *out_obj, *counts_obj, *shares_obj, *work_obj;
+    const Py_ssize_t c = x->shape[1];
+    if (cuts->ndim != 2 || format_of(cuts) != format_of(x) || cuts->shape[0] != 4 ||
+        cuts->shape[1] < c || cuts->strides[1] != x->itemsize) {
+        PyErr_SetString(PyExc_TypeError,
+                        "cuts must be a (4, >= c) array of x's dtype, each row contiguous");
+        return -1;
+    }
+    if (kept != NULL && (format_of(kept) != 'd' || kept->len / 8 < c)) {
+        PyErr_Format(PyExc_TypeError, "kept must be float64 (>= %zd,)", c);
+        return -1;
+    }
+    return 0;
+}
+
+/* One rule over a chunk: sorting it (`given` 0: x, [f,] pairs, out, counts, shares, work) or
+ * from its cut values (`given` 1: x, [f,] cuts, [kept,] out, counts, shares, work). */
+static PyObject *run_rule(PyObject *args, int rule, int given)
+{
+    PyObject *objs[7] = {NULL};
     Py_ssize_t f = 0;
     const char *kernel = NULL;
-    if (rule == MEDIAN) {
-        if (!PyArg_ParseTuple(args, "OOOOOO|z:median", &x_obj, &pairs_obj, &out_obj,
-                              &counts_obj, &shares_obj, &work_obj, &kernel))
-            return NULL;
-    } else if (!PyArg_ParseTuple(args, "OnOOOOO|z:trimmed", &x_obj, &f, &pairs_obj, &out_obj,
-                                 &counts_obj, &shares_obj, &work_obj, &kernel)) {
+    int ok;
+    /* objs: x, pairs or cuts, out, counts, shares, work, kept */
+    if (rule == MEDIAN)
+        ok = PyArg_ParseTuple(args, given ? "OOOOOO|z:median_at" : "OOOOOO|z:median", &objs[0],
+                              &objs[1], &objs[2], &objs[3], &objs[4], &objs[5], &kernel);
+    else if (given)
+        ok = PyArg_ParseTuple(args, "OnOOOOOO|z:trimmed_at", &objs[0], &f, &objs[1], &objs[6],
+                              &objs[2], &objs[3], &objs[4], &objs[5], &kernel);
+    else
+        ok = PyArg_ParseTuple(args, "OnOOOOO|z:trimmed", &objs[0], &f, &objs[1], &objs[2],
+                              &objs[3], &objs[4], &objs[5], &kernel);
+    if (!ok)
         return NULL;
-    }
     const int k = kernel_index(kernel);
     if (k < 0)
         return NULL;
-    Py_buffer views[6];
-    PyObject *objs[6] = {x_obj, pairs_obj, out_obj, counts_obj, shares_obj, work_obj};
-    const int modes[6] = {PyBUF_STRIDES | PyBUF_FORMAT, PyBUF_SIMPLE,
+    const int nviews = objs[6] == NULL ? 6 : 7;
+    Py_buffer views[7];
+    const int modes[7] = {PyBUF_STRIDES | PyBUF_FORMAT,
+                          given ? PyBUF_STRIDES | PyBUF_FORMAT : PyBUF_SIMPLE,
                           PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE | PyBUF_FORMAT,
                           PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE | PyBUF_FORMAT,
                           PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE | PyBUF_FORMAT,
-                          PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE};
+                          PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE,
+                          PyBUF_C_CONTIGUOUS | PyBUF_FORMAT};
     int got = 0;
-    for (; got < 6; got++)
+    for (; got < nviews; got++)
         if (PyObject_GetBuffer(objs[got], &views[got], modes[got]) < 0)
             break;
     PyObject *result = NULL;
-    if (got == 6 && check_args(&views[0], f, &views[1], &views[2], &views[3], &views[4], rule) == 0 &&
+    static const Py_buffer no_pairs = {.buf = NULL, .len = 0};
+    if (got == nviews &&
+        check_args(&views[0], f, given ? &no_pairs : &views[1], &views[2], &views[3], &views[4],
+                   rule) == 0 &&
+        (!given || check_given(&views[0], &views[1], nviews == 7 ? &views[6] : NULL) == 0) &&
         check_work(&views[5], views[0].shape[0], views[0].shape[1]) == 0) {
         const Py_ssize_t n = views[0].shape[0], c = views[0].shape[1];
         const int dtype = format_of(&views[0]) == 'd';
@@ -459,10 +491,15 @@ static PyObject *run_rule(PyObject *args, int rule)
         char *work = (char *)views[5].buf;
         work += (LANE_BYTES - (uintptr_t)work % LANE_BYTES) % LANE_BYTES;
         kernel_fn fn = kernel_sets[k].fns[dtype][rule];
+        const int32_t *pairs = given ? NULL : (const int32_t *)views[1].buf;
+        const Py_ssize_t npairs = given ? 0 : views[1].len / 8;
+        const char *cuts = given ? (const char *)views[1].buf : NULL;
+        const Py_ssize_t cut_stride = given ? views[1].strides[0] : 0;
+        const double *kept = nviews == 7 ? (const double *)views[6].buf : NULL;
         Py_ssize_t tied;
         Py_BEGIN_ALLOW_THREADS
-        tied = fn((const char *)views[0].buf, views[0].strides[0], (int)n, c, (int)f,
-                  (const int32_t *)views[1].buf, views[1].len / 8, (float *)views[2].buf,
+        tied = fn((const char *)views[0].buf, views[0].strides[0], (int)n, c, (int)f, pairs,
+                  npairs, cuts, cut_stride, kept, (float *)views[2].buf,
                   (int64_t *)views[3].buf, (double *)views[4].buf, work);
         Py_END_ALLOW_THREADS
         result = PyLong_FromSsize_t(tied);
@@ -474,13 +511,177 @@ static PyObject *run_rule(PyObject *args, int rule)
 
 static PyObject *orderstat_median(PyObject *self, PyObject *args)
 {
-    return run_rule(args, MEDIAN);
+    return run_rule(args, MEDIAN, 0);
 }
 
 static PyObject *orderstat_trimmed(PyObject *self, PyObject *args)
 {
-    return run_rule(args, TRIMMED);
+    return run_rule(args, TRIMMED, 0);
 }
+
+static PyObject *orderstat_median_at(PyObject *self, PyObject *args)
+{
+    return run_rule(args, MEDIAN, 1);
+}
+
+static PyObject *orderstat_trimmed_at(PyObject *self, PyObject *args)
+{
+    return run_rule(args, TRIMMED, 1);
+}
+
+/* Values at four sorted positions of the columns of BitDelta values, from their signs (see
+ * `zoo_gym.aggregation._signs`). Columns [0, m) of `negative` (n, m) are consecutive values
+ * of one tensor, the first being value `phase` of its group; group g covers columns
+ * [g * group - phase, (g + 1) * group - phase). `order` (n, groups) lists each group's rows
+ * by ascending scale, `ascending` (n, groups) those scales. With C(r) the negatives among
+ * the group's first r + 1 rows in that order and N = C(n - 1), the row at place r sits at
+ * sorted position N - C(r) (negative) or N + r - C(r) (positive) in each column; the value
+ * of the row sitting at pos[t] goes to out[t]; where `kept` is given, the float64 sum of the
+ * values at positions [wp, wq) is added to it (float16 values: exact in any order).
+ * `counts` holds 2 * group int32. */
+#if defined(ORDERSTAT_HAVE_X86) && defined(__GNUC__) && !defined(__clang__)
+__attribute__((target_clones("avx2", "default")))
+#endif
+static void sign_cuts_group(const uint8_t *restrict negative, Py_ssize_t stride, int n, int w,
+                            const int64_t *restrict order, const float *restrict ascending,
+                            Py_ssize_t groups, const int pos[4], uint32_t *const out[4],
+                            double *restrict kept, int wp, int wq, int32_t *restrict counts)
+{
+    /* all in 32-bit lanes (the values as their bits, -s being s with the sign bit set), the
+     * four cut positions as masks, so that the loop over the columns is vectorised */
+    int32_t *restrict total = counts, *restrict below = counts + w;
+    for (int j = 0; j < w; j++)
+        total[j] = below[j] = 0;
+    for (int i = 0; i < n; i++) {
+        const uint8_t *restrict b = negative + i * stride;
+        for (int j = 0; j < w; j++)
+            total[j] += b[j];
+    }
+    const int32_t p0 = pos[0], p1 = pos[1], p2 = pos[2], p3 = pos[3];
+    uint32_t *restrict o0 = out[0], *restrict o1 = out[1], *restrict o2 = out[2],
+                       *restrict o3 = out[3];
+    for (int r = 0; r < n; r++) {
+        const uint8_t *restrict b = negative + order[r * groups] * stride;
+        uint32_t bits;
+        memcpy(&bits, &ascending[r * groups], 4);
+        for (int j = 0; j < w; j++) {
+            const int32_t neg = b[j];
+            below[j] += neg;
+            const int32_t at = total[j] - below[j] + (r & (neg - 1));
+            const uint32_t v = bits | ((uint32_t)neg << 31);
+            const uint32_t m0 = -(uint32_t)(at == p0), m1 = -(uint32_t)(at == p1);
+            const uint32_t m2 = -(uint32_t)(at == p2), m3 = -(uint32_t)(at == p3);
+            o0[j] = (o0[j] & ~m0) | (v & m0);
+            o1[j] = (o1[j] & ~m1) | (v & m1);
+            o2[j] = (o2[j] & ~m2) | (v & m2);
+            o3[j] = (o3[j] & ~m3) | (v & m3);
+        }
+        if (kept == NULL)
+            continue;
+        const double s64 = (double)ascending[r * groups];
+        for (int j = 0; j < w; j++) {
+            const int32_t at = total[j] - below[j] + (r & (b[j] - 1));
+            kept[j] += at >= wp && at < wq ? (b[j] ? -s64 : s64) : 0.0;
+        }
+    }
+}
+
+static PyObject *orderstat_sign_cuts(PyObject *self, PyObject *args)
+{
+    PyObject *neg_obj, *order_obj, *asc_obj, *out_obj, *counts_obj, *kept_obj = Py_None;
+    Py_ssize_t phase, group;
+    int pos[4], wp = 0, wq = 0;
+    if (!PyArg_ParseTuple(args, "OnnOO(iiii)OO|O(ii):sign_cuts", &neg_obj, &phase, &group,
+                          &order_obj, &asc_obj, &pos[0], &pos[1], &pos[2], &pos[3], &out_obj,
+                          &counts_obj, &kept_obj, &wp, &wq))
+        return NULL;
+    Py_buffer kept_view = {.buf = NULL, .len = 0};
+    if (kept_obj != Py_None &&
+        PyObject_GetBuffer(kept_obj, &kept_view, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE | PyBUF_FORMAT) < 0)
+        return NULL;
+    Py_buffer views[5];
+    PyObject *objs[5] = {neg_obj, order_obj, asc_obj, out_obj, counts_obj};
+    const int modes[5] = {PyBUF_STRIDES | PyBUF_FORMAT, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT,
+                          PyBUF_C_CONTIGUOUS | PyBUF_FORMAT,
+                          PyBUF_STRIDES | PyBUF_WRITABLE | PyBUF_FORMAT,
+                          PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE};
+    int got = 0;
+    for (; got < 5; got++)
+        if (PyObject_GetBuffer(objs[got], &views[got], modes[got]) < 0)
+            break;
+    PyObject *result = NULL;
+    if (got == 5) {
+        const Py_buffer *neg = &views[0], *ord = &views[1], *asc = &views[2], *out = &views[3];
+        const Py_ssize_t n = neg->ndim == 2 ? neg->shape[0] : 0;
+        const Py_ssize_t m = neg->ndim == 2 ? neg->shape[1] : 0;
+        const Py_ssize_t groups = ord->ndim == 2 ? ord->shape[1] : 0;
+        int ok = neg->ndim == 2 && format_of(neg) == 'B' && neg->strides[1] == 1 &&
+                 ord->ndim == 2 && format_of(ord) == 'q' && ord->shape[0] == n &&
+                 asc->ndim == 2 && format_of(asc) == 'f' && asc->shape[0] == n &&
+                 asc->shape[1] == groups && out->ndim == 2 && format_of(out) == 'f' &&
+                 out->shape[0] == 4 && out->shape[1] == m && out->strides[1] == 4 &&
+                 out->strides[0] % 4 == 0 && views[4].len >= 8 * group && n >= 1 &&
+                 n <= 8192 && group >= 1 && phase >= 0 && phase < group &&
+                 groups == (phase + m + group - 1) / group;
+        for (int t = 0; t < 4 && ok; t++)
+            ok = pos[t] >= 0 && pos[t] < n;
+        if (kept_view.buf != NULL)
+            ok = ok && format_of(&kept_view) == 'd' && kept_view.len == 8 * m && 0 <= wp &&
+                 wp <= wq && wq <= n;
+        const int64_t *o = (const int64_t *)ord->buf;
+        for (Py_ssize_t k = 0; k < n * groups && ok; k++)
+            ok = o[k] >= 0 && o[k] < n;
+        if (!ok) {
+            PyErr_SetString(PyExc_ValueError,
+                            "sign_cuts needs negative (n, m) bool/uint8, order (n, groups) int64 "
+                            "rows, ascending (n, groups) float32, out (4, m) float32, "
+                            "positions in [0, n), n <= 8192, 0 <= phase < group, kept (m,) "
+                            "float64 and 0 <= wp <= wq <= n");
+        } else {
+            Py_BEGIN_ALLOW_THREADS
+            for (Py_ssize_t g = 0; g < groups; g++) {
+                const Py_ssize_t c0 = g * group - phase < 0 ? 0 : g * group - phase;
+                const Py_ssize_t c1 = (g + 1) * group - phase > m ? m : (g + 1) * group - phase;
+                uint32_t *rows[4];
+                for (int t = 0; t < 4; t++)
+                    rows[t] = (uint32_t *)((char *)out->buf + t * out->strides[0]) + c0;
+                double *kept = kept_view.buf == NULL ? NULL : (double *)kept_view.buf + c0;
+                sign_cuts_group((const uint8_t *)neg->buf + c0, neg->strides[0], (int)n,
+                                (int)(c1 - c0), o + g, (const float *)asc->buf + g, groups, pos,
+                                rows, kept, wp, wq, (int32_t *)views[4].buf);
+            }
+            Py_END_ALLOW_THREADS
+            result = Py_NewRef(Py_None);
+        }
+    }
+    for (int i = 0; i < got; i++)
+        PyBuffer_Release(&views[i]);
+    if (kept_view.buf != NULL)
+        PyBuffer_Release(&kept_view);
+    return result;
+}
+
+PyDoc_STRVAR(sign_cuts_doc,
+             "sign_cuts(negative, phase, group, order, ascending, positions, out, counts,\n"
+             "          kept=None, window=(0, 0))\n--\n\n"
+             "The values at the four sorted positions of each column of BitDelta values into\n"
+             "out (4, m) float32: negative (n, m) bool (row i's value is -s or +s, s its scale\n"
+             "of the column's group; the first column is value phase of its group), order\n"
+             "(n, groups) int64 each group's rows by ascending scale, ascending (n, groups)\n"
+             "float32 those scales, counts a writable buffer of 8 * group bytes. kept (m,)\n"
+             "float64, when given, gets the sum of each column's values at sorted positions\n"
+             "[window[0], window[1]) added.");
+
+PyDoc_STRVAR(median_at_doc,
+             "median_at(x, cuts, out, counts, shares, work, kernel=None)\n--\n\n"
+             "median, with the sorted values at positions lo - 1, lo, hi and hi + 1 of each\n"
+             "column (clipped to [0, n)) given as cuts (4, >= c) of x's dtype instead of sorted.");
+
+PyDoc_STRVAR(trimmed_at_doc,
+             "trimmed_at(x, f, cuts, kept, out, counts, shares, work, kernel=None)\n--\n\n"
+             "trimmed, with the sorted values at positions f - 1, f, n - f - 1 and n - f of\n"
+             "each column given as cuts (4, >= c) of x's dtype and the sums of each column's\n"
+             "kept values as kept (>= c,) float64, instead of sorted.");
 
 PyDoc_STRVAR(network_doc,
              "network(n, lo, hi)\n--\n\n"
@@ -519,6 +720,9 @@ static PyMethodDef orderstat_methods[] = {
     {"median", orderstat_median, METH_VARARGS, median_doc},
     {"trimmed", orderstat_trimmed, METH_VARARGS, trimmed_doc},
     {"work_size", orderstat_work_size, METH_VARARGS, work_size_doc},
+    {"sign_cuts", orderstat_sign_cuts, METH_VARARGS, sign_cuts_doc},
+    {"median_at", orderstat_median_at, METH_VARARGS, median_at_doc},
+    {"trimmed_at", orderstat_trimmed_at, METH_VARARGS, trimmed_at_doc},
     {NULL, NULL, 0, NULL},
 };
 
@@ -787,8 +991,8 @@ NAME(tie_shares)(const char *x, Py_ssize_t stride, int n, const tied_column *tie
  * column holds a NaN (then counts and shares are left as they were). */
 static inline __attribute__((always_inline)) ATTR Py_ssize_t
 NAME(chunk)(const char *x, Py_ssize_t stride, int n, Py_ssize_t c, int f, int rule,
-            const int32_t *pairs, Py_ssize_t npairs, float *out, int64_t *counts, double *shares,
-            void *work)
+            const int32_t *pairs, Py_ssize_t npairs, const char *cuts, Py_ssize_t cut_stride,
+            const double *kept, float *out, int64_t *counts, double *shares, void *work)
 {
     V *t = (V *)work, *u = t + n;
     VI *lanes = (VI *)(u + n);
@@ -802,19 +1006,36 @@ NAME(chunk)(const char *x, Py_ssize_t stride, int n, Py_ssize_t c, int f, int ru
     for (Py_ssize_t c0 = 0; c0 < c; c0 += W) {
         const int cw = c - c0 < W ? (int)(c - c0) : W;
         nan |= NAME(load_tile)(x, stride, n, c0, cw, t, u);
-        NAME(sort_tile)(t, pairs, npairs);
-        const V first = t[p], last = t[q - 1];
+        V before = {0}, first = {0}, last = {0}, after = {0};
+        if (cuts == NULL) {
+            NAME(sort_tile)(t, pairs, npairs);
+            first = t[p], last = t[q - 1];
+            before = t[p >= 1 ? p - 1 : p], after = t[q < n ? q : q - 1];
+        } else { /* the values at positions p - 1, p, q - 1 and q, given */
+            V *given[4] = {&before, &first, &last, &after};
+            for (int k = 0; k < 4; k++)
+                memcpy(given[k], cuts + k * cut_stride + c0 * (Py_ssize_t)sizeof(T),
+                       (size_t)cw * sizeof(T));
+        }
         VI tie = {0};
         if (p >= 1)
-            tie |= EQUAL(t[p - 1], first);
+            tie |= EQUAL(before, first);
         if (q < n)
-            tie |= EQUAL(t[q], last);
+            tie |= EQUAL(after, last);
         tie &= (VI)(lane < cw);
         for (int h = 0; h < HALVES; h++) {
             const VD zero = {0};
+            VD sum = {0};
+            if (rule == TRIMMED && kept != NULL) {
+                const int count = cw - h * HW < HW ? cw - h * HW : HW;
+                if (count > 0)
+                    memcpy(&sum, kept + c0 + h * HW, (size_t)count * sizeof(double));
+            } else if (rule == TRIMMED) {
+                sum = NAME(torch_order_sum)(t, p, q - p, h);
+            }
             const VD value = rule == MEDIAN
                                  ? (NAME(half)(first, h) + NAME(half)(last, h)) * 0.5 + zero
-                                 : NAME(torch_order_sum)(t, p, q - p, h) / (double)(q - p);
+                                 : sum / (double)(q - p);
             NAME(store_half)(value, h, cw, out + c0);
         }
         const VI ok = ~tie & (VI)(lane < cw);
@@ -832,17 +1053,21 @@ NAME(chunk)(const char *x, Py_ssize_t stride, int n, Py_ssize_t c, int f, int ru
 }
 
 ATTR static Py_ssize_t NAME(median)(const char *x, Py_ssize_t stride, int n, Py_ssize_t c,
-                                    int f, const int32_t *pairs, Py_ssize_t npairs, float *out,
-                                    int64_t *counts, double *shares, void *work)
+                                    int f, const int32_t *pairs, Py_ssize_t npairs,
+                                    const char *cuts, Py_ssize_t cut_stride, const double *kept,
+                                    float *out, int64_t *counts, double *shares, void *work)
 {
-    return NAME(chunk)(x, stride, n, c, f, MEDIAN, pairs, npairs, out, counts, shares, work);
+    return NAME(chunk)(x, stride, n, c, f, MEDIAN, pairs, npairs, cuts, cut_stride, kept, out,
+                       counts, shares, work);
 }
 
 ATTR static Py_ssize_t NAME(trimmed)(const char *x, Py_ssize_t stride, int n, Py_ssize_t c,
-                                     int f, const int32_t *pairs, Py_ssize_t npairs, float *out,
-                                     int64_t *counts, double *shares, void *work)
+                                     int f, const int32_t *pairs, Py_ssize_t npairs,
+                                     const char *cuts, Py_ssize_t cut_stride, const double *kept,
+                                     float *out, int64_t *counts, double *shares, void *work)
 {
-    return NAME(chunk)(x, stride, n, c, f, TRIMMED, pairs, npairs, out, counts, shares, work);
+    return NAME(chunk)(x, stride, n, c, f, TRIMMED, pairs, npairs, cuts, cut_stride, kept, out,
+                       counts, shares, work);
 }
 
 #undef W

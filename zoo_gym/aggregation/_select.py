@@ -32,6 +32,7 @@ equal zeros; a trimmed mean's sum starts from +0.0 and is +0.0 when zero.
 from __future__ import annotations
 
 import threading
+from types import ModuleType
 from typing import Any
 
 import numpy as np
@@ -41,6 +42,7 @@ from torch import Tensor
 
 from zoo_gym.core.extension import Extension
 
+from . import _signs
 from ._core import as_columns, run_threaded, sort_budget, spans
 from .columns import Columns, Updates
 
@@ -286,35 +288,55 @@ def _np_tie_shares(
     return np.asarray(share.sum(1).numpy(), dtype=np.float64)
 
 
+def cut_positions(n: int, kind: str, f: int) -> list[int]:
+    """The sorted positions `kind` reads in a column of n values: the first and last it
+    keeps (median: the middles; trimmed: f and n - f - 1), with their outer neighbours
+    (clipped to [0, n)), which say whether a run of equal values crosses a cut."""
+    lo, hi = ((n - 1) // 2, n // 2) if kind == "median" else (f, n - f - 1)
+    return [max(lo - 1, 0), lo, hi, min(hi + 1, n - 1)]
+
+
+def _np_cuts(s: Array, positions: list[int]) -> Array:
+    """The values `(k, c)` at `positions` of the sorted columns `s` `(c, n)`."""
+    return np.ascontiguousarray(s[:, positions].T)
+
+
 def _np_median(x: Array, scratch: _NpScratch, out: NDArray[np.float32]) -> None:
     """NumPy twin of `median_columns`: the medians go to `out`, the middle positions each
     row holds to the scratch's totals."""
+    s = _np_sorted(x, scratch)
+    median_at_cuts(x, _np_cuts(s, cut_positions(x.shape[0], "median", 0)), scratch, out)
+
+
+def median_at_cuts(x: Array, cuts: Array, scratch: _NpScratch, out: NDArray[np.float32]) -> None:
+    """`_np_median` of `x` `(n, c)` given its columns' values `cuts` `(4, c)` at the
+    sorted `cut_positions`."""
     n, c = x.shape
     lo, hi = (n - 1) // 2, n // 2
-    s = _np_sorted(x, scratch)
-    v_lo, v_hi = s[:, lo].copy(), s[:, hi].copy()  # (c,) contiguous
+    v_lo, v_hi = cuts[1], cuts[2]  # (c,) contiguous
     acc = scratch.acc[:c]
     np.add(v_lo, v_hi, out=acc, dtype=np.float64)
     out[...] = acc * 0.5 + 0.0  # + 0.0: a zero median is +0.0
     tie = np.zeros(c, dtype=np.bool_)
     if lo >= 1:
-        tie |= s[:, lo - 1] == v_lo
+        tie |= cuts[0] == v_lo
     if hi + 1 < n:
-        tie |= s[:, hi + 1] == v_hi
+        tie |= cuts[3] == v_hi
     middle, other = scratch.mask[0, :, :c], scratch.mask[1, :, :c]
     # without a tie at the cuts, the rows holding the middle values are those in [v_lo,
     # v_hi]; a tied column gets an empty range here and its shares below
     any_tie = bool(tie.any())
+    low, high = v_lo, v_hi
     if any_tie:
-        v_lo, v_hi = np.where(tie, np.inf, v_lo), np.where(tie, -np.inf, v_hi)
+        low, high = np.where(tie, np.inf, v_lo), np.where(tie, -np.inf, v_hi)
     if hi == lo:
-        np.equal(x, v_lo, out=middle)
+        np.equal(x, low, out=middle)
     else:
-        np.greater_equal(x, v_lo, out=middle)
-        np.logical_and(middle, np.less_equal(x, v_hi, out=other), out=middle)
+        np.greater_equal(x, low, out=middle)
+        np.logical_and(middle, np.less_equal(x, high, out=other), out=middle)
     scratch.count(middle)
     if any_tie:
-        scratch.totals += _np_tie_shares(x, tie, lo, hi + 1, s[:, lo], s[:, hi])
+        scratch.totals += _np_tie_shares(x, tie, lo, hi + 1, v_lo, v_hi)
 
 
 def _np_trimmed(x: Array, f: int, scratch: _NpScratch, out: NDArray[np.float32]) -> None:
@@ -328,9 +350,18 @@ def _np_trimmed(x: Array, f: int, scratch: _NpScratch, out: NDArray[np.float32])
         return
     s = _np_sorted(x, scratch)
     kept_sums(torch.from_numpy(s[:, f : n - f]), torch.from_numpy(acc))
-    out[...] = acc / (n - 2 * f)
-    first, last = s[:, f].copy(), s[:, n - f - 1].copy()  # smallest and largest kept values
-    tie = (s[:, f - 1] == first) | (s[:, n - f] == last)
+    trimmed_at_cuts(x, f, _np_cuts(s, cut_positions(n, "trimmed", f)), acc, scratch, out)
+
+
+def trimmed_at_cuts(
+    x: Array, f: int, cuts: Array, kept: Array, scratch: _NpScratch, out: NDArray[np.float32]
+) -> None:
+    """`_np_trimmed` of `x` `(n, c)` for f > 0 given its columns' values `cuts` `(4, c)` at
+    the sorted `cut_positions` and the float64 sums `kept` `(c,)` of their kept values."""
+    n, c = x.shape
+    out[...] = kept / (n - 2 * f)
+    first, last = cuts[1], cuts[2]  # smallest and largest kept values
+    tie = (cuts[0] == first) | (cuts[3] == last)
     # without a tie at the cuts, the dropped values are those outside [first, last]; a
     # tied column gets an unbounded range here and its shares below
     any_tie = bool(tie.any())
@@ -373,7 +404,46 @@ def _c_rule(
             _np_median(x, scratch, out)
         else:
             _np_trimmed(x, f, scratch, out)
-    elif tied and kind == "median":
+    else:
+        _c_tally(kind, tied, scratch)
+
+
+def _sign_rule(
+    x: Array,
+    kind: str,
+    f: int,
+    cuts: Array,
+    kept: NDArray[np.float64] | None,
+    compiled: ModuleType | None,
+    scratch: _NpScratch,
+    out: NDArray[np.float32],
+) -> None:
+    """The rule of `kind` on `x` `(n, c)` given the values `cuts` `(4, c)` at its columns'
+    `cut_positions`, selected from sign bits (see `_signs`), and for the trimmed mean the
+    sums `kept` `(c,)` of its kept values where the selection formed them: by the
+    `compiled` kernels when given, else by NumPy; results to `out`, counts and tie shares
+    to the scratch's, as after a sort."""
+    counts, shares, work = scratch.counts, scratch.shares, scratch.work
+    if kind == "median":
+        if compiled is None:
+            median_at_cuts(x, np.ascontiguousarray(cuts), scratch, out)
+        else:
+            _c_tally(kind, compiled.median_at(x, cuts, out, counts, shares, work), scratch)
+        return
+    if kept is None:
+        kept = scratch.acc[: x.shape[1]]
+        _signs.kept_sums(x, f, cuts[1], cuts[2], kept)
+    if compiled is None:
+        trimmed_at_cuts(x, f, np.ascontiguousarray(cuts), kept, scratch, out)
+    else:
+        tied = compiled.trimmed_at(x, f, cuts, kept, out, counts, shares, work)
+        _c_tally(kind, tied, scratch)
+
+
+def _c_tally(kind: str, tied: int, scratch: _NpScratch) -> None:
+    """Add the tie shares a compiled kernel left in the scratch (`tied` columns) to its
+    totals, as the NumPy twin adds them."""
+    if tied and kind == "median":
         scratch.totals += scratch.shares
     elif tied:
         scratch.totals += tied - scratch.shares
@@ -453,6 +523,10 @@ def _np_coordinatewise(
     buffers: list[_NpScratch] = []
     compiled = _COMPILED.enabled and (kind == "median" or f > 0)
     network = _network(n, kind, f) if compiled else b""
+    signs = _signs.usable(source) if kind == "median" or f > 0 else None
+    positions = cut_positions(n, kind, f)
+    selector = _COMPILED.module if _COMPILED.enabled else None
+    window = (f, n - f) if kind == "trimmed" else None
 
     def run(span: tuple[int, int]) -> None:
         own = getattr(local, "buffers", None)
@@ -460,11 +534,17 @@ def _np_coordinatewise(
             own = local.buffers = _NpScratch(n, inner, np_dtype)
             buffers.append(own)
         start, stop = span
+        pieces = None if signs is None else signs.sign_groups(start, stop)
+        if pieces is not None:
+            cuts, kept = _signs.cut_values(pieces, stop - start, positions, selector, window)
         chunk = source.columns(start, stop).detach()
         x = chunk.numpy() if chunk.dtype == dtype else chunk.to(dtype).numpy()
         for a, b in spans(stop - start, inner):
             o = out_np[start + a : start + b]
-            if compiled:
+            if pieces is not None:
+                part = None if kept is None else kept[a:b]
+                _sign_rule(x[:, a:b], kind, f, cuts[:, a:b], part, selector, own, o)
+            elif compiled:
                 _c_rule(x[:, a:b], kind, f, network, own, o)
             elif kind == "median":
                 _np_median(x[:, a:b], own, o)

@@ -129,15 +129,13 @@ def test_cut_values_are_the_sorted_values() -> None:
     payload_source = PayloadColumns(blobs, layout, max_elements=MAX, budget=BUDGET)
     pieces = payload_source.sign_groups(2, 6)
     assert pieces is not None
-    module = _select._COMPILED.module
-    for compiled in [None, module] if module is not None else [None]:
-        cuts, _ = _signs.cut_values(pieces, 4, [0, 1, 2, 2], compiled)
-        # columns 2..5: values (0.5, -0.0, 0.25), (0.5, -0.0, -0.25), ...
-        expected = np.array(
-            [[0.0, -0.25, 0.0, -0.25], [0.25, 0.0, 0.25, 0.0], [0.5] * 4, [0.5] * 4],
-            dtype=np.float32,
-        )
-        assert np.array_equal(cuts, expected)
+    cuts = _signs.cut_values(pieces, 4, [0, 1, 2, 2])
+    # columns 2..5: values (0.5, -0.0, 0.25), (0.5, -0.0, -0.25), ...
+    expected = np.array(
+        [[0.0, -0.25, 0.0, -0.25], [0.25, 0.0, 0.25, 0.0], [0.5] * 4, [0.5] * 4],
+        dtype=np.float32,
+    )
+    assert np.array_equal(cuts, expected)
 
 
 def test_sign_groups_only_for_float16_scales() -> None:

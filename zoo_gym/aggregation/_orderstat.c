@@ -75,8 +75,7 @@ enum { MEDIAN = 0, TRIMMED = 1 };
 
 /* A kernel runs one rule over a chunk: see `chunk` in the template below. */
 typedef Py_ssize_t (*kernel_fn)(const char *x, Py_ssize_t stride, int n, Py_ssize_t c, int f,
-                                const int32_t *pairs, Py_ssize_t npairs, const char *cuts,
-                                Py_ssize_t cut_stride, const double *kept, float *out,
+                                const int32_t *pairs, Py_ssize_t npairs, float *out,
                                 int64_t *counts, double *shares, void *work);
 
 /* A column whose window of sorted positions [p, q) starts or ends inside a run of equal
@@ -424,66 +423,35 @@ static PyObject *orderstat_work_size(PyObject *self, PyObject *args)
     return PyLong_FromSsize_t(work_size(n, c));
 }
 
-/* The cut values (4, c) of the x dtype, rows contiguous, and kept sums (c,) float64 (trimmed)
- * that `median_at` and `trimmed_at` take instead of sorting; 0 when usable. */
-static int check_given(const Py_buffer *x, const Py_buffer *cuts, const Py_buffer *kept)
+static PyObject *run_rule(PyObject *args, int rule)
 {
-    const Py_ssize_t c = x->shape[1];
-    if (cuts->ndim != 2 || format_of(cuts) != format_of(x) || cuts->shape[0] != 4 ||
-        cuts->shape[1] < c || cuts->strides[1] != x->itemsize) {
-        PyErr_SetString(PyExc_TypeError,
-                        "cuts must be a (4, >= c) array of x's dtype, each row contiguous");
-        return -1;
-    }
-    if (kept != NULL && (format_of(kept) != 'd' || kept->len / 8 < c)) {
-        PyErr_Format(PyExc_TypeError, "kept must be float64 (>= %zd,)", c);
-        return -1;
-    }
-    return 0;
-}
-
-/* One rule over a chunk: sorting it (`given` 0: x, [f,] pairs, out, counts, shares, work) or
- * from its cut values (`given` 1: x, [f,] cuts, [kept,] out, counts, shares, work). */
-static PyObject *run_rule(PyObject *args, int rule, int given)
-{
-    PyObject *objs[7] = {NULL};
+    PyObject *x_obj, *pairs_obj, *out_obj, *counts_obj, *shares_obj, *work_obj;
     Py_ssize_t f = 0;
     const char *kernel = NULL;
-    int ok;
-    /* objs: x, pairs or cuts, out, counts, shares, work, kept */
-    if (rule == MEDIAN)
-        ok = PyArg_ParseTuple(args, given ? "OOOOOO|z:median_at" : "OOOOOO|z:median", &objs[0],
-                              &objs[1], &objs[2], &objs[3], &objs[4], &objs[5], &kernel);
-    else if (given)
-        ok = PyArg_ParseTuple(args, "OnOOOOOO|z:trimmed_at", &objs[0], &f, &objs[1], &objs[6],
-                              &objs[2], &objs[3], &objs[4], &objs[5], &kernel);
-    else
-        ok = PyArg_ParseTuple(args, "OnOOOOO|z:trimmed", &objs[0], &f, &objs[1], &objs[2],
-                              &objs[3], &objs[4], &objs[5], &kernel);
-    if (!ok)
+    if (rule == MEDIAN) {
+        if (!PyArg_ParseTuple(args, "OOOOOO|z:median", &x_obj, &pairs_obj, &out_obj,
+                              &counts_obj, &shares_obj, &work_obj, &kernel))
+            return NULL;
+    } else if (!PyArg_ParseTuple(args, "OnOOOOO|z:trimmed", &x_obj, &f, &pairs_obj, &out_obj,
+                                 &counts_obj, &shares_obj, &work_obj, &kernel)) {
         return NULL;
+    }
     const int k = kernel_index(kernel);
     if (k < 0)
         return NULL;
-    const int nviews = objs[6] == NULL ? 6 : 7;
-    Py_buffer views[7];
-    const int modes[7] = {PyBUF_STRIDES | PyBUF_FORMAT,
-                          given ? PyBUF_STRIDES | PyBUF_FORMAT : PyBUF_SIMPLE,
+    Py_buffer views[6];
+    PyObject *objs[6] = {x_obj, pairs_obj, out_obj, counts_obj, shares_obj, work_obj};
+    const int modes[6] = {PyBUF_STRIDES | PyBUF_FORMAT, PyBUF_SIMPLE,
                           PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE | PyBUF_FORMAT,
                           PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE | PyBUF_FORMAT,
                           PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE | PyBUF_FORMAT,
-                          PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE,
-                          PyBUF_C_CONTIGUOUS | PyBUF_FORMAT};
+                          PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE};
     int got = 0;
-    for (; got < nviews; got++)
+    for (; got < 6; got++)
         if (PyObject_GetBuffer(objs[got], &views[got], modes[got]) < 0)
             break;
     PyObject *result = NULL;
-    static const Py_buffer no_pairs = {.buf = NULL, .len = 0};
-    if (got == nviews &&
-        check_args(&views[0], f, given ? &no_pairs : &views[1], &views[2], &views[3], &views[4],
-                   rule) == 0 &&
-        (!given || check_given(&views[0], &views[1], nviews == 7 ? &views[6] : NULL) == 0) &&
+    if (got == 6 && check_args(&views[0], f, &views[1], &views[2], &views[3], &views[4], rule) == 0 &&
         check_work(&views[5], views[0].shape[0], views[0].shape[1]) == 0) {
         const Py_ssize_t n = views[0].shape[0], c = views[0].shape[1];
         const int dtype = format_of(&views[0]) == 'd';
@@ -491,15 +459,10 @@ static PyObject *run_rule(PyObject *args, int rule, int given)
         char *work = (char *)views[5].buf;
         work += (LANE_BYTES - (uintptr_t)work % LANE_BYTES) % LANE_BYTES;
         kernel_fn fn = kernel_sets[k].fns[dtype][rule];
-        const int32_t *pairs = given ? NULL : (const int32_t *)views[1].buf;
-        const Py_ssize_t npairs = given ? 0 : views[1].len / 8;
-        const char *cuts = given ? (const char *)views[1].buf : NULL;
-        const Py_ssize_t cut_stride = given ? views[1].strides[0] : 0;
-        const double *kept = nviews == 7 ? (const double *)views[6].buf : NULL;
         Py_ssize_t tied;
         Py_BEGIN_ALLOW_THREADS
-        tied = fn((const char *)views[0].buf, views[0].strides[0], (int)n, c, (int)f, pairs,
-                  npairs, cuts, cut_stride, kept, (float *)views[2].buf,
+        tied = fn((const char *)views[0].buf, views[0].strides[0], (int)n, c, (int)f,
+                  (const int32_t *)views[1].buf, views[1].len / 8, (float *)views[2].buf,
                   (int64_t *)views[3].buf, (double *)views[4].buf, work);
         Py_END_ALLOW_THREADS
         result = PyLong_FromSsize_t(tied);
@@ -511,41 +474,29 @@ static PyObject *run_rule(PyObject *args, int rule, int given)
 
 static PyObject *orderstat_median(PyObject *self, PyObject *args)
 {
-    return run_rule(args, MEDIAN, 0);
+    return run_rule(args, MEDIAN);
 }
 
 static PyObject *orderstat_trimmed(PyObject *self, PyObject *args)
 {
-    return run_rule(args, TRIMMED, 0);
+    return run_rule(args, TRIMMED);
 }
 
-static PyObject *orderstat_median_at(PyObject *self, PyObject *args)
-{
-    return run_rule(args, MEDIAN, 1);
-}
-
-static PyObject *orderstat_trimmed_at(PyObject *self, PyObject *args)
-{
-    return run_rule(args, TRIMMED, 1);
-}
-
-/* Values at four sorted positions of the columns of BitDelta values, from their signs (see
- * `zoo_gym.aggregation._signs`). Columns [0, m) of `negative` (n, m) are consecutive values
- * of one tensor, the first being value `phase` of its group; group g covers columns
- * [g * group - phase, (g + 1) * group - phase). `order` (n, groups) lists each group's rows
- * by ascending scale, `ascending` (n, groups) those scales. With C(r) the negatives among
- * the group's first r + 1 rows in that order and N = C(n - 1), the row at place r sits at
- * sorted position N - C(r) (negative) or N + r - C(r) (positive) in each column; the value
- * of the row sitting at pos[t] goes to out[t]; where `kept` is given, the float64 sum of the
- * values at positions [wp, wq) is added to it (float16 values: exact in any order).
- * `counts` holds 2 * group int32. */
+/* Values at four sorted positions of w columns of BitDelta values in one group, from their
+ * signs (see `zoo_gym.aggregation._signs`): `sorted` (n, w) holds the rows' sign bytes (1:
+ * negative) in ascending order of their scales, ascending[r * groups] the scale of row r.
+ * With C(r) the negatives among the first r + 1 rows and N = C(n - 1), row r sits at sorted
+ * position N - C(r) (negative) or N + r - C(r) (positive) in each column; the value of the
+ * row sitting at pos[t] goes to out[t]; where `kept` is given, the float64 sum of the values
+ * at positions [wp, wq) is added to it (float16 values: exact in any order). `counts` holds
+ * 2 w int32: N, then C(r), per column. */
 #if defined(ORDERSTAT_HAVE_X86) && defined(__GNUC__) && !defined(__clang__)
 __attribute__((target_clones("avx2", "default")))
 #endif
-static void sign_cuts_group(const uint8_t *restrict negative, Py_ssize_t stride, int n, int w,
-                            const int64_t *restrict order, const float *restrict ascending,
-                            Py_ssize_t groups, const int pos[4], uint32_t *const out[4],
-                            double *restrict kept, int wp, int wq, int32_t *restrict counts)
+static void sign_cuts_group(const uint8_t *restrict sorted, int n, int w,
+                            const float *restrict ascending, Py_ssize_t groups, const int pos[4],
+                            uint32_t *const out[4], double *restrict kept, int wp, int wq,
+                            int32_t *restrict counts)
 {
     /* all in 32-bit lanes (the values as their bits, -s being s with the sign bit set), the
      * four cut positions as masks, so that the loop over the columns is vectorised */
@@ -553,7 +504,7 @@ static void sign_cuts_group(const uint8_t *restrict negative, Py_ssize_t stride,
     for (int j = 0; j < w; j++)
         total[j] = below[j] = 0;
     for (int i = 0; i < n; i++) {
-        const uint8_t *restrict b = negative + i * stride;
+        const uint8_t *restrict b = sorted + (Py_ssize_t)i * w;
         for (int j = 0; j < w; j++)
             total[j] += b[j];
     }
@@ -561,7 +512,7 @@ static void sign_cuts_group(const uint8_t *restrict negative, Py_ssize_t stride,
     uint32_t *restrict o0 = out[0], *restrict o1 = out[1], *restrict o2 = out[2],
                        *restrict o3 = out[3];
     for (int r = 0; r < n; r++) {
-        const uint8_t *restrict b = negative + order[r * groups] * stride;
+        const uint8_t *restrict b = sorted + (Py_ssize_t)r * w;
         uint32_t bits;
         memcpy(&bits, &ascending[r * groups], 4);
         for (int j = 0; j < w; j++) {
@@ -580,75 +531,257 @@ static void sign_cuts_group(const uint8_t *restrict negative, Py_ssize_t stride,
             continue;
         const double s64 = (double)ascending[r * groups];
         for (int j = 0; j < w; j++) {
-            const int32_t at = total[j] - below[j] + (r & (b[j] - 1));
-            kept[j] += at >= wp && at < wq ? (b[j] ? -s64 : s64) : 0.0;
+            const int32_t neg = b[j];
+            const int32_t at = total[j] - below[j] + (r & (neg - 1));
+            const double v = neg ? -s64 : s64;
+            kept[j] += (at >= wp) & (at < wq) ? v : 0.0;
         }
     }
 }
 
-static PyObject *orderstat_sign_cuts(PyObject *self, PyObject *args)
+/* Buffers of `sign_rule_group` for groups of up to w columns. */
+typedef struct {
+    int32_t *counts; /* 2 w: `sign_cuts_group`'s totals and running counts */
+    int32_t *ends;   /* 4 w: the values below and up to first, below and up to last */
+    int32_t *tied;   /* w: -1 in the tied columns, else 0 */
+    uint32_t *cuts;  /* 4 w: values at positions p - 1, p, q - 1, q, as bits */
+    double *kept;    /* w: sums of the values at positions [p, q) */
+    uint8_t *signs;  /* n w: the group's sign bytes, its rows in ascending order of scale */
+} sign_work;
+
+/* One group's w columns of either rule from their signs: `negative` (n, w; rows `stride`
+ * bytes apart) their sign bytes, `order` the group's rows by ascending scale (order[r *
+ * groups]) and `ascending` those scales (see `sign_cuts_group`). Its results into out (w,) float32, each row's count of the columns in which it
+ * holds the window [p, q) (median) or lies outside it (trimmed) into counts (n,), but for the
+ * tied columns (the window starts or ends inside a run of equal values): their indices
+ * (col0 + j) go to tied_cols from *ntied on, the shares a row may hold in them to table (4
+ * per column: 0, 1, the share of the run equal to first, of the run equal to last), and
+ * each row's code of its share (0 .. 3) to codes (n rows of `cap`) at those columns; the
+ * tie logic of `chunk` above. */
+#if defined(ORDERSTAT_HAVE_X86) && defined(__GNUC__) && !defined(__clang__)
+__attribute__((target_clones("avx2", "default")))
+#endif
+static void sign_rule_group(const uint8_t *restrict negative, Py_ssize_t stride, int n, int w,
+                            const int64_t *restrict order, const float *restrict ascending,
+                            Py_ssize_t groups, int p, int q, int rule, float *out,
+                            int64_t *counts, uint8_t *codes, Py_ssize_t cap, Py_ssize_t col0,
+                            int64_t *tied_cols, double *table, Py_ssize_t *ntied,
+                            const sign_work *sw)
 {
-    PyObject *neg_obj, *order_obj, *asc_obj, *out_obj, *counts_obj, *kept_obj = Py_None;
-    Py_ssize_t phase, group;
-    int pos[4], wp = 0, wq = 0;
-    if (!PyArg_ParseTuple(args, "OnnOO(iiii)OO|O(ii):sign_cuts", &neg_obj, &phase, &group,
-                          &order_obj, &asc_obj, &pos[0], &pos[1], &pos[2], &pos[3], &out_obj,
-                          &counts_obj, &kept_obj, &wp, &wq))
+    const int pos[4] = {p >= 1 ? p - 1 : p, p, q - 1, q < n ? q : q - 1};
+    uint32_t *rows[4];
+    for (int t = 0; t < 4; t++)
+        rows[t] = sw->cuts + t * w;
+    double *restrict kept = sw->kept;
+    for (int j = 0; j < w; j++)
+        kept[j] = 0.0;
+    /* the rows in ascending order of scale, together: the passes below read them in turn */
+    uint8_t *restrict sorted = sw->signs;
+    for (int r = 0; r < n; r++)
+        memcpy(sorted + (Py_ssize_t)r * w, negative + order[r * groups] * stride, (size_t)w);
+    sign_cuts_group(sorted, n, w, ascending, groups, pos, rows, rule == TRIMMED ? kept : NULL, p,
+                    q, sw->counts);
+    const float *before = (const float *)rows[0], *first = (const float *)rows[1],
+                *last = (const float *)rows[2], *after = (const float *)rows[3];
+    int32_t *restrict tied = sw->tied;
+    int any = 0;
+    for (int j = 0; j < w; j++) {
+        const double zero = 0.0;
+        out[j] = rule == MEDIAN ? (float)(((double)first[j] + (double)last[j]) * 0.5 + zero)
+                                : (float)(kept[j] / (double)(q - p));
+        const int tie = (p >= 1 && before[j] == first[j]) || (q < n && after[j] == last[j]);
+        tied[j] = -tie;
+        any |= tie;
+    }
+    /* each row's count over the untied columns (and, with ties, the counts of the values
+     * below and up to each cut value) */
+    const int32_t *restrict total = sw->counts;
+    int32_t *restrict below = sw->counts + w, *restrict e = sw->ends;
+    for (int j = 0; j < w; j++)
+        below[j] = e[j] = e[w + j] = e[2 * w + j] = e[3 * w + j] = 0;
+    for (int r = 0; r < n; r++) {
+        const int64_t row = order[r * groups];
+        const uint8_t *restrict b = sorted + (Py_ssize_t)r * w;
+        int32_t hits = 0;
+        for (int j = 0; j < w; j++) {
+            const int32_t neg = b[j];
+            below[j] += neg;
+            const int32_t at = total[j] - below[j] + (r & (neg - 1));
+            const int32_t in = (at >= p) & (at < q);
+            hits += (rule == MEDIAN ? in : 1 - in) & ~tied[j];
+        }
+        counts[row] += hits;
+        if (!any)
+            continue;
+        const float s = ascending[r * groups];
+        int32_t *restrict below_first = e, *restrict upto_first = e + w,
+                          *restrict below_last = e + 2 * w, *restrict upto_last = e + 3 * w;
+        const float *restrict low = first, *restrict high = last;
+        for (int j = 0; j < w; j++) {
+            const float v = b[j] ? -s : s;
+            below_first[j] += v < low[j];
+            upto_first[j] += v <= low[j];
+            below_last[j] += v < high[j];
+            upto_last[j] += v <= high[j];
+        }
+    }
+    if (!any)
+        return;
+    for (int j = 0; j < w; j++) {
+        if (!tied[j])
+            continue;
+        double *shares = table + 4 * *ntied;
+        shares[0] = 0.0, shares[1] = 1.0;
+        shares[2] = overlap(e[j], e[w + j], p, q);
+        shares[3] = overlap(e[2 * w + j], e[3 * w + j], p, q);
+        tied_cols[(*ntied)++] = col0 + j;
+    }
+    /* each row's share in the group's columns (read for the tied ones only) as a code: 0
+     * outside the window, 1 inside, 2 equal to first, 3 equal to last */
+    for (int r = 0; r < n; r++) {
+        const int64_t row = order[r * groups];
+        const uint8_t *restrict b = sorted + (Py_ssize_t)r * w;
+        uint8_t *restrict code = codes + row * cap + col0;
+        uint32_t bits;
+        memcpy(&bits, &ascending[r * groups], 4);
+        for (int j = 0; j < w; j++) {
+            uint32_t vb = bits | ((uint32_t)b[j] << 31);
+            float v;
+            memcpy(&v, &vb, 4);
+            const int32_t inside = (v > first[j]) & (v < last[j]);
+            const int32_t at_first = v == first[j], at_last = v == last[j];
+            code[j] = (uint8_t)(inside + 3 * at_last * (1 - at_first) + 2 * at_first);
+        }
+    }
+}
+
+/* sign_rule(negative, phase, group, order, ascending, rule, f, out, counts, codes, col0,
+ *           tied_cols, table, ntied) */
+static PyObject *orderstat_sign_rule(PyObject *self, PyObject *args)
+{
+    PyObject *objs[8];
+    Py_ssize_t phase, group, col0, ntied;
+    int rule, f;
+    if (!PyArg_ParseTuple(args, "OnnOOiiOOOnOOn:sign_rule", &objs[0], &phase, &group, &objs[1],
+                          &objs[2], &rule, &f, &objs[3], &objs[4], &objs[5], &col0, &objs[6],
+                          &objs[7], &ntied))
         return NULL;
-    Py_buffer kept_view = {.buf = NULL, .len = 0};
-    if (kept_obj != Py_None &&
-        PyObject_GetBuffer(kept_obj, &kept_view, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE | PyBUF_FORMAT) < 0)
-        return NULL;
-    Py_buffer views[5];
-    PyObject *objs[5] = {neg_obj, order_obj, asc_obj, out_obj, counts_obj};
-    const int modes[5] = {PyBUF_STRIDES | PyBUF_FORMAT, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT,
+    Py_buffer views[8];
+    const int modes[8] = {PyBUF_STRIDES | PyBUF_FORMAT, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT,
                           PyBUF_C_CONTIGUOUS | PyBUF_FORMAT,
-                          PyBUF_STRIDES | PyBUF_WRITABLE | PyBUF_FORMAT,
-                          PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE};
+                          PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE | PyBUF_FORMAT,
+                          PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE | PyBUF_FORMAT,
+                          PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE | PyBUF_FORMAT,
+                          PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE | PyBUF_FORMAT,
+                          PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE | PyBUF_FORMAT};
     int got = 0;
-    for (; got < 5; got++)
+    for (; got < 8; got++)
         if (PyObject_GetBuffer(objs[got], &views[got], modes[got]) < 0)
             break;
     PyObject *result = NULL;
-    if (got == 5) {
-        const Py_buffer *neg = &views[0], *ord = &views[1], *asc = &views[2], *out = &views[3];
+    if (got == 8) {
+        const Py_buffer *neg = &views[0], *ord = &views[1], *asc = &views[2], *mat = &views[5];
         const Py_ssize_t n = neg->ndim == 2 ? neg->shape[0] : 0;
         const Py_ssize_t m = neg->ndim == 2 ? neg->shape[1] : 0;
         const Py_ssize_t groups = ord->ndim == 2 ? ord->shape[1] : 0;
+        const Py_ssize_t cap = mat->ndim == 2 ? mat->shape[1] : 0;
         int ok = neg->ndim == 2 && format_of(neg) == 'B' && neg->strides[1] == 1 &&
                  ord->ndim == 2 && format_of(ord) == 'q' && ord->shape[0] == n &&
                  asc->ndim == 2 && format_of(asc) == 'f' && asc->shape[0] == n &&
-                 asc->shape[1] == groups && out->ndim == 2 && format_of(out) == 'f' &&
-                 out->shape[0] == 4 && out->shape[1] == m && out->strides[1] == 4 &&
-                 out->strides[0] % 4 == 0 && views[4].len >= 8 * group && n >= 1 &&
-                 n <= 8192 && group >= 1 && phase >= 0 && phase < group &&
-                 groups == (phase + m + group - 1) / group;
-        for (int t = 0; t < 4 && ok; t++)
-            ok = pos[t] >= 0 && pos[t] < n;
-        if (kept_view.buf != NULL)
-            ok = ok && format_of(&kept_view) == 'd' && kept_view.len == 8 * m && 0 <= wp &&
-                 wp <= wq && wq <= n;
+                 asc->shape[1] == groups && format_of(&views[3]) == 'f' &&
+                 views[3].len == 4 * m && format_of(&views[4]) == 'q' && views[4].len == 8 * n &&
+                 mat->ndim == 2 && format_of(mat) == 'B' && mat->shape[0] == n &&
+                 0 <= col0 && col0 + m <= cap && format_of(&views[6]) == 'q' && 0 <= ntied &&
+                 ntied + m <= views[6].len / 8 && format_of(&views[7]) == 'd' &&
+                 4 * (ntied + m) <= views[7].len / 8 && n >= 1 && n <= 8192 && group >= 1 &&
+                 phase >= 0 && phase < group && groups == (phase + m + group - 1) / group &&
+                 (rule == MEDIAN || (rule == TRIMMED && f >= 1 && 2 * f < n));
         const int64_t *o = (const int64_t *)ord->buf;
         for (Py_ssize_t k = 0; k < n * groups && ok; k++)
             ok = o[k] >= 0 && o[k] < n;
+        const Py_ssize_t w = group < m ? group : m;
+        char *block = ok ? PyMem_RawMalloc((size_t)w * (11 * 4 + 8 + n) + 8) : NULL;
         if (!ok) {
             PyErr_SetString(PyExc_ValueError,
-                            "sign_cuts needs negative (n, m) bool/uint8, order (n, groups) int64 "
-                            "rows, ascending (n, groups) float32, out (4, m) float32, "
-                            "positions in [0, n), n <= 8192, 0 <= phase < group, kept (m,) "
-                            "float64 and 0 <= wp <= wq <= n");
+                            "sign_rule needs negative (n, m) bool/uint8, order (n, groups) int64, "
+                            "ascending (n, groups) float32, out (m,) float32, counts (n,) int64, "
+                            "codes (n, >= col0 + m) uint8, tied_cols (>= ntied + m,) int64, "
+                            "table (>= 4 (ntied + m),) float64, "
+                            "n <= 8192, 0 <= phase < group, "
+                            "rule 0 (median) or 1 (trimmed, 1 <= f < n / 2)");
+        } else if (block == NULL) {
+            PyErr_NoMemory();
         } else {
+            sign_work sw = {.counts = (int32_t *)block};
+            sw.ends = sw.counts + 2 * w;
+            sw.tied = sw.ends + 4 * w;
+            sw.cuts = (uint32_t *)(sw.tied + w);
+            sw.kept = (double *)(block + (11 * 4 * w + 7) / 8 * 8);
+            sw.signs = (uint8_t *)(sw.kept + w);
+            const int p = rule == MEDIAN ? (int)((n - 1) / 2) : f;
+            const int q = rule == MEDIAN ? (int)(n / 2 + 1) : (int)n - f;
             Py_BEGIN_ALLOW_THREADS
             for (Py_ssize_t g = 0; g < groups; g++) {
                 const Py_ssize_t c0 = g * group - phase < 0 ? 0 : g * group - phase;
                 const Py_ssize_t c1 = (g + 1) * group - phase > m ? m : (g + 1) * group - phase;
-                uint32_t *rows[4];
-                for (int t = 0; t < 4; t++)
-                    rows[t] = (uint32_t *)((char *)out->buf + t * out->strides[0]) + c0;
-                double *kept = kept_view.buf == NULL ? NULL : (double *)kept_view.buf + c0;
-                sign_cuts_group((const uint8_t *)neg->buf + c0, neg->strides[0], (int)n,
-                                (int)(c1 - c0), o + g, (const float *)asc->buf + g, groups, pos,
-                                rows, kept, wp, wq, (int32_t *)views[4].buf);
+                sign_rule_group((const uint8_t *)neg->buf + c0, neg->strides[0], (int)n,
+                                (int)(c1 - c0), o + g, (const float *)asc->buf + g, groups, p, q,
+                                rule, (float *)views[3].buf + c0, (int64_t *)views[4].buf,
+                                (uint8_t *)mat->buf, cap, col0 + c0, (int64_t *)views[6].buf,
+                                (double *)views[7].buf, &ntied, &sw);
+            }
+            Py_END_ALLOW_THREADS
+            PyMem_RawFree(block);
+            result = PyLong_FromSsize_t(ntied);
+        }
+    }
+    for (int i = 0; i < got; i++)
+        PyBuffer_Release(&views[i]);
+    return result;
+}
+
+/* tie_rows(codes, tied_cols, table, ntied, shares, row): each row's torch.sum of its shares
+ * in the columns tied_cols[:ntied], in that order: the share of code k in the t-th of them is
+ * table[4 t + k] (gathered into `row`, >= ntied float64). */
+static PyObject *orderstat_tie_rows(PyObject *self, PyObject *args)
+{
+    PyObject *objs[5];
+    Py_ssize_t ntied;
+    if (!PyArg_ParseTuple(args, "OOOnOO:tie_rows", &objs[0], &objs[1], &objs[2], &ntied, &objs[3],
+                          &objs[4]))
+        return NULL;
+    Py_buffer views[5];
+    int got = 0;
+    for (; got < 5; got++)
+        if (PyObject_GetBuffer(objs[got], &views[got],
+                               PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | (got >= 3 ? PyBUF_WRITABLE : 0)) < 0)
+            break;
+    PyObject *result = NULL;
+    if (got == 5) {
+        const Py_buffer *mat = &views[0];
+        const Py_ssize_t n = mat->ndim == 2 ? mat->shape[0] : 0;
+        const Py_ssize_t cap = mat->ndim == 2 ? mat->shape[1] : 0;
+        const int64_t *cols = (const int64_t *)views[1].buf;
+        int ok = mat->ndim == 2 && format_of(mat) == 'B' && format_of(&views[1]) == 'q' &&
+                 ntied >= 0 && ntied <= views[1].len / 8 && format_of(&views[2]) == 'd' &&
+                 4 * ntied <= views[2].len / 8 && format_of(&views[3]) == 'd' &&
+                 views[3].len == 8 * n && format_of(&views[4]) == 'd' && views[4].len >= 8 * ntied;
+        for (Py_ssize_t k = 0; k < ntied && ok; k++)
+            ok = cols[k] >= 0 && cols[k] < cap;
+        if (!ok) {
+            PyErr_SetString(PyExc_ValueError,
+                            "tie_rows needs codes (n, cap) uint8, tied_cols (>= ntied,) int64 in "
+                            "[0, cap), table (>= 4 ntied,) float64, shares (n,) float64, row (>= "
+                            "ntied,) float64");
+        } else {
+            const uint8_t *codes = (const uint8_t *)mat->buf;
+            const double *table = (const double *)views[2].buf;
+            double *out = (double *)views[3].buf, *row = (double *)views[4].buf;
+            Py_BEGIN_ALLOW_THREADS
+            for (Py_ssize_t r = 0; r < n; r++) {
+                for (Py_ssize_t k = 0; k < ntied; k++)
+                    row[k] = table[4 * k + (codes[r * cap + cols[k]] & 3)];
+                out[r] = torch_sum(row, ntied);
             }
             Py_END_ALLOW_THREADS
             result = Py_NewRef(Py_None);
@@ -656,32 +789,23 @@ static PyObject *orderstat_sign_cuts(PyObject *self, PyObject *args)
     }
     for (int i = 0; i < got; i++)
         PyBuffer_Release(&views[i]);
-    if (kept_view.buf != NULL)
-        PyBuffer_Release(&kept_view);
     return result;
 }
 
-PyDoc_STRVAR(sign_cuts_doc,
-             "sign_cuts(negative, phase, group, order, ascending, positions, out, counts,\n"
-             "          kept=None, window=(0, 0))\n--\n\n"
-             "The values at the four sorted positions of each column of BitDelta values into\n"
-             "out (4, m) float32: negative (n, m) bool (row i's value is -s or +s, s its scale\n"
-             "of the column's group; the first column is value phase of its group), order\n"
-             "(n, groups) int64 each group's rows by ascending scale, ascending (n, groups)\n"
-             "float32 those scales, counts a writable buffer of 8 * group bytes. kept (m,)\n"
-             "float64, when given, gets the sum of each column's values at sorted positions\n"
-             "[window[0], window[1]) added.");
+PyDoc_STRVAR(sign_rule_doc,
+             "sign_rule(negative, phase, group, order, ascending, rule, f, out, counts, codes,\n"
+             "          col0, tied_cols, table, ntied)\n--\n\n"
+             "median (rule 0) or trimmed (rule 1) of columns of BitDelta values from their signs\n"
+             "(arguments as sign_cuts), into out (m,) float32, the rows' counts added to counts\n"
+             "(n,) int64; the tied columns' indices (col0 + j) into tied_cols from ntied on, the\n"
+             "shares a row may hold in them into table (4 each: 0, 1, the runs at the cuts) and\n"
+             "each row's code of its share into codes (n, cap) uint8 at those columns. Returns\n"
+             "ntied plus the number of tied columns.");
 
-PyDoc_STRVAR(median_at_doc,
-             "median_at(x, cuts, out, counts, shares, work, kernel=None)\n--\n\n"
-             "median, with the sorted values at positions lo - 1, lo, hi and hi + 1 of each\n"
-             "column (clipped to [0, n)) given as cuts (4, >= c) of x's dtype instead of sorted.");
-
-PyDoc_STRVAR(trimmed_at_doc,
-             "trimmed_at(x, f, cuts, kept, out, counts, shares, work, kernel=None)\n--\n\n"
-             "trimmed, with the sorted values at positions f - 1, f, n - f - 1 and n - f of\n"
-             "each column given as cuts (4, >= c) of x's dtype and the sums of each column's\n"
-             "kept values as kept (>= c,) float64, instead of sorted.");
+PyDoc_STRVAR(tie_rows_doc,
+             "tie_rows(codes, tied_cols, table, ntied, shares, row)\n--\n\n"
+             "shares (n,) float64: each row's torch.sum over t < ntied of table[4 t + code], code\n"
+             "= codes[r, tied_cols[t]]; row: a float64 buffer of >= ntied values.");
 
 PyDoc_STRVAR(network_doc,
              "network(n, lo, hi)\n--\n\n"
@@ -720,9 +844,8 @@ static PyMethodDef orderstat_methods[] = {
     {"median", orderstat_median, METH_VARARGS, median_doc},
     {"trimmed", orderstat_trimmed, METH_VARARGS, trimmed_doc},
     {"work_size", orderstat_work_size, METH_VARARGS, work_size_doc},
-    {"sign_cuts", orderstat_sign_cuts, METH_VARARGS, sign_cuts_doc},
-    {"median_at", orderstat_median_at, METH_VARARGS, median_at_doc},
-    {"trimmed_at", orderstat_trimmed_at, METH_VARARGS, trimmed_at_doc},
+    {"sign_rule", orderstat_sign_rule, METH_VARARGS, sign_rule_doc},
+    {"tie_rows", orderstat_tie_rows, METH_VARARGS, tie_rows_doc},
     {NULL, NULL, 0, NULL},
 };
 
@@ -991,8 +1114,8 @@ NAME(tie_shares)(const char *x, Py_ssize_t stride, int n, const tied_column *tie
  * column holds a NaN (then counts and shares are left as they were). */
 static inline __attribute__((always_inline)) ATTR Py_ssize_t
 NAME(chunk)(const char *x, Py_ssize_t stride, int n, Py_ssize_t c, int f, int rule,
-            const int32_t *pairs, Py_ssize_t npairs, const char *cuts, Py_ssize_t cut_stride,
-            const double *kept, float *out, int64_t *counts, double *shares, void *work)
+            const int32_t *pairs, Py_ssize_t npairs, float *out, int64_t *counts, double *shares,
+            void *work)
 {
     V *t = (V *)work, *u = t + n;
     VI *lanes = (VI *)(u + n);
@@ -1006,36 +1129,19 @@ NAME(chunk)(const char *x, Py_ssize_t stride, int n, Py_ssize_t c, int f, int ru
     for (Py_ssize_t c0 = 0; c0 < c; c0 += W) {
         const int cw = c - c0 < W ? (int)(c - c0) : W;
         nan |= NAME(load_tile)(x, stride, n, c0, cw, t, u);
-        V before = {0}, first = {0}, last = {0}, after = {0};
-        if (cuts == NULL) {
-            NAME(sort_tile)(t, pairs, npairs);
-            first = t[p], last = t[q - 1];
-            before = t[p >= 1 ? p - 1 : p], after = t[q < n ? q : q - 1];
-        } else { /* the values at positions p - 1, p, q - 1 and q, given */
-            V *given[4] = {&before, &first, &last, &after};
-            for (int k = 0; k < 4; k++)
-                memcpy(given[k], cuts + k * cut_stride + c0 * (Py_ssize_t)sizeof(T),
-                       (size_t)cw * sizeof(T));
-        }
+        NAME(sort_tile)(t, pairs, npairs);
+        const V first = t[p], last = t[q - 1];
         VI tie = {0};
         if (p >= 1)
-            tie |= EQUAL(before, first);
+            tie |= EQUAL(t[p - 1], first);
         if (q < n)
-            tie |= EQUAL(after, last);
+            tie |= EQUAL(t[q], last);
         tie &= (VI)(lane < cw);
         for (int h = 0; h < HALVES; h++) {
             const VD zero = {0};
-            VD sum = {0};
-            if (rule == TRIMMED && kept != NULL) {
-                const int count = cw - h * HW < HW ? cw - h * HW : HW;
-                if (count > 0)
-                    memcpy(&sum, kept + c0 + h * HW, (size_t)count * sizeof(double));
-            } else if (rule == TRIMMED) {
-                sum = NAME(torch_order_sum)(t, p, q - p, h);
-            }
             const VD value = rule == MEDIAN
                                  ? (NAME(half)(first, h) + NAME(half)(last, h)) * 0.5 + zero
-                                 : sum / (double)(q - p);
+                                 : NAME(torch_order_sum)(t, p, q - p, h) / (double)(q - p);
             NAME(store_half)(value, h, cw, out + c0);
         }
         const VI ok = ~tie & (VI)(lane < cw);
@@ -1053,21 +1159,17 @@ NAME(chunk)(const char *x, Py_ssize_t stride, int n, Py_ssize_t c, int f, int ru
 }
 
 ATTR static Py_ssize_t NAME(median)(const char *x, Py_ssize_t stride, int n, Py_ssize_t c,
-                                    int f, const int32_t *pairs, Py_ssize_t npairs,
-                                    const char *cuts, Py_ssize_t cut_stride, const double *kept,
-                                    float *out, int64_t *counts, double *shares, void *work)
+                                    int f, const int32_t *pairs, Py_ssize_t npairs, float *out,
+                                    int64_t *counts, double *shares, void *work)
 {
-    return NAME(chunk)(x, stride, n, c, f, MEDIAN, pairs, npairs, cuts, cut_stride, kept, out,
-                       counts, shares, work);
+    return NAME(chunk)(x, stride, n, c, f, MEDIAN, pairs, npairs, out, counts, shares, work);
 }
 
 ATTR static Py_ssize_t NAME(trimmed)(const char *x, Py_ssize_t stride, int n, Py_ssize_t c,
-                                     int f, const int32_t *pairs, Py_ssize_t npairs,
-                                     const char *cuts, Py_ssize_t cut_stride, const double *kept,
-                                     float *out, int64_t *counts, double *shares, void *work)
+                                     int f, const int32_t *pairs, Py_ssize_t npairs, float *out,
+                                     int64_t *counts, double *shares, void *work)
 {
-    return NAME(chunk)(x, stride, n, c, f, TRIMMED, pairs, npairs, cuts, cut_stride, kept, out,
-                       counts, shares, work);
+    return NAME(chunk)(x, stride, n, c, f, TRIMMED, pairs, npairs, out, counts, shares, work);
 }
 
 #undef W

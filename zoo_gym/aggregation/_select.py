@@ -32,6 +32,7 @@ equal zeros; a trimmed mean's sum starts from +0.0 and is +0.0 when zero.
 from __future__ import annotations
 
 import threading
+from collections.abc import Sequence
 from types import ModuleType
 from typing import Any
 
@@ -44,7 +45,7 @@ from zoo_gym.core.extension import Extension
 
 from . import _signs
 from ._core import as_columns, run_threaded, sort_budget, spans
-from .columns import Columns, Updates
+from .columns import Columns, SignPiece, Updates
 
 Array = NDArray[Any]  # a NumPy array of the working dtype
 
@@ -242,6 +243,7 @@ class _NpScratch:
         self.totals = np.zeros(n, dtype=np.float64)  # (n,)
         self.counts = np.zeros(n, dtype=np.int64)  # (n,) counts since the last flush
         self.shares = np.empty(n, dtype=np.float64)  # (n,) tie shares of a compiled chunk
+        self.ties = np.empty((0, 0), dtype=np.uint8)  # (n, c) codes of tie shares, if used
         work = 0 if _COMPILED.module is None else _COMPILED.module.work_size(n, width)
         self.work = np.empty(work, dtype=np.uint8)  # the compiled kernels' buffers
 
@@ -409,34 +411,43 @@ def _c_rule(
 
 
 def _sign_rule(
-    x: Array,
+    x: Array, kind: str, f: int, cuts: Array, scratch: _NpScratch, out: NDArray[np.float32]
+) -> None:
+    """The NumPy twin's rule of `kind` on `x` `(n, c)` given the values `cuts` `(4, c)` at
+    its columns' `cut_positions`, selected from sign bits (see `_signs`): results to `out`,
+    counts and tie shares to the scratch's, as after a sort."""
+    if kind == "median":
+        median_at_cuts(x, cuts, scratch, out)
+        return
+    kept = scratch.acc[: x.shape[1]]
+    _signs.kept_sums(x, f, cuts[1], cuts[2], kept)
+    trimmed_at_cuts(x, f, cuts, kept, scratch, out)
+
+
+def _sign_chunk(
+    compiled: ModuleType,
+    pieces: Sequence[SignPiece],
+    c: int,
     kind: str,
     f: int,
-    cuts: Array,
-    kept: NDArray[np.float64] | None,
-    compiled: ModuleType | None,
     scratch: _NpScratch,
     out: NDArray[np.float32],
 ) -> None:
-    """The rule of `kind` on `x` `(n, c)` given the values `cuts` `(4, c)` at its columns'
-    `cut_positions`, selected from sign bits (see `_signs`), and for the trimmed mean the
-    sums `kept` `(c,)` of its kept values where the selection formed them: by the
-    `compiled` kernels when given, else by NumPy; results to `out`, counts and tie shares
-    to the scratch's, as after a sort."""
-    counts, shares, work = scratch.counts, scratch.shares, scratch.work
-    if kind == "median":
-        if compiled is None:
-            median_at_cuts(x, np.ascontiguousarray(cuts), scratch, out)
-        else:
-            _c_tally(kind, compiled.median_at(x, cuts, out, counts, shares, work), scratch)
-        return
-    if kept is None:
-        kept = scratch.acc[: x.shape[1]]
-        _signs.kept_sums(x, f, cuts[1], cuts[2], kept)
-    if compiled is None:
-        trimmed_at_cuts(x, f, np.ascontiguousarray(cuts), kept, scratch, out)
-    else:
-        tied = compiled.trimmed_at(x, f, cuts, kept, out, counts, shares, work)
+    """The rule of `kind` over a range of c columns from its `pieces`, by the compiled
+    kernels and without decoding it, in the spans of the scratch's width: results to `out`
+    `(c,)`, counts and tie shares to the scratch's, as the sorting kernel adds them."""
+    n, width = scratch.tally.shape
+    if scratch.ties.shape != (n, width):
+        scratch.ties = np.empty((n, width), dtype=np.uint8)
+    cols, row = np.empty(width, dtype=np.int64), np.empty(width, dtype=np.float64)
+    table = np.empty(4 * width, dtype=np.float64)
+    ordered = _signs.sort_groups(pieces)
+    for a, b in spans(c, width):
+        tied = _signs.rule_span(
+            compiled, ordered, (a, b), kind, f, out[a:b], scratch.counts, scratch.ties, cols, table
+        )
+        if tied:
+            compiled.tie_rows(scratch.ties, cols, table, tied, scratch.shares, row)
         _c_tally(kind, tied, scratch)
 
 
@@ -526,7 +537,6 @@ def _np_coordinatewise(
     signs = _signs.usable(source) if kind == "median" or f > 0 else None
     positions = cut_positions(n, kind, f)
     selector = _COMPILED.module if _COMPILED.enabled else None
-    window = (f, n - f) if kind == "trimmed" else None
 
     def run(span: tuple[int, int]) -> None:
         own = getattr(local, "buffers", None)
@@ -535,15 +545,17 @@ def _np_coordinatewise(
             buffers.append(own)
         start, stop = span
         pieces = None if signs is None else signs.sign_groups(start, stop)
+        if pieces is not None and selector is not None:
+            _sign_chunk(selector, pieces, stop - start, kind, f, own, out_np[start:stop])
+            return
         if pieces is not None:
-            cuts, kept = _signs.cut_values(pieces, stop - start, positions, selector, window)
+            cuts = _signs.cut_values(pieces, stop - start, positions)
         chunk = source.columns(start, stop).detach()
         x = chunk.numpy() if chunk.dtype == dtype else chunk.to(dtype).numpy()
         for a, b in spans(stop - start, inner):
             o = out_np[start + a : start + b]
             if pieces is not None:
-                part = None if kept is None else kept[a:b]
-                _sign_rule(x[:, a:b], kind, f, cuts[:, a:b], part, selector, own, o)
+                _sign_rule(x[:, a:b], kind, f, np.ascontiguousarray(cuts[:, a:b]), own, o)
             elif compiled:
                 _c_rule(x[:, a:b], kind, f, network, own, o)
             elif kind == "median":

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from types import ModuleType
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 from numpy.typing import NDArray
@@ -62,60 +62,16 @@ def usable(source: Columns) -> SignGroups | None:
     return signs
 
 
-def cut_values(
-    pieces: Sequence[SignPiece],
-    c: int,
-    positions: Sequence[int],
-    compiled: ModuleType | None,
-    window: tuple[int, int] | None = None,
-) -> tuple[Any, Any]:
+def cut_values(pieces: Sequence[SignPiece], c: int, positions: Sequence[int]) -> Any:
     """The values `(len(positions), c)` float32 at the sorted `positions` of each column
-    of a range of c columns covered by `pieces` (a position may be repeated), and, from
-    the `compiled` kernel (`_orderstat.sign_cuts`, four positions) when given, the float64
-    sums `(c,)` of the values at the sorted positions [p, q) = `window` (None otherwise)."""
-    if compiled is not None and len(positions) == 4:
-        out = np.empty((4, c), dtype=np.float32)
-        kept = None if window is None else np.zeros(c, dtype=np.float64)
-        for piece in pieces:
-            cut = piece.start, piece.stop
-            part = None if kept is None else kept[cut[0] : cut[1]]
-            _compiled_cuts(compiled, piece, positions, out[:, cut[0] : cut[1]], part, window)
-        return out, kept
+    of a range of c columns covered by `pieces` (a position may be repeated)."""
     distinct = sorted(set(positions))
     out = np.empty((len(distinct), c), dtype=np.float32)
     for piece in pieces:
         _piece_cuts(piece, distinct, out[:, piece.start : piece.stop])
     if distinct == list(positions):
-        return out, None
-    return out[[distinct.index(p) for p in positions]], None
-
-
-def _compiled_cuts(
-    compiled: ModuleType,
-    piece: SignPiece,
-    positions: Sequence[int],
-    out: NDArray[np.float32],
-    kept: NDArray[np.float64] | None,
-    window: tuple[int, int] | None,
-) -> None:
-    """`cut_values` of one piece by the compiled kernel: each group's scales sorted here."""
-    scales = piece.scales.numpy()
-    order = np.argsort(scales, axis=0, kind="stable")  # (n, groups)
-    ascending = np.take_along_axis(scales, order, axis=0)
-    counts = np.empty(8 * piece.group, dtype=np.uint8)
-    negative = piece.negative.numpy().view(np.uint8)
-    compiled.sign_cuts(
-        negative,
-        piece.phase,
-        piece.group,
-        order,
-        ascending,
-        tuple(positions),
-        out,
-        counts,
-        kept,
-        window or (0, 0),
-    )
+        return out
+    return out[[distinct.index(p) for p in positions]]
 
 
 def _piece_cuts(piece: SignPiece, positions: Sequence[int], out: NDArray[np.float32]) -> None:
@@ -174,3 +130,70 @@ def kept_sums(x: NDArray[np.float32], f: int, first: Any, last: Any, out: Any) -
     out -= first.astype(np.float64) * (f - np.count_nonzero(below, axis=0))
     out -= last.astype(np.float64) * (f - np.count_nonzero(above, axis=0))
     out += 0.0  # a zero sum is +0.0, as the sorted path's
+
+
+class Sorted(NamedTuple):
+    """A piece with each of its groups' rows in ascending order of scale."""
+
+    piece: SignPiece
+    order: NDArray[np.int64]  # (n, groups)
+    ascending: NDArray[np.float32]  # (n, groups)
+
+
+def sort_groups(pieces: Sequence[SignPiece]) -> list[Sorted]:
+    """Each piece with the order of its groups' scales (stable: equal scales keep the row
+    order, which only orders equal values)."""
+    out = []
+    for piece in pieces:
+        scales = piece.scales.numpy()
+        order = np.argsort(scales, axis=0, kind="stable")  # (n, groups)
+        out.append(Sorted(piece, order, np.take_along_axis(scales, order, axis=0)))
+    return out
+
+
+def rule_span(
+    compiled: ModuleType,
+    pieces: Sequence[Sorted],
+    span: tuple[int, int],
+    kind: str,
+    f: int,
+    out: NDArray[np.float32],
+    counts: NDArray[np.int64],
+    ties: NDArray[np.uint8],
+    tied_cols: NDArray[np.int64],
+    table: NDArray[np.float64],
+) -> int:
+    """The rule of `kind` over columns [a, b) = `span` of the range `pieces` cover, by the
+    compiled kernel (`_orderstat.sign_rule`) with no decoded values: results to `out`
+    `(b - a,)`, each row's count of the untied columns to `counts` `(n,)`; the tied
+    columns' indices, in order, to `tied_cols` `(>= b - a,)`, the shares a row may hold in
+    each to `table` `(>= 4 (b - a),)` float64 and each row's code of its share (an index
+    into them) to those columns of `ties` `(n, >= b - a)` uint8. Returns the number of tied
+    columns."""
+    a, b = span
+    rule = 0 if kind == "median" else 1
+    tied = 0
+    for piece, order, ascending in pieces:
+        s0, s1 = max(a, piece.start) - piece.start, min(b, piece.stop) - piece.start
+        if s0 >= s1:
+            continue
+        group, at = piece.group, piece.phase + s0
+        g0, g1 = at // group, (piece.phase + s1 - 1) // group + 1
+        col0 = piece.start + s0 - a
+        tied = compiled.sign_rule(
+            piece.negative.numpy()[:, s0:s1].view(np.uint8),
+            at % group,
+            group,
+            np.ascontiguousarray(order[:, g0:g1]),
+            np.ascontiguousarray(ascending[:, g0:g1]),
+            rule,
+            f,
+            out[col0 : col0 + s1 - s0],
+            counts,
+            ties,
+            col0,
+            tied_cols,
+            table,
+            tied,
+        )
+    return tied

@@ -29,6 +29,10 @@
  * torch.sum over a row (as `_select` sums the matrix of shares it forms). A chunk that holds a
  * NaN is handed back (-1): the caller runs it through the NumPy steps.
  *
+ * For BitDelta columns with float16 scales, `sign_rule` forms the same results, counts and tie
+ * shares without sorting or decoding: from each column's sign bytes and its group's scales in
+ * ascending order (see `sign_cuts_group` and `zoo_gym.aggregation._signs`).
+ *
  * Three kernels perform the same operations: a portable one (GCC/Clang vector extensions,
  * lowered to whatever the target has) and, on x86 with GCC or Clang, AVX2 and AVX-512 ones
  * chosen at run time from what the CPU supports. Only the machine instructions differ. The

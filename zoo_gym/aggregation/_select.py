@@ -24,6 +24,11 @@ with a sorting network across the rows, without a transpose, and forms the resul
 while the tile is in cache, tie shares included (a chunk holding a NaN goes through the
 NumPy steps above). Both give the same bits; `use_compiled(False)` turns it off.
 
+A source over BitDelta payloads with float16 scales (one offering `sign_groups`) skips the
+sort: the cut values, counts and tie shares come from each column's sign bits and its
+group's sorted scales (`_signs`), the same bits again; `_signs.use_sign_structure(False)`
+turns it off.
+
 A zero median is +0.0 whatever the signs of the zeros it comes from (0.0 is added to the
 mean of the middle values), so that it does not depend on where a sort puts -0.0 among
 equal zeros; a trimmed mean's sum starts from +0.0 and is +0.0 when zero.

@@ -12,11 +12,17 @@ at place r sits at sorted position
     N - C(r)            if it is negative (N = C(n - 1), the column's negatives)
     N + r - C(r)        if it is positive,
 
-which is a permutation of 0..n-1. A few cut positions are read off that (the values at
-them are -s or +s of the update there): a cumulative sum and a few elementwise passes over
-one byte per value, against a sort of each column. Equal scales and zero scales (+0.0 and
--0.0 are equal values) only reorder equal values, so the value at each position is the
-sorted one.
+which is a permutation of 0..n-1. Equal scales and zero scales (+0.0 and -0.0 are equal
+values) only reorder equal values, so the value at each position is the sorted one.
+
+Two ways use it. The compiled kernel (`_orderstat.sign_rule`, through `rule_span`) forms
+everything a rule needs from the positions, without decoding the chunk: the cut values,
+the kept sums, each row's count (its position inside or outside the window) and, in the
+columns where a run of equal values crosses a cut, each row's share as a code into the
+column's four possible shares, summed per row in torch.sum's order (`tie_rows`), as the
+sorting kernel sums them. Without it, `cut_values` reads the four cut values of each column
+off the positions in NumPy (a cumulative sum and a few elementwise passes) and the NumPy
+tie logic of `_select` runs on the decoded chunk with them, as after a sort.
 
 Only sources whose scales are float16 take this path (`usable`): their values, and any
 sum of at most `MAX_ROWS` of them, are exact in float64 in any order, so a trimmed mean's

@@ -107,6 +107,26 @@ def test_selection_from_signs_equals_the_sort(
     assert torch.equal(structured.vector, plain.vector)  # other chunks: shares differ in ulps
 
 
+@pytest.mark.parametrize("compiled", [True, False])
+@pytest.mark.parametrize(
+    ("n", "rule"), [(1, "median"), (2, "median"), (3, "median"), (3, "trimmed")]
+)
+def test_few_updates(n: int, rule: str, compiled: bool) -> None:
+    # cut positions clipped at both ends: with one update every value is the median
+    if compiled and not _select.compiled_available():
+        pytest.skip("the compiled kernels were not built")
+    payload_source = source(payloads(n, 8, seed=n))
+    previous = _select.use_compiled(compiled)
+    try:
+        structured = run(rule, payload_source, 1)
+        _signs.use_sign_structure(False)
+        assert_same(structured, run(rule, payload_source, 1))
+    finally:
+        _select.use_compiled(previous)
+    if n == 1:
+        assert torch.equal(structured.vector, payload_source.columns(0, payload_source.d)[0] + 0.0)
+
+
 def test_trimmed_mean_with_f_zero_and_many_updates_take_the_sum() -> None:
     # f = 0 keeps every value (no selection); the scale of a column shows only its signs
     blobs = payloads(6, 8, seed=3)

@@ -166,7 +166,8 @@ def test_sign_groups_only_for_float16_scales() -> None:
     assert pieces is not None
     assert [(p.start, p.stop, p.phase) for p in pieces] == [(0, 7, 6), (7, 307, 0), (307, 310, 0)]
     assert pieces[1].scales.shape == (5, 38)
-    assert pieces[1].negative.shape == (5, 300)
+    assert pieces[1].signs.shape == (5, 38)
+    assert [p.bit for p in pieces] == [6, 0, 0]  # value 30 of t0; the others from value 0
 
 
 @pytest.mark.parametrize("rule", ["median", "trimmed"])

@@ -553,8 +553,8 @@ typedef struct {
     uint8_t *signs;  /* n w: the group's sign bytes, its rows in ascending order of scale */
 } sign_work;
 
-/* One group's w columns of either rule from their signs: `negative` (n, w; rows `stride`
- * bytes apart) their sign bytes, `order` the group's rows by ascending scale (order[r *
+/* One group's w columns of either rule from their signs: bits bit .. bit + w - 1 of each row
+ * of `signs` (rows `stride` bytes apart; a set bit is a value >= 0), `order` the group's rows by ascending scale (order[r *
  * groups]) and `ascending` those scales (see `sign_cuts_group`). Its results into out (w,) float32, each row's count of the columns in which it
  * holds the window [p, q) (median) or lies outside it (trimmed) into counts (n,), but for the
  * tied columns (the window starts or ends inside a run of equal values): their indices
@@ -562,10 +562,33 @@ typedef struct {
  * per column: 0, 1, the share of the run equal to first, of the run equal to last), and
  * each row's code of its share (0 .. 3) to codes (n rows of `cap`) at those columns; the
  * tie logic of `chunk` above. */
+/* 1 for each value of eight packed sign bits (most significant first) that is negative. */
+static uint8_t negative_bytes[256][8];
+
+static void fill_negative_bytes(void)
+{
+    for (int v = 0; v < 256; v++)
+        for (int k = 0; k < 8; k++)
+            negative_bytes[v][k] = ((v >> (7 - k)) & 1) == 0;
+}
+
+/* Bits bit .. bit + w - 1 of the packed signs `packed` as bytes, 1 where negative, into out. */
+static void unpack_negatives(const uint8_t *packed, Py_ssize_t bit, int w, uint8_t *out)
+{
+    int j = 0;
+    for (; j < w && (bit + j) % 8 != 0; j++)
+        out[j] = ((packed[(bit + j) >> 3] >> (7 - (bit + j) % 8)) & 1) == 0;
+    for (; j + 8 <= w; j += 8)
+        memcpy(out + j, negative_bytes[packed[(bit + j) >> 3]], 8);
+    for (; j < w; j++)
+        out[j] = ((packed[(bit + j) >> 3] >> (7 - (bit + j) % 8)) & 1) == 0;
+}
+
 #if defined(ORDERSTAT_HAVE_X86) && defined(__GNUC__) && !defined(__clang__)
 __attribute__((target_clones("avx2", "default")))
 #endif
-static void sign_rule_group(const uint8_t *restrict negative, Py_ssize_t stride, int n, int w,
+static void sign_rule_group(const uint8_t *restrict signs, Py_ssize_t stride, Py_ssize_t bit,
+                            int n, int w,
                             const int64_t *restrict order, const float *restrict ascending,
                             Py_ssize_t groups, int p, int q, int rule, float *out,
                             int64_t *counts, uint8_t *codes, Py_ssize_t cap, Py_ssize_t col0,
@@ -582,7 +605,7 @@ static void sign_rule_group(const uint8_t *restrict negative, Py_ssize_t stride,
     /* the rows in ascending order of scale, together: the passes below read them in turn */
     uint8_t *restrict sorted = sw->signs;
     for (int r = 0; r < n; r++)
-        memcpy(sorted + (Py_ssize_t)r * w, negative + order[r * groups] * stride, (size_t)w);
+        unpack_negatives(signs + order[r * groups] * stride, bit, w, sorted + (Py_ssize_t)r * w);
     sign_cuts_group(sorted, n, w, ascending, groups, pos, rows, rule == TRIMMED ? kept : NULL, p,
                     q, sw->counts);
     const float *before = (const float *)rows[0], *first = (const float *)rows[1],
@@ -659,16 +682,16 @@ static void sign_rule_group(const uint8_t *restrict negative, Py_ssize_t stride,
     }
 }
 
-/* sign_rule(negative, phase, group, order, ascending, rule, f, out, counts, codes, col0,
+/* sign_rule(signs, bit, m, phase, group, order, ascending, rule, f, out, counts, codes, col0,
  *           tied_cols, table, ntied) */
 static PyObject *orderstat_sign_rule(PyObject *self, PyObject *args)
 {
     PyObject *objs[8];
-    Py_ssize_t phase, group, col0, ntied;
+    Py_ssize_t bit, m, phase, group, col0, ntied;
     int rule, f;
-    if (!PyArg_ParseTuple(args, "OnnOOiiOOOnOOn:sign_rule", &objs[0], &phase, &group, &objs[1],
-                          &objs[2], &rule, &f, &objs[3], &objs[4], &objs[5], &col0, &objs[6],
-                          &objs[7], &ntied))
+    if (!PyArg_ParseTuple(args, "OnnnnOOiiOOOnOOn:sign_rule", &objs[0], &bit, &m, &phase, &group,
+                          &objs[1], &objs[2], &rule, &f, &objs[3], &objs[4], &objs[5], &col0,
+                          &objs[6], &objs[7], &ntied))
         return NULL;
     Py_buffer views[8];
     const int modes[8] = {PyBUF_STRIDES | PyBUF_FORMAT, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT,
@@ -686,10 +709,11 @@ static PyObject *orderstat_sign_rule(PyObject *self, PyObject *args)
     if (got == 8) {
         const Py_buffer *neg = &views[0], *ord = &views[1], *asc = &views[2], *mat = &views[5];
         const Py_ssize_t n = neg->ndim == 2 ? neg->shape[0] : 0;
-        const Py_ssize_t m = neg->ndim == 2 ? neg->shape[1] : 0;
+        const Py_ssize_t nbytes = neg->ndim == 2 ? neg->shape[1] : 0;
         const Py_ssize_t groups = ord->ndim == 2 ? ord->shape[1] : 0;
         const Py_ssize_t cap = mat->ndim == 2 ? mat->shape[1] : 0;
-        int ok = neg->ndim == 2 && format_of(neg) == 'B' && neg->strides[1] == 1 &&
+        int ok = neg->ndim == 2 && format_of(neg) == 'B' && neg->strides[1] == 1 && bit >= 0 &&
+                 m >= 1 && bit + m <= 8 * nbytes &&
                  ord->ndim == 2 && format_of(ord) == 'q' && ord->shape[0] == n &&
                  asc->ndim == 2 && format_of(asc) == 'f' && asc->shape[0] == n &&
                  asc->shape[1] == groups && format_of(&views[3]) == 'f' &&
@@ -707,7 +731,8 @@ static PyObject *orderstat_sign_rule(PyObject *self, PyObject *args)
         char *block = ok ? PyMem_RawMalloc((size_t)w * (11 * 4 + 8 + n) + 8) : NULL;
         if (!ok) {
             PyErr_SetString(PyExc_ValueError,
-                            "sign_rule needs negative (n, m) bool/uint8, order (n, groups) int64, "
+                            "sign_rule needs signs (n, bytes) uint8 holding bits [bit, bit + m), "
+                            "order (n, groups) int64, "
                             "ascending (n, groups) float32, out (m,) float32, counts (n,) int64, "
                             "codes (n, >= col0 + m) uint8, tied_cols (>= ntied + m,) int64, "
                             "table (>= 4 (ntied + m),) float64, "
@@ -728,7 +753,7 @@ static PyObject *orderstat_sign_rule(PyObject *self, PyObject *args)
             for (Py_ssize_t g = 0; g < groups; g++) {
                 const Py_ssize_t c0 = g * group - phase < 0 ? 0 : g * group - phase;
                 const Py_ssize_t c1 = (g + 1) * group - phase > m ? m : (g + 1) * group - phase;
-                sign_rule_group((const uint8_t *)neg->buf + c0, neg->strides[0], (int)n,
+                sign_rule_group((const uint8_t *)neg->buf, neg->strides[0], bit + c0, (int)n,
                                 (int)(c1 - c0), o + g, (const float *)asc->buf + g, groups, p, q,
                                 rule, (float *)views[3].buf + c0, (int64_t *)views[4].buf,
                                 (uint8_t *)mat->buf, cap, col0 + c0, (int64_t *)views[6].buf,
@@ -797,10 +822,13 @@ static PyObject *orderstat_tie_rows(PyObject *self, PyObject *args)
 }
 
 PyDoc_STRVAR(sign_rule_doc,
-             "sign_rule(negative, phase, group, order, ascending, rule, f, out, counts, codes,\n"
-             "          col0, tied_cols, table, ntied)\n--\n\n"
-             "median (rule 0) or trimmed (rule 1) of columns of BitDelta values from their signs\n"
-             "(arguments as sign_cuts), into out (m,) float32, the rows' counts added to counts\n"
+             "sign_rule(signs, bit, m, phase, group, order, ascending, rule, f, out, counts,\n"
+             "          codes, col0, tied_cols, table, ntied)\n--\n\n"
+             "median (rule 0) or trimmed (rule 1) of m columns of BitDelta values from their\n"
+             "sign bits bit .. bit + m - 1 of each row of signs (n, bytes) uint8 (set: +scale),\n"
+             "the first being value phase of its group; order (n, groups) int64 each group's\n"
+             "rows by ascending scale, ascending (n, groups) float32 those scales. Into out (m,)\n"
+             "float32, the rows' counts added to counts\n"
              "(n,) int64; the tied columns' indices (col0 + j) into tied_cols from ntied on, the\n"
              "shares a row may hold in them into table (4 each: 0, 1, the runs at the cuts) and\n"
              "each row's code of its share into codes (n, cap) uint8 at those columns. Returns\n"
@@ -855,6 +883,7 @@ static PyMethodDef orderstat_methods[] = {
 
 static int orderstat_exec(PyObject *module)
 {
+    fill_negative_bytes();
     usable[0] = 1;
 #ifdef ORDERSTAT_HAVE_X86
     __builtin_cpu_init();

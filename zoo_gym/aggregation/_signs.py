@@ -80,9 +80,16 @@ def cut_values(pieces: Sequence[SignPiece], c: int, positions: Sequence[int]) ->
     return out[[distinct.index(p) for p in positions]]
 
 
+def negatives(piece: SignPiece) -> NDArray[np.bool_]:
+    """`(n, stop - start)`: True where the piece's value is negative (its sign bit clear)."""
+    bits = np.unpackbits(piece.signs.numpy(), axis=1)
+    negative: NDArray[np.bool_] = bits[:, piece.bit : piece.bit + piece.stop - piece.start] == 0
+    return negative
+
+
 def _piece_cuts(piece: SignPiece, positions: Sequence[int], out: NDArray[np.float32]) -> None:
     """`cut_values` of one piece, in blocks of whole groups of at most `_BLOCK` values."""
-    scales, negative = piece.scales.numpy(), piece.negative.numpy()
+    scales, negative = piece.scales.numpy(), negatives(piece)
     n, groups = scales.shape
     group, phase, m = piece.group, piece.phase, piece.stop - piece.start
     step = max(1, _BLOCK // (n * group))  # groups per block
@@ -187,7 +194,9 @@ def rule_span(
         g0, g1 = at // group, (piece.phase + s1 - 1) // group + 1
         col0 = piece.start + s0 - a
         tied = compiled.sign_rule(
-            piece.negative.numpy()[:, s0:s1].view(np.uint8),
+            piece.signs.numpy(),
+            piece.bit + s0,
+            s1 - s0,
             at % group,
             group,
             np.ascontiguousarray(order[:, g0:g1]),

@@ -42,8 +42,8 @@ __all__ = [
 
 class SignPiece(Protocol):
     """Columns [start, stop) of a range, all in one BitDelta tensor: row i's value in
-    column start + j is -s if `negative[i, j]` else +s, s = `scales[i, (phase + j) //
-    group]` (groups of `group` consecutive values; the piece starts at value `phase` of
+    column start + j is +s if bit `bit + j` of row i of `signs` is set (most significant
+    first in each byte), else -s, s = `scales[i, (phase + j) // group]` (groups of `group` consecutive values; the piece starts at value `phase` of
     its first group)."""
 
     @property
@@ -64,9 +64,12 @@ class SignPiece(Protocol):
         ...
 
     @property
-    def negative(self) -> Tensor:
-        """`(n, stop - start)` bool on the CPU."""
+    def signs(self) -> Tensor:
+        """`(n, ceil((bit + stop - start) / 8))` uint8 on the CPU."""
         ...
+
+    @property
+    def bit(self) -> int: ...
 
 
 class SignGroups(Protocol):

@@ -176,7 +176,8 @@ class PayloadColumns:
         """Columns [start, stop) as their signs and group scales, one `SignPiece` per tensor
         they cover, on the CPU; None unless every tensor is BitDelta with float16 scales
         and one group size in every payload. The value of row i in column j of a piece is
-        -scale if `negative[i, j]` else +scale, scale being row i's scale of j's group."""
+        +scale if sign bit j of row i is set, else -scale, scale being row i's scale of j's
+        group (see `SignPiece`)."""
         if not 0 <= start <= stop <= self.d:
             raise ValueError(f"column range [{start}, {stop}) outside [0, {self.d})")
         if self._signs is None or self._rows or not self._signs.half_scales:
@@ -244,16 +245,18 @@ class _SignTensor:
 class SignPiece:
     """Columns [start, stop) of a range, all in one BitDelta tensor, as signs and scales.
 
-    Row i's value in column start + j is -s if `negative[i, j]` else +s, where s is
-    `scales[i, (phase + j) // group]`: groups of `group` consecutive values of the tensor,
-    the piece's first value being value `phase` of its first group."""
+    Row i's value in column start + j is +s if bit `bit + j` of row i of `signs` is set
+    (bits most significant first in each byte, as BitDelta packs them), else -s, where s
+    is `scales[i, (phase + j) // group]`: groups of `group` consecutive values of the
+    tensor, the piece's first value being value `phase` of its first group."""
 
     start: int
     stop: int
     group: int
     phase: int
     scales: Tensor  # (n, groups) float32, the groups the piece covers
-    negative: Tensor  # (n, stop - start) bool
+    signs: Tensor  # (n, ceil((bit + stop - start) / 8)) uint8, the sign bytes
+    bit: int  # the first value's bit in the first byte, 0..7
 
 
 class _Rows(Protocol):
@@ -462,8 +465,7 @@ class _SignColumns:
             lo, hi = max(start, t0) - t0, min(stop, self._starts[t + 1]) - t0
             if lo < hi:
                 b0, g0 = lo // 8, lo // tensor.group
-                bits = np.unpackbits(rows.signs(t, b0, -(-hi // 8) - b0).numpy(), axis=1)
-                negative = torch.from_numpy(bits[:, lo - 8 * b0 : hi - 8 * b0] == 0)
+                signs = rows.signs(t, b0, -(-hi // 8) - b0)
                 scales = rows.scales(t, g0, (hi - 1) // tensor.group + 1 - g0)
                 piece = SignPiece(
                     t0 + lo - start,
@@ -471,7 +473,8 @@ class _SignColumns:
                     tensor.group,
                     lo - g0 * tensor.group,
                     scales,
-                    negative,
+                    signs,
+                    lo - 8 * b0,
                 )
                 out.append(piece)
             t += 1

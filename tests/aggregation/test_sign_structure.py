@@ -127,8 +127,8 @@ def test_few_updates(n: int, rule: str, compiled: bool) -> None:
         assert torch.equal(structured.vector, payload_source.columns(0, payload_source.d)[0] + 0.0)
 
 
-def test_trimmed_mean_with_f_zero_and_many_updates_take_the_sum() -> None:
-    # f = 0 keeps every value (no selection); the scale of a column shows only its signs
+def test_trimmed_mean_with_f_zero_takes_the_sum() -> None:
+    # f = 0 keeps every value: no selection, the plain sum over the rows either way
     blobs = payloads(6, 8, seed=3)
     structured = trimmed_mean(source(blobs), f=0)
     _signs.use_sign_structure(False)

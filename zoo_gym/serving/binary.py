@@ -38,7 +38,7 @@ from torch import Tensor
 
 from zoo_gym.compression import kernels
 from zoo_gym.core.extension import Extension
-from zoo_gym.serving.packed import PackedTensor
+from zoo_gym.serving.packed import PackedTensor, alike
 
 _COMPILED = Extension("zoo_gym.serving._binary_gemm")
 # weights x rows below which the CPU kernel runs on one thread: a second thread cost more than
@@ -101,14 +101,12 @@ def operands(weights: Sequence[PackedTensor]) -> Operands:
     ready = tuple(weights)
     if not ready:
         return Operands(ready, [], [], -1)
-    first = ready[0]
+    first, same = ready[0], alike(ready)
     if first.bits.is_cuda and kernels.available():
         from zoo_gym.serving import kernels as triton_kernels
 
-        addresses = triton_kernels.table(ready) if triton_kernels.alike(ready) else None
-        return Operands(ready, [], [], -1, addresses)
-    alike = all(w.group == first.group and w.scales.dtype == first.scales.dtype for w in ready)
-    if not (alike and compiled_for(first, first.bits.device)):
+        return Operands(ready, [], [], -1, triton_kernels.table(ready) if same else None)
+    if not (same and compiled_for(first, first.bits.device)):
         return Operands(ready, [], [], -1)
     kind = SCALE_KINDS[first.scales.dtype]
     scales = [w.scales.view(torch.int16) if kind < 2 else w.scales for w in ready]

@@ -36,7 +36,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from zoo_gym.serving.packed import PackedTensor
+from zoo_gym.serving.packed import PackedTensor, alike
 
 BLOCK_M = 16  # rows of x per step (tl.dot needs 16 or more)
 BLOCK_N = 64  # outputs per program
@@ -59,14 +59,19 @@ def _signs(bits_ptr, rn, k0, K, n_mask, BLOCK_N: tl.constexpr, BLOCK_K: tl.const
 
 
 @triton.jit
+def _values(bits_ptr, scale_ptr, flat, group, mask):
+    """The delta's values at the flat indices `flat` (any shape), float32: +-scale by bit."""
+    byte = tl.load(bits_ptr + flat // 8, mask=mask, other=0).to(tl.int32)
+    bit = (byte >> (7 - (flat % 8)).to(tl.int32)) & 1
+    scale = tl.load(scale_ptr + flat // group, mask=mask, other=0.0).to(tl.float32)
+    return tl.where(bit != 0, scale, -scale)
+
+
+@triton.jit
 def _weights(bits_ptr, scale_ptr, rn, rk, K, group, n_mask, k_mask):
     """The (BLOCK_N, BLOCK_K) tile of scaled weights, float32, for any group layout."""
     flat = rn[:, None].to(tl.int64) * K + rk[None, :]
-    w_mask = n_mask[:, None] & k_mask[None, :]
-    byte = tl.load(bits_ptr + flat // 8, mask=w_mask, other=0).to(tl.int32)
-    bit = (byte >> (7 - (flat % 8)).to(tl.int32)) & 1
-    scale = tl.load(scale_ptr + flat // group, mask=w_mask, other=0.0).to(tl.float32)
-    return tl.where(bit != 0, scale, -scale)
+    return _values(bits_ptr, scale_ptr, flat, group, n_mask[:, None] & k_mask[None, :])
 
 
 @triton.jit
@@ -147,9 +152,7 @@ def _rows_kernel(
     for j in range(first + tl.program_id(2), stop, tl.num_programs(2)):
         row = tl.load(rows_ptr + j).to(tl.int64)
         flat = tl.load(ids_ptr + row).to(tl.int64) * cols + rc
-        byte = tl.load(bits_ptr + flat // 8, mask=c_mask, other=0).to(tl.int32)
-        scale = tl.load(scale_ptr + flat // group, mask=c_mask, other=0.0).to(tl.float32)
-        value = tl.where(((byte >> (7 - (flat % 8)).to(tl.int32)) & 1) != 0, scale, -scale)
+        value = _values(bits_ptr, scale_ptr, flat, group, c_mask)
         at = out_ptr + row * stride_out + rc
         current = tl.load(at, mask=c_mask, other=0.0).to(tl.float32)
         tl.store(at, (current + value).to(out_ptr.dtype.element_ty), mask=c_mask)
@@ -202,12 +205,6 @@ def _bounds(starts: tuple[int, ...], device: torch.device) -> tuple[Tensor, int]
     would wait for the queue of kernels ahead of it), and the most rows a variant has."""
     most = max(b - a for a, b in itertools.pairwise(starts))
     return torch.tensor(starts, dtype=torch.int64, device=device), most
-
-
-def alike(weights: Sequence[PackedTensor]) -> bool:
-    """Whether one launch takes all of `weights`: one group size and scale dtype."""
-    first = weights[0]
-    return all(w.group == first.group and w.scales.dtype == first.scales.dtype for w in weights)
 
 
 def table(weights: Sequence[PackedTensor]) -> Tensor:

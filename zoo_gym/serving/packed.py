@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -46,6 +47,12 @@ class PackedTensor:
         positive = (byte >> (7 - flat % 8)) & 1
         scale = self.scales[flat // self.group].float()
         return torch.where(positive.bool(), scale, -scale)
+
+
+def alike(weights: Sequence[PackedTensor]) -> bool:
+    """Whether `weights` share one group size and scale dtype (one kernel call takes them)."""
+    first = weights[0]
+    return all(w.group == first.group and w.scales.dtype == first.scales.dtype for w in weights)
 
 
 def _numel(shape: tuple[int, ...]) -> int:

@@ -5,8 +5,8 @@ BitDelta envelope of V - P over every tensor, with a JSON record beside it (form
 parent, codec, group size, sha256, size). `load_variant` checks the record against the served
 base P and the envelope against the record, and keeps each weight matrix as packed signs and
 group scales (`PackedTensor`, 1.125 bits per value with float16 scales of 128 values: about
-1/14 of the bf16 model), vectors (norms, biases) as well. `VariantStore` loads variants on demand and evicts the least recently
-used beyond a memory budget.
+1/14 of the bf16 model), vectors (norms, biases) as well. `VariantStore` loads variants on
+demand and evicts the least recently used beyond a memory budget.
 
 `attach(model)` hooks a Hugging Face causal LM so that one batch mixes rows of several variants
 (and of the base): ``with mixed.assign([None, "v1", ...])`` (or `PackedVariant` objects, one per

@@ -73,8 +73,9 @@ def cut_values(pieces: Sequence[SignPiece], c: int, positions: Sequence[int]) ->
     of a range of c columns covered by `pieces` (a position may be repeated)."""
     distinct = sorted(set(positions))
     out = np.empty((len(distinct), c), dtype=np.float32)
-    for piece in pieces:
-        _piece_cuts(piece, distinct, out[:, piece.start : piece.stop])
+    for ordered in sort_groups(pieces):
+        piece = ordered.piece
+        _piece_cuts(ordered, distinct, out[:, piece.start : piece.stop])
     if distinct == list(positions):
         return out
     return out[[distinct.index(p) for p in positions]]
@@ -87,10 +88,11 @@ def negatives(piece: SignPiece) -> NDArray[np.bool_]:
     return negative
 
 
-def _piece_cuts(piece: SignPiece, positions: Sequence[int], out: NDArray[np.float32]) -> None:
+def _piece_cuts(ordered: Sorted, positions: Sequence[int], out: NDArray[np.float32]) -> None:
     """`cut_values` of one piece, in blocks of whole groups of at most `_BLOCK` values."""
-    scales, negative = piece.scales.numpy(), negatives(piece)
-    n, groups = scales.shape
+    piece, order, ascending = ordered
+    negative = negatives(piece)
+    n, groups = order.shape
     group, phase, m = piece.group, piece.phase, piece.stop - piece.start
     step = max(1, _BLOCK // (n * group))  # groups per block
     slots = np.full(n, -1, dtype=np.int8)  # the cut index of each sorted position, or -1
@@ -101,19 +103,22 @@ def _piece_cuts(piece: SignPiece, positions: Sequence[int], out: NDArray[np.floa
         skip = c0 + phase - g0 * group  # block values before column c0
         signs = np.zeros((n, (g1 - g0) * group), dtype=np.bool_)
         signs[:, skip : skip + c1 - c0] = negative[:, c0:c1]
-        block = _block_cuts(scales[:, g0:g1], signs.reshape(n, g1 - g0, group), slots)
+        signs = signs.reshape(n, g1 - g0, group)
+        block = _block_cuts(order[:, g0:g1], ascending[:, g0:g1], signs, slots)
         out[:, c0:c1] = block[:, skip : skip + c1 - c0]
 
 
 def _block_cuts(
-    scales: NDArray[np.float32], negative: NDArray[np.bool_], slots: NDArray[np.int8]
+    order: NDArray[np.int64],
+    ascending: NDArray[np.float32],
+    negative: NDArray[np.bool_],
+    slots: NDArray[np.int8],
 ) -> NDArray[np.float32]:
     """Values `(k, groups * group)` at the cut positions (`slots`: position -> cut index
-    or -1, k cuts) of each column of whole groups: `scales` `(n, groups)`, `negative`
-    `(n, groups, group)`."""
+    or -1, k cuts) of each column of whole groups: `order` and `ascending` `(n, groups)`
+    the groups' scale order and sorted scales (`sort_groups`), `negative` `(n, groups,
+    group)`."""
     n, groups, group = negative.shape
-    order = np.argsort(scales, axis=0, kind="stable")  # (n, groups)
-    ascending = np.take_along_axis(scales, order, axis=0)  # (n, groups)
     b = np.take_along_axis(negative, order[:, :, None], axis=0)  # (n, groups, group)
     below = np.cumsum(b, axis=0, dtype=np.int16)  # C(r)
     rank = np.arange(n, dtype=np.int16)[:, None, None]

@@ -25,7 +25,7 @@ import bisect
 import itertools
 import logging
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -458,27 +458,26 @@ class _SignColumns:
         from the payloads in host memory."""
         rows = _HostRows(self._arrays, self._tensors, range(len(self._arrays)))
         out = []
+        for t, lo, hi, at in self._pieces(start, stop):
+            tensor = self._tensors[t]
+            assert tensor is not None
+            b0, g0 = lo // 8, lo // tensor.group
+            signs = rows.signs(t, b0, -(-hi // 8) - b0)
+            scales = rows.scales(t, g0, (hi - 1) // tensor.group + 1 - g0)
+            group_phase, bit = lo - g0 * tensor.group, lo - 8 * b0
+            out.append(SignPiece(at, at + hi - lo, tensor.group, group_phase, scales, signs, bit))
+        return out
+
+    def _pieces(self, start: int, stop: int) -> Iterator[tuple[int, int, int, int]]:
+        """(t, lo, hi, at) for each tensor t that columns [start, stop) cover: its values
+        [lo, hi), at column `at` of the range."""
         t = bisect.bisect_right(self._starts, start) - 1
         while t < len(self._tensors) and self._starts[t] < stop:
-            t0, tensor = self._starts[t], self._tensors[t]
-            assert tensor is not None
+            t0 = self._starts[t]
             lo, hi = max(start, t0) - t0, min(stop, self._starts[t + 1]) - t0
             if lo < hi:
-                b0, g0 = lo // 8, lo // tensor.group
-                signs = rows.signs(t, b0, -(-hi // 8) - b0)
-                scales = rows.scales(t, g0, (hi - 1) // tensor.group + 1 - g0)
-                piece = SignPiece(
-                    t0 + lo - start,
-                    t0 + hi - start,
-                    tensor.group,
-                    lo - g0 * tensor.group,
-                    scales,
-                    signs,
-                    lo - 8 * b0,
-                )
-                out.append(piece)
+                yield t, lo, hi, t0 + lo - start
             t += 1
-        return out
 
     @property
     def device(self) -> torch.device:
@@ -503,14 +502,10 @@ class _SignColumns:
             source = _HostRows(self._arrays, self._tensors, order)
         else:
             source = _DeviceRows(self._resident, rows)
-        t = bisect.bisect_right(self._starts, start) - 1
-        while t < len(self._tensors) and self._starts[t] < stop:
-            t0, tensor = self._starts[t], self._tensors[t]
-            lo, hi = max(start, t0) - t0, min(stop, self._starts[t + 1]) - t0
-            if lo < hi and tensor is not None:
-                target = out[:, t0 + lo - start : t0 + hi - start]
-                _decode_piece(source, t, tensor.group, lo, hi, target)
-            t += 1
+        for t, lo, hi, at in self._pieces(start, stop):
+            tensor = self._tensors[t]
+            if tensor is not None:
+                _decode_piece(source, t, tensor.group, lo, hi, out[:, at : at + hi - lo])
 
 
 def _decode_piece(source: _Rows, t: int, group: int, lo: int, hi: int, target: Tensor) -> None:

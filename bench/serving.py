@@ -382,6 +382,8 @@ def main() -> None:
     if args.one_mode:
         print(json.dumps(run_one(args)))
         return
+    if args.device != "cpu" and (args.kernel or args.profile):
+        parser.error("--kernel and --profile time the CPU kernel; leave out --device")
     if args.kernel:
         kernel(args)
         return

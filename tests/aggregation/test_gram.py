@@ -8,6 +8,8 @@ and chunks dealt out among threads.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
 import torch
 
@@ -54,10 +56,18 @@ def test_scratch_is_a_few_mib_of_whole_blocks_and_never_wider_than_a_chunk() -> 
     assert _gram_plan(50, torch.float32, cpu, 700).width == 700
 
 
+@pytest.fixture(params=["compiled", "gemm"])
+def engine(request: pytest.FixtureRequest) -> Iterator[str]:
+    """Each test of the Gram product with the compiled kernel (where it runs) and the GEMM."""
+    _core.use_compiled_passes(request.param == "compiled")
+    yield request.param
+    _core.use_compiled_passes(True)
+
+
 @pytest.mark.parametrize("n", [3, 17, 33, 50])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_blocked_distances_of_small_integers_are_exact(
-    n: int, threads: int, monkeypatch: pytest.MonkeyPatch
+    n: int, threads: int, engine: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # scratch blocks of 256 columns in chunks of a few hundred to a few thousand columns
     monkeypatch.setattr(_core, "_GRAM_SCRATCH_COLUMNS", (256, 256))
@@ -74,7 +84,9 @@ def test_blocked_distances_of_small_integers_are_exact(
     assert torch.equal(narrow, expected)
 
 
-def test_half_precision_is_shifted_in_the_working_dtype(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_half_precision_is_shifted_in_the_working_dtype(
+    engine: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setattr(_core, "_GRAM_SCRATCH_COLUMNS", (256, 256))
     x = small_integers(5, 20, 3_000)
     assert torch.equal(squared_distances(x.to(torch.bfloat16)), exact_distances(x))

@@ -254,7 +254,12 @@ def gram(updates: Updates, extra: Extra = None) -> Tensor:
     exact when the two are within a factor 2 (Sterbenz), and small integer inputs give
     exact distances.
 
-    On CPU a chunk (columns of about 1% of the input) is shifted a block of columns at a
+    On CPU, up to `_COMPILED_GRAM_ROWS` rows with AVX-512, the compiled kernel
+    (`_passes.gram`, see `zoo_gym/aggregation/_passes.c`) shifts and multiplies each chunk
+    in blocks of at most 1,024 columns that stay in L2, on 4 x 4 tiles of the lower triangle
+    (58% of the products of the whole matrix for n = 50), float32 sums of at most 64
+    products per lane added into float64 per block. Otherwise a chunk (columns of about 1% of
+    the input) is shifted a block of columns at a
     time into a scratch of a few MiB that stays in cache, and each block is multiplied at
     once into the chunk's working-dtype product (`_shifted_product`); only the lower block
     triangle is multiplied, in column blocks of 32 (76% of the flops of the whole product

@@ -121,6 +121,9 @@ class TensorColumns:
         return view.index_select(0, torch.as_tensor(list(rows), device=view.device))
 
 
+_CACHE_SPAN = 1 << 16  # columns read at a time by `cached`
+
+
 def cached(source: Columns) -> Columns:
     """A source for a rule that reads its updates more than once: `source` itself, or, when
     all of it `(n, d)` fits in half the source's budget, all of it read once into memory
@@ -133,7 +136,13 @@ def cached(source: Columns) -> Columns:
     size = source.n * source.d * (torch.finfo(source.dtype).bits // 8)
     if size > budget // 2:
         return source
-    return TensorColumns(source.columns(0, source.d), budget=budget - size)
+    # read in spans: each span's temporaries stay small, and the copy (on torch's threads)
+    # faults the fresh pages in (n = 100, d = 1M: 0.18-0.25 s against 0.30 s in one call)
+    whole = torch.empty((source.n, source.d), dtype=source.dtype, device=source.device)
+    for start in range(0, source.d, _CACHE_SPAN):
+        stop = min(source.d, start + _CACHE_SPAN)
+        whole[:, start:stop].copy_(source.columns(start, stop))
+    return TensorColumns(whole, budget=budget - size)
 
 
 class _Derived:

@@ -32,12 +32,14 @@ setup(
         Extension(
             "zoo_gym.aggregation._passes",
             sources=["zoo_gym/aggregation/_passes.c"],
+            depends=["zoo_gym/core/_floats.h"],
             extra_compile_args=["-O3", "-ffp-contract=off"],
             optional=True,
         ),
         Extension(
             "zoo_gym.serving._binary_gemm",
             sources=["zoo_gym/serving/_binary_gemm.c"],
+            depends=["zoo_gym/core/_floats.h"],
             extra_compile_args=["-O3"],
             optional=True,
         ),

@@ -3,7 +3,10 @@
  * The chunk x (m, c) holds m updates, each contiguous along the columns (its rows may lie any
  * fixed number of bytes apart, as in a column range of an (m, d) tensor).
  *
- * `row_sum(x, rows, weights, scale, out)`: for each column j, the float64 sum over t of
+ * x's values are float32, or float16 or bfloat16 (read as float32 exactly), or float64 for
+ * `row_sum` (`kind` 'f', 'e', 'b', 'd').
+ *
+ * `row_sum(x, kind, rows, weights, scale, out)`: for each column j, the float64 sum over t of
  * x[rows[t], j] (weights None: each value converted to float64 and added, rows in the given
  * order, the sum multiplied by `scale` once) or of weights[t] * x[rows[t], j] (one fused
  * multiply-add per row, rows in order), rounded to float32 into out[j]. The plain sum adds in
@@ -12,8 +15,8 @@
  * row is added, and the next block of each row is requested while this one is added (the
  * rows are more streams than the hardware prefetcher follows).
  *
- * `gram(x, ref, extra, g)`: adds to g (k, k) float64 the lower triangle (i >= j) of S S^T,
- * where S = x - 1 x[ref] (float32: row i is x[i] - x[ref], as `_core._shifted_product`
+ * `gram(x, kind, ref, extra, g)`: adds to g (k, k) float64 the lower triangle (i >= j) of
+ * S S^T, where S = x - 1 x[ref] (float32: row i is x[i] - x[ref], as `_core._shifted_product`
  * shifts), with the `extra` row (a (c,) float32 point, or the string "origin" for zeros)
  * shifted the same way as row m, k = m + 1 (k = m without one). With AVX-512: the shifted
  * rows go a block of columns at a time into a scratch that stays in L2 (each row shifted by
@@ -39,13 +42,15 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "../core/_floats.h"
+
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #define PASSES_HAVE_X86 1
 #include <immintrin.h>
 #define AVX512 __attribute__((target("avx512f,avx512dq,avx512bw,avx512vl,fma")))
 #endif
 
-#define SUM_BLOCK 512      /* columns of a block of float64 sums (8 KiB) */
+#define SUM_BLOCK 512      /* columns of a block of float64 sums (4 KiB) */
 #define GRAM_BLOCK 1024     /* columns of the shifted scratch, at most */
 #define GRAM_SCRATCH (1 << 20) /* bytes of the shifted scratch, at most (it stays in L2) */
 #define LINE 64
@@ -60,39 +65,12 @@ static int have_avx512 = 0;
 #define CLONES
 #endif
 
-/* The value of a float16 (binary16) as a float32, exactly */
-static inline float half_value(uint16_t h)
-{
-    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1Fu, man = h & 0x3FFu;
-    uint32_t bits;
-    if (exp == 0x1F)
-        bits = sign | 0x7F800000u | (man << 13);
-    else if (exp != 0)
-        bits = sign | ((exp + 112) << 23) | (man << 13);
-    else { /* zero or subnormal: man * 2^-24, exact in float32 */
-        const float f = (float)man * 5.9604644775390625e-8f;
-        memcpy(&bits, &f, 4);
-        bits |= sign;
-    }
-    float f;
-    memcpy(&f, &bits, 4);
-    return f;
-}
-
-static inline float bfloat_value(uint16_t b)
-{
-    const uint32_t bits = (uint32_t)b << 16;
-    float f;
-    memcpy(&f, &bits, 4);
-    return f;
-}
-
 /* x[j] of a row of `kind` values ('f' float32, 'd' float64, 'e' float16, 'b' bfloat16) */
 #define VALUE(kind, x, j)                                                                      \
     ((kind) == 'f'   ? (double)((const float *)(x))[j]                                         \
      : (kind) == 'd' ? ((const double *)(x))[j]                                                \
-     : (kind) == 'e' ? (double)half_value(((const uint16_t *)(x))[j])                          \
-                     : (double)bfloat_value(((const uint16_t *)(x))[j]))
+     : (kind) == 'e' ? (double)half_to_float(((const uint16_t *)(x))[j])                          \
+                     : (double)bfloat_to_float(((const uint16_t *)(x))[j]))
 
 /* acc[j] += x[j] (w NULL) or acc[j] = fma(*w, x[j], acc[j]) for j < len */
 #define ADD_ROW(kind)                                                                          \

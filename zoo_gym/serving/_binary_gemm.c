@@ -39,6 +39,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "../core/_floats.h"
+
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #define GEMM_HAVE_AVX512 1
 #include <immintrin.h>
@@ -96,35 +98,12 @@ typedef struct {
     row_t row; /* this thread's buffers */
 } job_t;
 
-static float half_to_float(uint16_t h)
-{
-    uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, mant = h & 0x3ffu;
-    uint32_t bits;
-    float f;
-    if (exp == 0) {
-        f = (float)mant * (1.0f / 16777216.0f); /* zero or subnormal: mant * 2^-24 */
-        memcpy(&bits, &f, 4);
-        bits |= sign;
-    } else if (exp == 31) {
-        bits = sign | 0x7f800000u | (mant << 13);
-    } else {
-        bits = sign | ((exp + 112) << 23) | (mant << 13);
-    }
-    memcpy(&f, &bits, 4);
-    return f;
-}
-
 static float scale_at(const void *scales, int kind, Py_ssize_t g)
 {
     if (kind == 2)
         return ((const float *)scales)[g];
-    uint16_t raw = ((const uint16_t *)scales)[g];
-    if (kind == 0)
-        return half_to_float(raw);
-    uint32_t bits = (uint32_t)raw << 16;
-    float f;
-    memcpy(&f, &bits, 4);
-    return f;
+    const uint16_t raw = ((const uint16_t *)scales)[g];
+    return kind == 0 ? half_to_float(raw) : bfloat_to_float(raw);
 }
 
 /* T_j for every byte column j of the row x (in,), as the sums of two nibble tables. */

@@ -8,7 +8,8 @@ compared for equality with int64 arithmetic; random values to float32 rounding.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import TypeVar
 
 import numpy as np
 import pytest
@@ -23,6 +24,8 @@ try:
 except ImportError:  # the build failed: test_the_development_install_built_the_extension fails
     _passes = None
 
+T = TypeVar("T")
+
 compiled = pytest.mark.skipif(_passes is None, reason="the C extension was not built")
 gram_kernel = pytest.mark.skipif(
     _passes is None or not _passes.GRAM, reason="the compiled Gram product needs AVX-512"
@@ -35,7 +38,7 @@ def _compiled_on() -> Iterator[None]:
     _core.use_compiled_passes(True)
 
 
-def _both(fn):  # type: ignore[no-untyped-def]
+def _both(fn: Callable[[], T]) -> tuple[T, T]:
     """fn() with the compiled passes, then without them."""
     _core.use_compiled_passes(True)
     ours = fn()

@@ -334,8 +334,9 @@ def _gram_part(
     for k, (start, stop) in enumerate(ranges):
         chunk = source.columns(start, stop)  # (n, c)
         point = extra[start:stop] if isinstance(extra, Tensor) else extra
-        if _compiled_gram(chunk, m):
-            ref = _gram_compiled(chunk, k, ref, point, g)
+        given = _compiled_gram(chunk, m)
+        if given is not None:
+            ref = _gram_compiled(given, k, ref, point, g)
             continue
         if k == 0:  # probe a few columns, shifted by update 0, for the first medoid
             probe = point[:_PROBE_WIDTH] if isinstance(point, Tensor) else point
@@ -373,25 +374,26 @@ def _compiled_input(chunk: Tensor, kinds: str) -> tuple[str, NDArray[np.generic]
     return kind[0], chunk.detach().view(kind[1]).numpy()
 
 
-def _compiled_gram(chunk: Tensor, m: int) -> bool:
-    """Whether `_passes.gram` multiplies this chunk: built, in use, AVX-512, a float32,
-    float16 or bfloat16 CPU chunk with contiguous rows and at most `_COMPILED_GRAM_ROWS` rows
-    in the product."""
+def _compiled_gram(chunk: Tensor, m: int) -> tuple[str, NDArray[np.generic]] | None:
+    """The chunk's `_passes` kind and array where `_passes.gram` multiplies it: built, in
+    use, AVX-512, a float32, float16 or bfloat16 CPU chunk with contiguous rows and at most
+    `_COMPILED_GRAM_ROWS` rows in the product; None otherwise."""
     module = _PASSES.module
-    return (
-        module is not None
-        and bool(module.GRAM)
-        and m <= _COMPILED_GRAM_ROWS
-        and _compiled_input(chunk, "feb") is not None
-    )
+    if module is None or not module.GRAM or m > _COMPILED_GRAM_ROWS:
+        return None
+    return _compiled_input(chunk, "feb")
 
 
-def _gram_compiled(chunk: Tensor, k: int, ref: int, point: Extra, g: Tensor) -> int:
-    """Chunk k's shifted product added into g's lower triangle by `_passes.gram`, the
-    reference chosen as `_gram_part` chooses it; returns the reference used."""
-    module, given = _PASSES.module, _compiled_input(chunk, "feb")
-    assert module is not None and given is not None
-    (kind, x), n = given, chunk.shape[0]
+def _gram_compiled(
+    given: tuple[str, NDArray[np.generic]], k: int, ref: int, point: Extra, g: Tensor
+) -> int:
+    """Chunk k's shifted product (`given` by `_compiled_gram`) added into g's lower
+    triangle by `_passes.gram`, the reference chosen as `_gram_part` chooses it; returns
+    the reference used."""
+    module = _PASSES.module
+    assert module is not None
+    kind, x = given
+    n = x.shape[0]
     extra = point.detach().numpy() if isinstance(point, Tensor) else point
     if k == 0:  # probe a few columns, shifted by update 0, for the first medoid
         probe = np.zeros(g.shape, dtype=np.float64)

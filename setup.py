@@ -26,6 +26,7 @@ setup(
         Extension(
             "zoo_gym.aggregation._orderstat",
             sources=["zoo_gym/aggregation/_orderstat.c"],
+            depends=["zoo_gym/core/_floats.h"],
             extra_compile_args=["-O3", "-ffp-contract=off"],
             optional=True,
         ),

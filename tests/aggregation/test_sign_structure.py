@@ -16,8 +16,10 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 import torch
+from numpy.typing import NDArray
 
 from zoo_gym.aggregation import Aggregate, _select, _signs, median, trimmed_mean
+from zoo_gym.aggregation._select import _COMPILED
 from zoo_gym.aggregation.columns import TensorColumns
 from zoo_gym.compression import CodecSpec, encode
 from zoo_gym.compression.columns import PayloadColumns
@@ -59,6 +61,17 @@ def one_thread(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
     yield
     _signs.use_sign_structure(True)
+    _signs.use_sign_kernel(None)
+
+
+# NumPy, and each compiled kernel this CPU runs
+ENGINES = ["numpy", *getattr(_COMPILED.module, "sign_kernels", ())]
+
+
+def use_engine(engine: str) -> bool:
+    """Select `engine` (see ENGINES); returns the previous `_select.use_compiled` setting."""
+    _signs.use_sign_kernel(None if engine == "numpy" else engine)
+    return _select.use_compiled(engine != "numpy")
 
 
 def run(rule: str, updates: object, f: int) -> Aggregate:
@@ -83,17 +96,15 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("compiled", [True, False])
+@pytest.mark.parametrize("engine", ENGINES)
 @pytest.mark.parametrize(("n", "group", "rule", "f"), CASES)
 def test_selection_from_signs_equals_the_sort(
-    n: int, group: int, rule: str, f: int, compiled: bool
+    n: int, group: int, rule: str, f: int, engine: str
 ) -> None:
-    if compiled and not _select.compiled_available():
-        pytest.skip("the compiled kernels were not built")
     blobs = payloads(n, group, seed=n * 1000 + group)
     payload_source = source(blobs)
     decoded = payload_source.columns(0, payload_source.d)
-    previous = _select.use_compiled(compiled)
+    previous = use_engine(engine)
     try:
         structured = run(rule, payload_source, f)
         _signs.use_sign_structure(False)
@@ -107,16 +118,61 @@ def test_selection_from_signs_equals_the_sort(
     assert torch.equal(structured.vector, plain.vector)  # other chunks: shares differ in ulps
 
 
-@pytest.mark.parametrize("compiled", [True, False])
+@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize(("group", "rule", "f"), [(8, "median", 0), (128, "trimmed", 150)])
+def test_many_updates(group: int, rule: str, f: int, engine: str) -> None:
+    # 1,500 rows: the radix sort's high byte, places and positions past 1,024, the sort keys
+    # formed for a few dozen groups at a time (group 8: 67 groups), and runs of a hundred or
+    # more equal scales, several at each cut
+    payload_source = source(payloads(1500, group, seed=group))
+    previous = use_engine(engine)
+    try:
+        structured = run(rule, payload_source, f)
+        _signs.use_sign_structure(False)
+        sorted_path = run(rule, payload_source, f)
+    finally:
+        _select.use_compiled(previous)
+    assert_same(structured, sorted_path)
+
+
+@pytest.mark.skipif(_COMPILED.module is None, reason="the compiled kernels were not built")
+@pytest.mark.parametrize("kernel", getattr(_COMPILED.module, "sign_kernels", ()))
+def test_sign_rule_refuses_what_is_not_a_float16_scale(kernel: str) -> None:
+    module = _COMPILED.module
+    assert module is not None
+    n, m = 4, 16
+    signs = np.full((n, 2), 0xA5, dtype=np.uint8)
+    out, counts = np.empty(m, dtype=np.float32), np.zeros(n, dtype=np.int64)
+    codes, table = np.zeros((n, m + 32), dtype=np.uint8), np.empty(4 * m)
+
+    def call(scales: NDArray[np.float32], codes: NDArray[np.uint8] = codes) -> int:
+        tied: int = module.sign_rule(
+            signs, 0, m, 0, 8, scales, 0, 0, out, counts, codes, table, 0, kernel
+        )
+        return tied
+
+    good = np.array([[0.5, 0.25], [1.0, 0.0], [-0.0, 3.0], [65504.0, 2.0**-24]], np.float32)
+    call(good)  # float16 values, -0.0 and the subnormals among them
+    positive = np.unpackbits(signs, axis=1).astype(bool)  # 0xA5: + - + - - + - +
+    values = np.where(positive, 1.0, -1.0) * np.repeat(good.astype(np.float64), 8, axis=1)
+    assert np.array_equal(out, np.median(values, axis=0).astype(np.float32))
+    for bad in (0.1, -0.5, 65536.0, float("inf"), float("nan"), 1.5 * 2.0**-24):
+        scales = good.copy()
+        scales[2, 1] = bad
+        with pytest.raises(ValueError, match="not a float16 value"):
+            call(scales)
+    with pytest.raises(ValueError, match="codes"):  # no room for the last block's 32 bytes
+        call(good, np.zeros((n, m + 31), dtype=np.uint8))
+
+
+@pytest.mark.parametrize("engine", ENGINES)
 @pytest.mark.parametrize(
     ("n", "rule"), [(1, "median"), (2, "median"), (3, "median"), (3, "trimmed")]
 )
-def test_few_updates(n: int, rule: str, compiled: bool) -> None:
+def test_few_updates(n: int, rule: str, engine: str) -> None:
     # cut positions clipped at both ends: with one update every value is the median
-    if compiled and not _select.compiled_available():
-        pytest.skip("the compiled kernels were not built")
     payload_source = source(payloads(n, 8, seed=n))
-    previous = _select.use_compiled(compiled)
+    previous = use_engine(engine)
     try:
         structured = run(rule, payload_source, 1)
         _signs.use_sign_structure(False)

@@ -268,3 +268,32 @@ def test_bad_arguments_raise_before_anything_is_written(
     sums = np.zeros(8, np.float32)
     with pytest.raises(error, match=message):
         _bitpack.pack(*arguments, sums, 0)
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_gather_rows_copies_each_rows_bytes(enabled: bool) -> None:
+    # sources of different lengths, read from different offsets into rows of a wider array
+    sources = [np.arange(k, k + 40, dtype=np.uint8) for k in (0, 100, 200)]
+    starts = np.array([3, 0, 30], dtype=np.int64)
+    out = np.full((3, 12), 7, dtype=np.uint8)
+    previous = bitdelta.use_compiled(enabled)
+    try:
+        bitdelta.gather_rows(sources, starts, out[:, :10])
+    finally:
+        bitdelta.use_compiled(previous)
+    assert out[:, :10].tolist() == [
+        list(range(3, 13)),
+        list(range(100, 110)),
+        list(range(230, 240)),
+    ]
+    assert (out[:, 10:] == 7).all()  # nothing past the count
+
+
+@compiled
+def test_gather_refuses_bytes_outside_a_source() -> None:
+    out = np.empty((2, 8), dtype=np.uint8)
+    sources = [bytes(16), bytes(10)]
+    with pytest.raises(ValueError, match=r"bytes \[4, 12\) lie outside source 1"):
+        _bitpack.gather(sources, np.array([0, 4], dtype=np.int64), 8, out)
+    with pytest.raises(ValueError, match="starts"):
+        _bitpack.gather(sources, np.array([0, 4], dtype=np.int32), 8, out)

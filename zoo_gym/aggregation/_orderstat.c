@@ -30,8 +30,11 @@
  * NaN is handed back (-1): the caller runs it through the NumPy steps.
  *
  * For BitDelta columns with float16 scales, `sign_rule` forms the same results, counts and tie
- * shares without sorting or decoding: from each column's sign bytes and its group's scales in
- * ascending order (see `sign_cuts_group` and `zoo_gym.aggregation._signs`).
+ * shares without sorting the values or decoding them: it sorts each group's n scales once (a
+ * radix sort on their float16 bits) and reads each column's sorted positions off its sign bits
+ * in that order (see `sign_cuts_group` and `zoo_gym.aggregation._signs`). Its tie shares go
+ * out as one code per row and tied column, summed per row by `tie_rows`. Two kernels give the
+ * same bits: a portable one, and an AVX-512 one taking 32 columns per vector in 16-bit lanes.
  *
  * Three kernels perform the same operations: a portable one (GCC/Clang vector extensions,
  * lowered to whatever the target has) and, on x86 with GCC or Clang, AVX2 and AVX-512 ones
@@ -48,6 +51,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "../core/_floats.h"
 
 #if (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__))
 #define ORDERSTAT_HAVE_X86 1
@@ -486,19 +491,127 @@ static PyObject *orderstat_trimmed(PyObject *self, PyObject *args)
     return run_rule(args, TRIMMED);
 }
 
+/* ---- order statistics from the sign bits of BitDelta columns ----------------------------- */
+
+/* One group's rows in ascending order of scale (stable), with what the kernels read of it. */
+typedef struct {
+    int n;
+    int32_t *order;   /* n: the rows by ascending scale */
+    float *ascending; /* n: their scales (a zero as +0.0) */
+    int64_t *units;   /* n: the same scales in units of 2^-24 (integers below 2^40) */
+    int32_t *run_lo;  /* n: the first place of each place's run of equal scales */
+    int32_t *run_hi;  /* n: its last place */
+    int32_t *spare;   /* n: the order after the first pass of the sort */
+} scale_order;
+
+/* The float16 bits of a scale (a float16 value >= 0 held as float32, -0.0 taken as 0), or -1
+ * if it is not one. */
+static int half_key(float s)
+{
+    uint32_t b;
+    memcpy(&b, &s, 4);
+    if (b == 0x80000000u)
+        b = 0;
+    if (b > 0x477FE000u) /* negative, above 65504, Inf or NaN */
+        return -1;
+    const double u = (double)s * 16777216.0;
+    if ((double)(int64_t)u != u)
+        return -1; /* not a multiple of 2^-24 */
+    if (u < 1024.0)
+        return (int)u; /* zero and the subnormals: m x 2^-24 has the bits m */
+    if (b & 0x1fffu)
+        return -1; /* more than float16's 10 bits of mantissa */
+    return (int)((((b >> 23) - 112) << 10) | ((b >> 13) & 0x3ffu));
+}
+
+/* The sort keys of groups g0 .. g0 + count - 1 of scales (n, groups) float32, read row by
+ * row: keys[(g - g0) n + i] the float16 bits of row i's scale of group g. Returns -1 if one
+ * is not a float16 value >= 0. */
+static int scale_keys(const Py_buffer *scales, Py_ssize_t g0, Py_ssize_t count, uint16_t *keys)
+{
+    const Py_ssize_t n = scales->shape[0];
+    const Py_ssize_t s0 = scales->strides[0] / 4, s1 = scales->strides[1] / 4;
+    const float *base = (const float *)scales->buf + g0 * s1;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        for (Py_ssize_t g = 0; g < count; g++) {
+            const int key = half_key(base[i * s0 + g * s1]);
+            if (key < 0)
+                return -1;
+            keys[g * n + i] = (uint16_t)key;
+        }
+    }
+    return 0;
+}
+
+/* Sorts one group's rows by their keys (n) into `so`, by a stable two-pass radix sort. */
+static void sort_scales(const uint16_t *restrict keys, scale_order *so)
+{
+    const int n = so->n;
+    int32_t low[257] = {0}, high[257] = {0};
+    for (int i = 0; i < n; i++) {
+        low[(keys[i] & 255) + 1]++;
+        high[(keys[i] >> 8) + 1]++;
+    }
+    for (int k = 0; k < 256; k++) {
+        low[k + 1] += low[k];
+        high[k + 1] += high[k];
+    }
+    for (int i = 0; i < n; i++)
+        so->spare[low[keys[i] & 255]++] = i;
+    for (int k = 0; k < n; k++) {
+        const int32_t i = so->spare[k];
+        so->order[high[keys[i] >> 8]++] = i;
+    }
+    for (int r = 0; r < n; r++) {
+        const uint16_t key = keys[so->order[r]];
+        so->ascending[r] = half_to_float(key);
+        so->units[r] = (int64_t)((double)so->ascending[r] * 16777216.0);
+        so->run_lo[r] = r > 0 && key == keys[so->order[r - 1]] ? so->run_lo[r - 1] : r;
+    }
+    for (int r = n - 1; r >= 0; r--) {
+        const int same = r < n - 1 && keys[so->order[r]] == keys[so->order[r + 1]];
+        so->run_hi[r] = same ? so->run_hi[r + 1] : r;
+    }
+}
+
+/* What one call of `sign_rule` shares among its groups. */
+typedef struct {
+    const uint8_t *signs;  /* n rows of packed sign bits (set: +scale), most significant first */
+    Py_ssize_t stride;     /* bytes from one row to the next */
+    Py_ssize_t nbytes;     /* bytes of a row */
+    int n, p, q, rule;     /* the window [p, q) of sorted positions */
+    int64_t *counts;       /* (n,): each row's count over the untied columns */
+    uint8_t *codes;        /* (n, cap): each row's code of its share in the t-th tied column */
+    Py_ssize_t cap;
+    double *table;         /* 4 per tied column: the shares the codes index */
+    Py_ssize_t ntied;      /* tied columns so far */
+    int16_t *c_table;      /* 32 n: C of each place in a block (AVX-512 kernel, ties) */
+} sign_call;
+
+/* The share of the window a run of equal values at sorted positions [below, upto) holds in a
+ * tied column, as the t-th tied column's entries of the table: 0, 1, the run of the first
+ * value in the window, of the last. */
+static void add_tied(sign_call *sc, Py_ssize_t bf, Py_ssize_t uf, Py_ssize_t bl, Py_ssize_t ul)
+{
+    double *shares = sc->table + 4 * sc->ntied++;
+    shares[0] = 0.0, shares[1] = 1.0;
+    shares[2] = overlap(bf, uf, sc->p, sc->q);
+    shares[3] = overlap(bl, ul, sc->p, sc->q);
+}
+
 /* Values at four sorted positions of w columns of BitDelta values in one group, from their
  * signs (see `zoo_gym.aggregation._signs`): `sorted` (n, w) holds the rows' sign bytes (1:
- * negative) in ascending order of their scales, ascending[r * groups] the scale of row r.
- * With C(r) the negatives among the first r + 1 rows and N = C(n - 1), row r sits at sorted
+ * negative) in ascending order of their scales, ascending[r] the scale of place r. With
+ * C(r) the negatives among the first r + 1 places and N = C(n - 1), place r sits at sorted
  * position N - C(r) (negative) or N + r - C(r) (positive) in each column; the value of the
- * row sitting at pos[t] goes to out[t]; where `kept` is given, the float64 sum of the values
+ * place sitting at pos[t] goes to out[t]; where `kept` is given, the float64 sum of the values
  * at positions [wp, wq) is added to it (float16 values: exact in any order). `counts` holds
  * 2 w int32: N, then C(r), per column. */
 #if defined(ORDERSTAT_HAVE_X86) && defined(__GNUC__) && !defined(__clang__)
 __attribute__((target_clones("avx2", "default")))
 #endif
 static void sign_cuts_group(const uint8_t *restrict sorted, int n, int w,
-                            const float *restrict ascending, Py_ssize_t groups, const int pos[4],
+                            const float *restrict ascending, const int pos[4],
                             uint32_t *const out[4], double *restrict kept, int wp, int wq,
                             int32_t *restrict counts)
 {
@@ -518,7 +631,7 @@ static void sign_cuts_group(const uint8_t *restrict sorted, int n, int w,
     for (int r = 0; r < n; r++) {
         const uint8_t *restrict b = sorted + (Py_ssize_t)r * w;
         uint32_t bits;
-        memcpy(&bits, &ascending[r * groups], 4);
+        memcpy(&bits, &ascending[r], 4);
         for (int j = 0; j < w; j++) {
             const int32_t neg = b[j];
             below[j] += neg;
@@ -533,7 +646,7 @@ static void sign_cuts_group(const uint8_t *restrict sorted, int n, int w,
         }
         if (kept == NULL)
             continue;
-        const double s64 = (double)ascending[r * groups];
+        const double s64 = (double)ascending[r];
         for (int j = 0; j < w; j++) {
             const int32_t neg = b[j];
             const int32_t at = total[j] - below[j] + (r & (neg - 1));
@@ -543,7 +656,7 @@ static void sign_cuts_group(const uint8_t *restrict sorted, int n, int w,
     }
 }
 
-/* Buffers of `sign_rule_group` for groups of up to w columns. */
+/* Buffers of the portable kernel for groups of up to w columns. */
 typedef struct {
     int32_t *counts; /* 2 w: `sign_cuts_group`'s totals and running counts */
     int32_t *ends;   /* 4 w: the values below and up to first, below and up to last */
@@ -553,15 +666,6 @@ typedef struct {
     uint8_t *signs;  /* n w: the group's sign bytes, its rows in ascending order of scale */
 } sign_work;
 
-/* One group's w columns of either rule from their signs: bits bit .. bit + w - 1 of each row
- * of `signs` (rows `stride` bytes apart; a set bit is a value >= 0), `order` the group's rows by ascending scale (order[r *
- * groups]) and `ascending` those scales (see `sign_cuts_group`). Its results into out (w,) float32, each row's count of the columns in which it
- * holds the window [p, q) (median) or lies outside it (trimmed) into counts (n,), but for the
- * tied columns (the window starts or ends inside a run of equal values): their indices
- * (col0 + j) go to tied_cols from *ntied on, the shares a row may hold in them to table (4
- * per column: 0, 1, the share of the run equal to first, of the run equal to last), and
- * each row's code of its share (0 .. 3) to codes (n rows of `cap`) at those columns; the
- * tie logic of `chunk` above. */
 /* 1 for each value of eight packed sign bits (most significant first) that is negative. */
 static uint8_t negative_bytes[256][8];
 
@@ -584,17 +688,22 @@ static void unpack_negatives(const uint8_t *packed, Py_ssize_t bit, int w, uint8
         out[j] = ((packed[(bit + j) >> 3] >> (7 - (bit + j) % 8)) & 1) == 0;
 }
 
+/* The portable kernel: one group's w columns of either rule from their signs, bits bit ..
+ * bit + w - 1 of each row, its rows in the order `so`. Its results into out (w,) float32,
+ * each row's count of the columns in which it holds the window [p, q) (median) or lies
+ * outside it (trimmed) into the counts, but for the tied columns (the window starts or ends
+ * inside a run of equal values): their shares to the table and each row's code of its share
+ * (0 outside the window, 1 inside, 2 equal to first, 3 equal to last) to the codes, one
+ * column of them per tied column; the tie logic of `chunk` above. */
 #if defined(ORDERSTAT_HAVE_X86) && defined(__GNUC__) && !defined(__clang__)
 __attribute__((target_clones("avx2", "default")))
 #endif
-static void sign_rule_group(const uint8_t *restrict signs, Py_ssize_t stride, Py_ssize_t bit,
-                            int n, int w,
-                            const int64_t *restrict order, const float *restrict ascending,
-                            Py_ssize_t groups, int p, int q, int rule, float *out,
-                            int64_t *counts, uint8_t *codes, Py_ssize_t cap, Py_ssize_t col0,
-                            int64_t *tied_cols, double *table, Py_ssize_t *ntied,
-                            const sign_work *sw)
+static void sign_rule_group(sign_call *sc, Py_ssize_t bit, int w, const scale_order *so,
+                            float *out, const sign_work *sw)
 {
+    const int n = sc->n, p = sc->p, q = sc->q, rule = sc->rule;
+    const int32_t *restrict order = so->order;
+    const float *restrict ascending = so->ascending;
     const int pos[4] = {p >= 1 ? p - 1 : p, p, q - 1, q < n ? q : q - 1};
     uint32_t *rows[4];
     for (int t = 0; t < 4; t++)
@@ -605,9 +714,9 @@ static void sign_rule_group(const uint8_t *restrict signs, Py_ssize_t stride, Py
     /* the rows in ascending order of scale, together: the passes below read them in turn */
     uint8_t *restrict sorted = sw->signs;
     for (int r = 0; r < n; r++)
-        unpack_negatives(signs + order[r * groups] * stride, bit, w, sorted + (Py_ssize_t)r * w);
-    sign_cuts_group(sorted, n, w, ascending, groups, pos, rows, rule == TRIMMED ? kept : NULL, p,
-                    q, sw->counts);
+        unpack_negatives(sc->signs + order[r] * sc->stride, bit, w, sorted + (Py_ssize_t)r * w);
+    sign_cuts_group(sorted, n, w, ascending, pos, rows, rule == TRIMMED ? kept : NULL, p, q,
+                    sw->counts);
     const float *before = (const float *)rows[0], *first = (const float *)rows[1],
                 *last = (const float *)rows[2], *after = (const float *)rows[3];
     int32_t *restrict tied = sw->tied;
@@ -627,7 +736,6 @@ static void sign_rule_group(const uint8_t *restrict signs, Py_ssize_t stride, Py
     for (int j = 0; j < w; j++)
         below[j] = e[j] = e[w + j] = e[2 * w + j] = e[3 * w + j] = 0;
     for (int r = 0; r < n; r++) {
-        const int64_t row = order[r * groups];
         const uint8_t *restrict b = sorted + (Py_ssize_t)r * w;
         int32_t hits = 0;
         for (int j = 0; j < w; j++) {
@@ -637,10 +745,10 @@ static void sign_rule_group(const uint8_t *restrict signs, Py_ssize_t stride, Py
             const int32_t in = (at >= p) & (at < q);
             hits += (rule == MEDIAN ? in : 1 - in) & ~tied[j];
         }
-        counts[row] += hits;
+        sc->counts[order[r]] += hits;
         if (!any)
             continue;
-        const float s = ascending[r * groups];
+        const float s = ascending[r];
         int32_t *restrict below_first = e, *restrict upto_first = e + w,
                           *restrict below_last = e + 2 * w, *restrict upto_last = e + 3 * w;
         const float *restrict low = first, *restrict high = last;
@@ -654,114 +762,475 @@ static void sign_rule_group(const uint8_t *restrict signs, Py_ssize_t stride, Py
     }
     if (!any)
         return;
-    for (int j = 0; j < w; j++) {
-        if (!tied[j])
-            continue;
-        double *shares = table + 4 * *ntied;
-        shares[0] = 0.0, shares[1] = 1.0;
-        shares[2] = overlap(e[j], e[w + j], p, q);
-        shares[3] = overlap(e[2 * w + j], e[3 * w + j], p, q);
-        tied_cols[(*ntied)++] = col0 + j;
-    }
-    /* each row's share in the group's columns (read for the tied ones only) as a code: 0
-     * outside the window, 1 inside, 2 equal to first, 3 equal to last */
+    /* each row's share in the group's tied columns as a code: 0 outside the window, 1
+     * inside, 2 equal to first, 3 equal to last */
     for (int r = 0; r < n; r++) {
-        const int64_t row = order[r * groups];
         const uint8_t *restrict b = sorted + (Py_ssize_t)r * w;
-        uint8_t *restrict code = codes + row * cap + col0;
+        uint8_t *restrict code = sc->codes + order[r] * sc->cap + sc->ntied;
         uint32_t bits;
-        memcpy(&bits, &ascending[r * groups], 4);
-        for (int j = 0; j < w; j++) {
+        memcpy(&bits, &ascending[r], 4);
+        for (int j = 0, t = 0; j < w; j++) {
+            if (!tied[j])
+                continue;
             uint32_t vb = bits | ((uint32_t)b[j] << 31);
             float v;
             memcpy(&v, &vb, 4);
             const int32_t inside = (v > first[j]) & (v < last[j]);
             const int32_t at_first = v == first[j], at_last = v == last[j];
-            code[j] = (uint8_t)(inside + 3 * at_last * (1 - at_first) + 2 * at_first);
+            code[t++] = (uint8_t)(inside + 3 * at_last * (1 - at_first) + 2 * at_first);
         }
+    }
+    for (int j = 0; j < w; j++)
+        if (tied[j])
+            add_tied(sc, e[j], e[w + j], e[2 * w + j], e[3 * w + j]);
+}
+
+/* The word of bits b .. b + 63 of a row of `nbytes` packed sign bytes (most significant bit
+ * first), bit j set where value b + j is negative (its sign bit clear); bits past the row
+ * are set. */
+static inline uint64_t negative_word(const uint8_t *row, Py_ssize_t nbytes, Py_ssize_t b)
+{
+    const Py_ssize_t k = b >> 3;
+    const int off = (int)(b & 7);
+    uint8_t bytes[9] = {0};
+    if (k + 9 <= nbytes)
+        memcpy(bytes, row + k, 9);
+    else
+        for (Py_ssize_t i = k; i < nbytes; i++)
+            bytes[i - k] = row[i];
+    uint64_t x;
+    memcpy(&x, bytes, 8); /* little-endian: byte i at bits 8 i .. 8 i + 7 */
+    x = ((x >> 1) & 0x5555555555555555ull) | ((x & 0x5555555555555555ull) << 1);
+    x = ((x >> 2) & 0x3333333333333333ull) | ((x & 0x3333333333333333ull) << 2);
+    x = ((x >> 4) & 0x0F0F0F0F0F0F0F0Full) | ((x & 0x0F0F0F0F0F0F0F0Full) << 4);
+    x >>= off; /* bit j: value b + j, for j < 64 - off */
+    if (off) {
+        uint32_t y = bytes[8];
+        y = ((y >> 1) & 0x55u) | ((y & 0x55u) << 1);
+        y = ((y >> 2) & 0x33u) | ((y & 0x33u) << 2);
+        y = ((y >> 4) & 0x0Fu) | ((y & 0x0Fu) << 4);
+        x |= (uint64_t)y << (64 - off);
+    }
+    return ~x;
+}
+
+#ifdef ORDERSTAT_HAVE_X86
+/* The AVX-512 kernel: the same results as the portable one, 32 columns of a group at a time
+ * in 16-bit lanes (n <= 8192), each row's signs of them one 32-bit mask. Two passes over the
+ * rows in scale order per block: the first finds the places at the four cut positions (and a
+ * trimmed mean's kept sum, exact in 64-bit integers of 2^-24), the second each row's count
+ * and, in the tied columns, its code. In a tied column the run of values equal to a cut value
+ * is the places of the cut's run of equal scales with the cut's sign (both signs where the
+ * scale is zero), so its sorted positions follow from C at the run's two ends. */
+#define SIGN512 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,popcnt")))
+
+SIGN512 static inline __attribute__((always_inline)) __m512i
+sorted_at(__m512i negatives, __m512i c, __mmask32 neg, __m512i r)
+{
+    const __m512i base = _mm512_sub_epi16(negatives, c);
+    return _mm512_mask_add_epi16(base, (__mmask32)~neg, base, r);
+}
+
+/* Places at the four cut positions (cuts[t][j]) and, for a trimmed mean, the kept sums in
+ * units of 2^-24 (kept[j]), of a block's columns: words[i] row i's negatives, nneg (32,) the
+ * columns' N. */
+SIGN512 static inline __attribute__((always_inline)) void
+cuts_of_rule512(const sign_call *sc, const scale_order *so, const uint32_t *words,
+                const int16_t *nneg, const int pos[4], int16_t cuts[4][32], int64_t kept[32],
+                const int trimmed)
+{
+    const int n = sc->n;
+    const int32_t *restrict order = so->order;
+    const int64_t *restrict units = so->units;
+    const __m512i one = _mm512_set1_epi16(1), negatives = _mm512_loadu_si512(nneg);
+    const __m512i t0 = _mm512_set1_epi16((int16_t)pos[0]), t1 = _mm512_set1_epi16((int16_t)pos[1]);
+    const __m512i t2 = _mm512_set1_epi16((int16_t)pos[2]), t3 = _mm512_set1_epi16((int16_t)pos[3]);
+    const __m512i wp = _mm512_set1_epi16((int16_t)sc->p);
+    const __m512i width = _mm512_set1_epi16((int16_t)(sc->q - sc->p));
+    __m512i c = _mm512_setzero_si512(), r = c, i0 = c, i1 = c, i2 = c, i3 = c;
+    __m512i k0 = c, k1 = c, k2 = c, k3 = c;
+    for (int s = 0; s < n; s++) {
+        const __mmask32 neg = words[order[s]];
+        c = _mm512_mask_add_epi16(c, neg, c, one);
+        const __m512i at = sorted_at(negatives, c, neg, r);
+        i0 = _mm512_mask_mov_epi16(i0, _mm512_cmpeq_epi16_mask(at, t0), r);
+        i1 = _mm512_mask_mov_epi16(i1, _mm512_cmpeq_epi16_mask(at, t1), r);
+        i2 = _mm512_mask_mov_epi16(i2, _mm512_cmpeq_epi16_mask(at, t2), r);
+        i3 = _mm512_mask_mov_epi16(i3, _mm512_cmpeq_epi16_mask(at, t3), r);
+        if (trimmed) {
+            const __mmask32 in = _mm512_cmplt_epu16_mask(_mm512_sub_epi16(at, wp), width);
+            const __mmask32 minus = in & neg, plus = in & ~neg;
+            const __m512i u = _mm512_set1_epi64(units[s]);
+            k0 = _mm512_mask_sub_epi64(k0, (__mmask8)minus, k0, u);
+            k0 = _mm512_mask_add_epi64(k0, (__mmask8)plus, k0, u);
+            k1 = _mm512_mask_sub_epi64(k1, (__mmask8)(minus >> 8), k1, u);
+            k1 = _mm512_mask_add_epi64(k1, (__mmask8)(plus >> 8), k1, u);
+            k2 = _mm512_mask_sub_epi64(k2, (__mmask8)(minus >> 16), k2, u);
+            k2 = _mm512_mask_add_epi64(k2, (__mmask8)(plus >> 16), k2, u);
+            k3 = _mm512_mask_sub_epi64(k3, (__mmask8)(minus >> 24), k3, u);
+            k3 = _mm512_mask_add_epi64(k3, (__mmask8)(plus >> 24), k3, u);
+        }
+        r = _mm512_add_epi16(r, one);
+    }
+    _mm512_storeu_si512(cuts[0], i0);
+    _mm512_storeu_si512(cuts[1], i1);
+    _mm512_storeu_si512(cuts[2], i2);
+    _mm512_storeu_si512(cuts[3], i3);
+    _mm512_storeu_si512(kept, k0);
+    _mm512_storeu_si512(kept + 8, k1);
+    _mm512_storeu_si512(kept + 16, k2);
+    _mm512_storeu_si512(kept + 24, k3);
+}
+
+SIGN512 static void block_cuts512(const sign_call *sc, const scale_order *so,
+                                  const uint32_t *words, const int16_t *nneg, const int pos[4],
+                                  int16_t cuts[4][32], int64_t kept[32])
+{
+    if (sc->rule == TRIMMED)
+        cuts_of_rule512(sc, so, words, nneg, pos, cuts, kept, 1);
+    else
+        cuts_of_rule512(sc, so, words, nneg, pos, cuts, kept, 0);
+}
+
+/* Each row's count over a block's untied columns (`untied`, a mask of them). */
+SIGN512 static void block_counts512(sign_call *sc, const scale_order *so, const uint32_t *words,
+                                    const int16_t *nneg, uint32_t untied)
+{
+    const int n = sc->n;
+    const int32_t *restrict order = so->order;
+    const __m512i one = _mm512_set1_epi16(1), negatives = _mm512_loadu_si512(nneg);
+    const __m512i wp = _mm512_set1_epi16((int16_t)sc->p);
+    const __m512i width = _mm512_set1_epi16((int16_t)(sc->q - sc->p));
+    const uint32_t flip = sc->rule == MEDIAN ? 0 : ~0u; /* a trimmed mean counts the dropped */
+    __m512i c = _mm512_setzero_si512(), r = c;
+    for (int s = 0; s < n; s++) {
+        const int32_t row = order[s];
+        const __mmask32 neg = words[row];
+        c = _mm512_mask_add_epi16(c, neg, c, one);
+        const __m512i at = sorted_at(negatives, c, neg, r);
+        const uint32_t in = _mm512_cmplt_epu16_mask(_mm512_sub_epi16(at, wp), width);
+        sc->counts[row] += __builtin_popcount((in ^ flip) & untied);
+        r = _mm512_add_epi16(r, one);
     }
 }
 
-/* sign_rule(signs, bit, m, phase, group, order, ascending, rule, f, out, counts, codes, col0,
- *           tied_cols, table, ntied) */
+/* A block's cut values in a tied column: the run of equal scales of the place at a cut
+ * ([lo, lo + len)), whether the cut value is negative, or zero (equal to either sign). */
+typedef struct {
+    int16_t lo[2][32], len[2][32];
+    uint32_t negative[2], zero[2];
+} tie_runs;
+
+/* The byte shuffle that moves the lanes of `mask` (16 bits) to the front, in order. */
+static __m128i front_shuffle(uint32_t mask)
+{
+    uint8_t idx[16];
+    int k = 0;
+    for (int j = 0; j < 16; j++)
+        if (mask >> j & 1)
+            idx[k++] = (uint8_t)j;
+    while (k < 16)
+        idx[k++] = 0x80;
+    __m128i v;
+    memcpy(&v, idx, 16);
+    return v;
+}
+
+/* Counts and codes of a block with tied columns (`untied` a mask of the others, `tied` of
+ * them): the counts as `block_counts512`, each row's code in each tied column (the t-th
+ * tied column's at codes[row, ntied + t]; up to 32 bytes past the block's last are
+ * overwritten) and C of each place into the call's c_table (place s: 32 values at 32 s). */
+SIGN512 static void block_ties512(sign_call *sc, const scale_order *so, const uint32_t *words,
+                                  const int16_t *nneg, uint32_t untied, uint32_t tied,
+                                  const tie_runs *tr)
+{
+    const int n = sc->n;
+    const int32_t *restrict order = so->order;
+    const __m512i one = _mm512_set1_epi16(1), negatives = _mm512_loadu_si512(nneg);
+    const __m512i wp = _mm512_set1_epi16((int16_t)sc->p);
+    const __m512i width = _mm512_set1_epi16((int16_t)(sc->q - sc->p));
+    const __m512i lof = _mm512_loadu_si512(tr->lo[0]), lenf = _mm512_loadu_si512(tr->len[0]);
+    const __m512i lol = _mm512_loadu_si512(tr->lo[1]), lenl = _mm512_loadu_si512(tr->len[1]);
+    const __m256i b1 = _mm256_set1_epi8(1), b2 = _mm256_set1_epi8(2), b3 = _mm256_set1_epi8(3);
+    const uint32_t flip = sc->rule == MEDIAN ? 0 : ~0u;
+    const __m128i front_lo = front_shuffle(tied & 0xffffu), front_hi = front_shuffle(tied >> 16);
+    const int count_lo = __builtin_popcount(tied & 0xffffu);
+    int16_t *restrict c_table = sc->c_table;
+    __m512i c = _mm512_setzero_si512(), r = c;
+    for (int s = 0; s < n; s++) {
+        const int32_t row = order[s];
+        const __mmask32 neg = words[row];
+        c = _mm512_mask_add_epi16(c, neg, c, one);
+        _mm512_storeu_si512(c_table + 32 * (Py_ssize_t)s, c);
+        const __m512i at = sorted_at(negatives, c, neg, r);
+        const __mmask32 in = _mm512_cmplt_epu16_mask(_mm512_sub_epi16(at, wp), width);
+        sc->counts[row] += __builtin_popcount(((uint32_t)in ^ flip) & untied);
+        const __mmask32 at_first = _mm512_cmplt_epu16_mask(_mm512_sub_epi16(r, lof), lenf) &
+                                   (~(neg ^ tr->negative[0]) | tr->zero[0]);
+        const __mmask32 at_last = _mm512_cmplt_epu16_mask(_mm512_sub_epi16(r, lol), lenl) &
+                                  (~(neg ^ tr->negative[1]) | tr->zero[1]);
+        __m256i code = _mm256_maskz_mov_epi8(in, b1);
+        code = _mm256_mask_mov_epi8(code, at_last, b3);
+        code = _mm256_mask_mov_epi8(code, at_first, b2);
+        uint8_t *dst = sc->codes + row * sc->cap + sc->ntied;
+        _mm_storeu_si128((__m128i *)dst,
+                         _mm_shuffle_epi8(_mm256_castsi256_si128(code), front_lo));
+        _mm_storeu_si128((__m128i *)(dst + count_lo),
+                         _mm_shuffle_epi8(_mm256_extracti128_si256(code, 1), front_hi));
+        r = _mm512_add_epi16(r, one);
+    }
+}
+
+/* Sorted positions [below, upto) of the run of values equal to the cut value at sorted
+ * position `at` (N negatives in the column) whose place's run of equal scales is [lo, hi],
+ * C(lo - 1) = c_lo and C(hi) = c_hi. */
+static void run_bounds(int at, int nneg, int lo, int hi, int c_lo, int c_hi, int zero,
+                       Py_ssize_t *below, Py_ssize_t *upto)
+{
+    if (zero) { /* -0.0 == +0.0: both signs, lo = 0 */
+        *below = nneg - c_hi, *upto = nneg + hi + 1 - c_hi;
+    } else if (at < nneg) { /* negative: places r at N - C(r) */
+        *below = nneg - c_hi, *upto = nneg - c_lo;
+    } else { /* positive: places r at N + r - C(r) */
+        *below = nneg + lo - c_lo, *upto = nneg + hi + 1 - c_hi;
+    }
+}
+
+/* One block of wb <= 32 columns of a group: words[i] row i's negatives in them, nneg (32,)
+ * their counts. */
+SIGN512 static void sign_block512(sign_call *sc, const scale_order *so, const uint32_t *words,
+                                  const int16_t *nneg, int wb, float *out)
+{
+    const int n = sc->n, p = sc->p, q = sc->q;
+    const int pos[4] = {p >= 1 ? p - 1 : p, p, q - 1, q < n ? q : q - 1};
+    int16_t cuts[4][32];
+    int64_t kept[32];
+    block_cuts512(sc, so, words, nneg, pos, cuts, kept);
+    uint32_t tied = 0;
+    for (int j = 0; j < wb; j++) {
+        float v[4];
+        for (int t = 0; t < 4; t++) {
+            const float s = so->ascending[cuts[t][j]];
+            v[t] = pos[t] < nneg[j] ? -s : s;
+        }
+        const double zero = 0.0;
+        out[j] = sc->rule == MEDIAN
+                     ? (float)(((double)v[1] + (double)v[2]) * 0.5 + zero)
+                     : (float)((double)kept[j] * (1.0 / 16777216.0) / (double)(q - p));
+        if ((p >= 1 && v[0] == v[1]) || (q < n && v[3] == v[2]))
+            tied |= 1u << j;
+    }
+    const uint32_t untied = ~tied & (wb == 32 ? ~0u : (1u << wb) - 1);
+    if (tied == 0) {
+        block_counts512(sc, so, words, nneg, untied);
+        return;
+    }
+    tie_runs tr = {.negative = {0, 0}, .zero = {0, 0}};
+    for (int j = 0; j < 32; j++) {
+        for (int e = 0; e < 2; e++) {
+            const int place = cuts[1 + e][j], lo = so->run_lo[place];
+            const int real = j < wb; /* the lanes past the block never match */
+            tr.lo[e][j] = (int16_t)(real ? lo : 0);
+            tr.len[e][j] = (int16_t)(real ? so->run_hi[place] - lo + 1 : 0);
+            tr.negative[e] |= (uint32_t)(pos[1 + e] < nneg[j]) << j;
+            tr.zero[e] |= (uint32_t)(so->ascending[place] == 0.0f) << j;
+        }
+    }
+    block_ties512(sc, so, words, nneg, untied, tied, &tr);
+    for (int j = 0; j < wb; j++) {
+        if (!(tied >> j & 1))
+            continue;
+        Py_ssize_t b[2], u[2];
+        for (int e = 0; e < 2; e++) {
+            const int lo = tr.lo[e][j], hi = lo + tr.len[e][j] - 1;
+            const int c_lo = lo > 0 ? sc->c_table[32 * (lo - 1) + j] : 0;
+            run_bounds(pos[1 + e], nneg[j], lo, hi, c_lo, sc->c_table[32 * hi + j],
+                       (tr.zero[e] >> j) & 1, &b[e], &u[e]);
+        }
+        add_tied(sc, b[0], u[0], b[1], u[1]);
+    }
+}
+
+/* One group's w columns, bits bit .. bit + w - 1 of each row, its rows in the order `so`:
+ * the negatives of 64 columns of each row at a time as two words (`words`, 2 n), then each
+ * half as a block. */
+SIGN512 static void sign_group512(sign_call *sc, Py_ssize_t bit, int w, const scale_order *so,
+                                  float *out, uint32_t *words)
+{
+    const int n = sc->n;
+    const __m512i one = _mm512_set1_epi16(1);
+    for (int c = 0; c < w; c += 64) {
+        __m512i n0 = _mm512_setzero_si512(), n1 = n0;
+        for (int i = 0; i < n; i++) {
+            const uint64_t x = negative_word(sc->signs + i * sc->stride, sc->nbytes, bit + c);
+            words[i] = (uint32_t)x;
+            words[n + i] = (uint32_t)(x >> 32);
+            n0 = _mm512_mask_add_epi16(n0, (__mmask32)x, n0, one);
+            n1 = _mm512_mask_add_epi16(n1, (__mmask32)(x >> 32), n1, one);
+        }
+        int16_t nneg[2][32];
+        _mm512_storeu_si512(nneg[0], n0);
+        _mm512_storeu_si512(nneg[1], n1);
+        const int left = w - c;
+        sign_block512(sc, so, words, nneg[0], left < 32 ? left : 32, out + c);
+        if (left > 32)
+            sign_block512(sc, so, words + n, nneg[1], left < 64 ? left - 32 : 32, out + c + 32);
+    }
+}
+#endif
+
+enum { SIGN_PORTABLE = 0, SIGN_AVX512 = 1 };
+static const char *const sign_kernel_names[] = {"portable", "avx512"};
+static int sign_usable[2] = {1, 0};
+
+static int sign_kernel_index(const char *name)
+{
+    if (name == NULL)
+        return sign_usable[SIGN_AVX512] ? SIGN_AVX512 : SIGN_PORTABLE;
+    for (int k = 0; k < 2; k++) {
+        if (strcmp(name, sign_kernel_names[k]) == 0) {
+            if (sign_usable[k])
+                return k;
+            PyErr_Format(PyExc_ValueError, "sign kernel %s is not supported by this CPU", name);
+            return -1;
+        }
+    }
+    PyErr_Format(PyExc_ValueError, "unknown sign kernel %s; see `sign_kernels`", name);
+    return -1;
+}
+
+/* The checks of sign_rule's arguments (views: signs, scales, out, counts, codes, table). */
+static int sign_args_ok(const Py_buffer *v, Py_ssize_t bit, Py_ssize_t m, Py_ssize_t phase,
+                        Py_ssize_t group, int rule, int f, Py_ssize_t ntied)
+{
+    const Py_buffer *neg = &v[0], *sc = &v[1], *codes = &v[4];
+    if (neg->ndim != 2 || format_of(neg) != 'B' || neg->strides[1] != 1 || sc->ndim != 2 ||
+        format_of(sc) != 'f' || sc->strides[0] % 4 != 0 || sc->strides[1] % 4 != 0 ||
+        codes->ndim != 2 || format_of(codes) != 'B')
+        return 0;
+    const Py_ssize_t n = neg->shape[0];
+    return bit >= 0 && m >= 1 && bit + m <= 8 * neg->shape[1] && n >= 1 && n <= 8192 &&
+           group >= 1 && phase >= 0 && phase < group && sc->shape[0] == n &&
+           sc->shape[1] == (phase + m + group - 1) / group && format_of(&v[2]) == 'f' &&
+           v[2].len == 4 * m && format_of(&v[3]) == 'q' && v[3].len == 8 * n &&
+           codes->shape[0] == n && 0 <= ntied && ntied + m + 32 <= codes->shape[1] &&
+           format_of(&v[5]) == 'd' && 4 * (ntied + m) <= v[5].len / 8 &&
+           (rule == MEDIAN || (rule == TRIMMED && f >= 1 && 2 * f < n));
+}
+
+/* Groups whose sort keys `sign_groups` forms at a time: at most 128 KiB of them. */
+static Py_ssize_t key_groups(Py_ssize_t n, Py_ssize_t groups)
+{
+    const Py_ssize_t most = 65536 / n > 1 ? 65536 / n : 1;
+    return groups < most ? groups : most;
+}
+
+/* Bytes of `sign_groups`'s buffers for n rows, groups of up to w columns and `groups` groups. */
+static Py_ssize_t sign_block_size(Py_ssize_t n, Py_ssize_t w, Py_ssize_t groups)
+{
+    return 40 * n + (44 * w + 7) / 8 * 8 + w * (8 + n) + 2 * n * key_groups(n, groups) + 64 * n;
+}
+
+/* Every group of a sign_rule call; 0, or -1 if a scale is not a float16 value. */
+static int sign_groups(sign_call *sc, const Py_buffer *scales, Py_ssize_t bit, Py_ssize_t m,
+                       Py_ssize_t phase, Py_ssize_t group, float *out, int kernel, char *block)
+{
+    const int n = sc->n;
+    const Py_ssize_t w = group < m ? group : m, groups = scales->shape[1];
+    scale_order so = {.n = n, .units = (int64_t *)block};
+    so.order = (int32_t *)(so.units + n);
+    so.run_lo = so.order + n;
+    so.run_hi = so.run_lo + n;
+    so.spare = so.run_hi + n;
+    so.ascending = (float *)(so.spare + n);
+    uint32_t *words = (uint32_t *)(so.ascending + n); /* 2 n */
+    sign_work sw = {.counts = (int32_t *)(block + 40 * (Py_ssize_t)n)};
+    sw.ends = sw.counts + 2 * w;
+    sw.tied = sw.ends + 4 * w;
+    sw.cuts = (uint32_t *)(sw.tied + w);
+    sw.kept = (double *)(block + 40 * (Py_ssize_t)n + (44 * w + 7) / 8 * 8);
+    sw.signs = (uint8_t *)(sw.kept + w);
+    uint16_t *keys = (uint16_t *)(sw.signs + n * w);
+    sc->c_table = (int16_t *)(keys + n * key_groups(n, groups)); /* 32 n */
+    const Py_ssize_t batch = key_groups(n, groups);
+    for (Py_ssize_t g = 0; g < groups; g++) {
+        if (g % batch == 0 && scale_keys(scales, g, groups - g < batch ? groups - g : batch, keys))
+            return -1;
+        sort_scales(keys + (g % batch) * n, &so);
+        const Py_ssize_t c0 = g * group - phase < 0 ? 0 : g * group - phase;
+        const Py_ssize_t c1 = (g + 1) * group - phase > m ? m : (g + 1) * group - phase;
+#ifdef ORDERSTAT_HAVE_X86
+        if (kernel == SIGN_AVX512) {
+            sign_group512(sc, bit + c0, (int)(c1 - c0), &so, out + c0, words);
+            continue;
+        }
+#endif
+        sign_rule_group(sc, bit + c0, (int)(c1 - c0), &so, out + c0, &sw);
+    }
+    return 0;
+}
+
+/* sign_rule(signs, bit, m, phase, group, scales, rule, f, out, counts, codes, table, ntied,
+ *           kernel=None) */
 static PyObject *orderstat_sign_rule(PyObject *self, PyObject *args)
 {
-    PyObject *objs[8];
-    Py_ssize_t bit, m, phase, group, col0, ntied;
+    PyObject *objs[6];
+    Py_ssize_t bit, m, phase, group, ntied;
     int rule, f;
-    if (!PyArg_ParseTuple(args, "OnnnnOOiiOOOnOOn:sign_rule", &objs[0], &bit, &m, &phase, &group,
-                          &objs[1], &objs[2], &rule, &f, &objs[3], &objs[4], &objs[5], &col0,
-                          &objs[6], &objs[7], &ntied))
+    const char *kernel_name = NULL;
+    if (!PyArg_ParseTuple(args, "OnnnnOiiOOOOn|z:sign_rule", &objs[0], &bit, &m, &phase,
+                          &group, &objs[1], &rule, &f, &objs[2], &objs[3], &objs[4], &objs[5],
+                          &ntied, &kernel_name))
         return NULL;
-    Py_buffer views[8];
-    const int modes[8] = {PyBUF_STRIDES | PyBUF_FORMAT, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT,
-                          PyBUF_C_CONTIGUOUS | PyBUF_FORMAT,
-                          PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE | PyBUF_FORMAT,
-                          PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE | PyBUF_FORMAT,
-                          PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE | PyBUF_FORMAT,
-                          PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE | PyBUF_FORMAT,
-                          PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE | PyBUF_FORMAT};
+    const int kernel = sign_kernel_index(kernel_name);
+    if (kernel < 0)
+        return NULL;
+    Py_buffer views[6];
+    const int writable = PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE | PyBUF_FORMAT;
+    const int modes[6] = {PyBUF_STRIDES | PyBUF_FORMAT, PyBUF_STRIDES | PyBUF_FORMAT,
+                          writable, writable, writable, writable};
     int got = 0;
-    for (; got < 8; got++)
+    for (; got < 6; got++)
         if (PyObject_GetBuffer(objs[got], &views[got], modes[got]) < 0)
             break;
     PyObject *result = NULL;
-    if (got == 8) {
-        const Py_buffer *neg = &views[0], *ord = &views[1], *asc = &views[2], *mat = &views[5];
-        const Py_ssize_t n = neg->ndim == 2 ? neg->shape[0] : 0;
-        const Py_ssize_t nbytes = neg->ndim == 2 ? neg->shape[1] : 0;
-        const Py_ssize_t groups = ord->ndim == 2 ? ord->shape[1] : 0;
-        const Py_ssize_t cap = mat->ndim == 2 ? mat->shape[1] : 0;
-        int ok = neg->ndim == 2 && format_of(neg) == 'B' && neg->strides[1] == 1 && bit >= 0 &&
-                 m >= 1 && bit + m <= 8 * nbytes &&
-                 ord->ndim == 2 && format_of(ord) == 'q' && ord->shape[0] == n &&
-                 asc->ndim == 2 && format_of(asc) == 'f' && asc->shape[0] == n &&
-                 asc->shape[1] == groups && format_of(&views[3]) == 'f' &&
-                 views[3].len == 4 * m && format_of(&views[4]) == 'q' && views[4].len == 8 * n &&
-                 mat->ndim == 2 && format_of(mat) == 'B' && mat->shape[0] == n &&
-                 0 <= col0 && col0 + m <= cap && format_of(&views[6]) == 'q' && 0 <= ntied &&
-                 ntied + m <= views[6].len / 8 && format_of(&views[7]) == 'd' &&
-                 4 * (ntied + m) <= views[7].len / 8 && n >= 1 && n <= 8192 && group >= 1 &&
-                 phase >= 0 && phase < group && groups == (phase + m + group - 1) / group &&
-                 (rule == MEDIAN || (rule == TRIMMED && f >= 1 && 2 * f < n));
-        const int64_t *o = (const int64_t *)ord->buf;
-        for (Py_ssize_t k = 0; k < n * groups && ok; k++)
-            ok = o[k] >= 0 && o[k] < n;
-        const Py_ssize_t w = group < m ? group : m;
-        char *block = ok ? PyMem_RawMalloc((size_t)w * (11 * 4 + 8 + n) + 8) : NULL;
-        if (!ok) {
-            PyErr_SetString(PyExc_ValueError,
-                            "sign_rule needs signs (n, bytes) uint8 holding bits [bit, bit + m), "
-                            "order (n, groups) int64, "
-                            "ascending (n, groups) float32, out (m,) float32, counts (n,) int64, "
-                            "codes (n, >= col0 + m) uint8, tied_cols (>= ntied + m,) int64, "
-                            "table (>= 4 (ntied + m),) float64, "
-                            "n <= 8192, 0 <= phase < group, "
-                            "rule 0 (median) or 1 (trimmed, 1 <= f < n / 2)");
-        } else if (block == NULL) {
+    if (got == 6 && !sign_args_ok(views, bit, m, phase, group, rule, f, ntied)) {
+        PyErr_SetString(PyExc_ValueError,
+                        "sign_rule needs signs (n, bytes) uint8 holding bits [bit, bit + m), "
+                        "scales (n, groups) float32, out (m,) float32, counts (n,) int64, "
+                        "codes (n, >= ntied + m + 32) uint8, table (>= 4 (ntied + m),) float64, "
+                        "1 <= n <= 8192, 0 <= phase < group, "
+                        "rule 0 (median) or 1 (trimmed, 1 <= f < n / 2)");
+    } else if (got == 6) {
+        const Py_ssize_t n = views[0].shape[0], w = group < m ? group : m;
+        char *block = PyMem_RawMalloc((size_t)sign_block_size(n, w, views[1].shape[1]));
+        if (block == NULL) {
             PyErr_NoMemory();
         } else {
-            sign_work sw = {.counts = (int32_t *)block};
-            sw.ends = sw.counts + 2 * w;
-            sw.tied = sw.ends + 4 * w;
-            sw.cuts = (uint32_t *)(sw.tied + w);
-            sw.kept = (double *)(block + (11 * 4 * w + 7) / 8 * 8);
-            sw.signs = (uint8_t *)(sw.kept + w);
-            const int p = rule == MEDIAN ? (int)((n - 1) / 2) : f;
-            const int q = rule == MEDIAN ? (int)(n / 2 + 1) : (int)n - f;
+            sign_call sc = {.signs = (const uint8_t *)views[0].buf,
+                            .stride = views[0].strides[0],
+                            .nbytes = views[0].shape[1],
+                            .n = (int)n,
+                            .p = rule == MEDIAN ? (int)((n - 1) / 2) : f,
+                            .q = rule == MEDIAN ? (int)(n / 2 + 1) : (int)n - f,
+                            .rule = rule,
+                            .counts = (int64_t *)views[3].buf,
+                            .codes = (uint8_t *)views[4].buf,
+                            .cap = views[4].shape[1],
+                            .table = (double *)views[5].buf,
+                            .ntied = ntied};
+            int bad;
             Py_BEGIN_ALLOW_THREADS
-            for (Py_ssize_t g = 0; g < groups; g++) {
-                const Py_ssize_t c0 = g * group - phase < 0 ? 0 : g * group - phase;
-                const Py_ssize_t c1 = (g + 1) * group - phase > m ? m : (g + 1) * group - phase;
-                sign_rule_group((const uint8_t *)neg->buf, neg->strides[0], bit + c0, (int)n,
-                                (int)(c1 - c0), o + g, (const float *)asc->buf + g, groups, p, q,
-                                rule, (float *)views[3].buf + c0, (int64_t *)views[4].buf,
-                                (uint8_t *)mat->buf, cap, col0 + c0, (int64_t *)views[6].buf,
-                                (double *)views[7].buf, &ntied, &sw);
-            }
+            bad = sign_groups(&sc, &views[1], bit, m, phase, group, (float *)views[2].buf,
+                              kernel, block);
             Py_END_ALLOW_THREADS
             PyMem_RawFree(block);
-            result = PyLong_FromSsize_t(ntied);
+            if (bad)
+                PyErr_SetString(PyExc_ValueError,
+                                "sign_rule: a scale is not a float16 value >= 0 (held as "
+                                "float32); decode those columns instead");
+            else
+                result = PyLong_FromSsize_t(sc.ntied);
         }
     }
     for (int i = 0; i < got; i++)
@@ -769,47 +1238,65 @@ static PyObject *orderstat_sign_rule(PyObject *self, PyObject *args)
     return result;
 }
 
-/* tie_rows(codes, tied_cols, table, ntied, shares, row): each row's torch.sum of its shares
- * in the columns tied_cols[:ntied], in that order: the share of code k in the t-th of them is
- * table[4 t + k] (gathered into `row`, >= ntied float64). */
+#ifdef ORDERSTAT_HAVE_X86
+/* row[t] = table[4 t + (code[t] & 3)] for the first 8 k of t < ntied (returned), 8 at a time. */
+SIGN512 static Py_ssize_t shares_of_codes512(const uint8_t *code, const double *table,
+                                            Py_ssize_t ntied, double *row)
+{
+    const __m256i step = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28), three = _mm256_set1_epi32(3);
+    Py_ssize_t t = 0;
+    for (; t + 8 <= ntied; t += 8) {
+        const __m256i codes = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(code + t)));
+        const __m256i at = _mm256_add_epi32(_mm256_and_si256(codes, three), step);
+        _mm512_storeu_pd(row + t, _mm512_i32gather_pd(at, table + 4 * t, 8));
+    }
+    return t;
+}
+#endif
+
+/* tie_rows(codes, table, ntied, shares, row): each row's torch.sum of its shares in the
+ * ntied tied columns, in order: the share of code k in the t-th of them is table[4 t + k], the
+ * code codes[r, t] (gathered into `row`, >= ntied float64). */
 static PyObject *orderstat_tie_rows(PyObject *self, PyObject *args)
 {
-    PyObject *objs[5];
+    PyObject *objs[4];
     Py_ssize_t ntied;
-    if (!PyArg_ParseTuple(args, "OOOnOO:tie_rows", &objs[0], &objs[1], &objs[2], &ntied, &objs[3],
-                          &objs[4]))
+    if (!PyArg_ParseTuple(args, "OOnOO:tie_rows", &objs[0], &objs[1], &ntied, &objs[2],
+                          &objs[3]))
         return NULL;
-    Py_buffer views[5];
+    Py_buffer views[4];
     int got = 0;
-    for (; got < 5; got++)
+    for (; got < 4; got++)
         if (PyObject_GetBuffer(objs[got], &views[got],
-                               PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | (got >= 3 ? PyBUF_WRITABLE : 0)) < 0)
+                               PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | (got >= 2 ? PyBUF_WRITABLE : 0)) < 0)
             break;
     PyObject *result = NULL;
-    if (got == 5) {
+    if (got == 4) {
         const Py_buffer *mat = &views[0];
         const Py_ssize_t n = mat->ndim == 2 ? mat->shape[0] : 0;
         const Py_ssize_t cap = mat->ndim == 2 ? mat->shape[1] : 0;
-        const int64_t *cols = (const int64_t *)views[1].buf;
-        int ok = mat->ndim == 2 && format_of(mat) == 'B' && format_of(&views[1]) == 'q' &&
-                 ntied >= 0 && ntied <= views[1].len / 8 && format_of(&views[2]) == 'd' &&
-                 4 * ntied <= views[2].len / 8 && format_of(&views[3]) == 'd' &&
-                 views[3].len == 8 * n && format_of(&views[4]) == 'd' && views[4].len >= 8 * ntied;
-        for (Py_ssize_t k = 0; k < ntied && ok; k++)
-            ok = cols[k] >= 0 && cols[k] < cap;
+        const int ok = mat->ndim == 2 && format_of(mat) == 'B' && ntied >= 0 && ntied <= cap &&
+                       format_of(&views[1]) == 'd' && 4 * ntied <= views[1].len / 8 &&
+                       format_of(&views[2]) == 'd' && views[2].len == 8 * n &&
+                       format_of(&views[3]) == 'd' && views[3].len >= 8 * ntied;
         if (!ok) {
             PyErr_SetString(PyExc_ValueError,
-                            "tie_rows needs codes (n, cap) uint8, tied_cols (>= ntied,) int64 in "
-                            "[0, cap), table (>= 4 ntied,) float64, shares (n,) float64, row (>= "
-                            "ntied,) float64");
+                            "tie_rows needs codes (n, >= ntied) uint8, table (>= 4 ntied,) "
+                            "float64, shares (n,) float64, row (>= ntied,) float64");
         } else {
             const uint8_t *codes = (const uint8_t *)mat->buf;
-            const double *table = (const double *)views[2].buf;
-            double *out = (double *)views[3].buf, *row = (double *)views[4].buf;
+            const double *table = (const double *)views[1].buf;
+            double *out = (double *)views[2].buf, *row = (double *)views[3].buf;
             Py_BEGIN_ALLOW_THREADS
             for (Py_ssize_t r = 0; r < n; r++) {
-                for (Py_ssize_t k = 0; k < ntied; k++)
-                    row[k] = table[4 * k + (codes[r * cap + cols[k]] & 3)];
+                const uint8_t *code = codes + r * cap;
+                Py_ssize_t t = 0;
+#ifdef ORDERSTAT_HAVE_X86
+                if (sign_usable[SIGN_AVX512])
+                    t = shares_of_codes512(code, table, ntied, row);
+#endif
+                for (; t < ntied; t++)
+                    row[t] = table[4 * t + (code[t] & 3)];
                 out[r] = torch_sum(row, ntied);
             }
             Py_END_ALLOW_THREADS
@@ -822,22 +1309,22 @@ static PyObject *orderstat_tie_rows(PyObject *self, PyObject *args)
 }
 
 PyDoc_STRVAR(sign_rule_doc,
-             "sign_rule(signs, bit, m, phase, group, order, ascending, rule, f, out, counts,\n"
-             "          codes, col0, tied_cols, table, ntied)\n--\n\n"
+             "sign_rule(signs, bit, m, phase, group, scales, rule, f, out, counts, codes, table,\n"
+             "          ntied, kernel=None)\n--\n\n"
              "median (rule 0) or trimmed (rule 1) of m columns of BitDelta values from their\n"
              "sign bits bit .. bit + m - 1 of each row of signs (n, bytes) uint8 (set: +scale),\n"
-             "the first being value phase of its group; order (n, groups) int64 each group's\n"
-             "rows by ascending scale, ascending (n, groups) float32 those scales. Into out (m,)\n"
-             "float32, the rows' counts added to counts\n"
-             "(n,) int64; the tied columns' indices (col0 + j) into tied_cols from ntied on, the\n"
-             "shares a row may hold in them into table (4 each: 0, 1, the runs at the cuts) and\n"
-             "each row's code of its share into codes (n, cap) uint8 at those columns. Returns\n"
+             "the first being value phase of its group; scales (n, groups) float32 (float16\n"
+             "values >= 0) each row's scale of each group. Into out (m,) float32, the rows'\n"
+             "counts over the untied columns added to counts (n,) int64; for the t-th tied\n"
+             "column from ntied on, the shares a row may hold in it into table[4 t:4 t + 4]\n"
+             "(0, 1, the runs at the cuts) and each row's code of its share into codes[:, t]\n"
+             "(n, cap) uint8. kernel: one of `sign_kernels` (the last by default). Returns\n"
              "ntied plus the number of tied columns.");
 
 PyDoc_STRVAR(tie_rows_doc,
-             "tie_rows(codes, tied_cols, table, ntied, shares, row)\n--\n\n"
+             "tie_rows(codes, table, ntied, shares, row)\n--\n\n"
              "shares (n,) float64: each row's torch.sum over t < ntied of table[4 t + code], code\n"
-             "= codes[r, tied_cols[t]]; row: a float64 buffer of >= ntied values.");
+             "= codes[r, t]; row: a float64 buffer of >= ntied values.");
 
 PyDoc_STRVAR(network_doc,
              "network(n, lo, hi)\n--\n\n"
@@ -893,6 +1380,7 @@ static int orderstat_exec(PyObject *module)
                     ? 1
                     : 0;
     best = usable[2] ? 2 : (usable[1] ? 1 : 0);
+    sign_usable[SIGN_AVX512] = usable[2];
 #endif
     int count = 0;
     for (int k = 0; k < N_KERNELS; k++)
@@ -912,6 +1400,12 @@ static int orderstat_exec(PyObject *module)
     }
     if (PyModule_AddObject(module, "kernels", names) < 0) {
         Py_DECREF(names);
+        return -1;
+    }
+    PyObject *signs = sign_usable[SIGN_AVX512] ? Py_BuildValue("(ss)", "portable", "avx512")
+                                               : Py_BuildValue("(s)", "portable");
+    if (signs == NULL || PyModule_AddObject(module, "sign_kernels", signs) < 0) {
+        Py_XDECREF(signs);
         return -1;
     }
     return 0;

@@ -429,6 +429,9 @@ def _sign_rule(
     trimmed_at_cuts(x, f, cuts, kept, scratch, out)
 
 
+_TIE_PAD = 64  # bytes after each row of tie codes
+
+
 def _sign_chunk(
     compiled: ModuleType,
     pieces: Sequence[SignPiece],
@@ -442,17 +445,17 @@ def _sign_chunk(
     kernels and without decoding it, in the spans of the scratch's width: results to `out`
     `(c,)`, counts and tie shares to the scratch's, as the sorting kernel adds them."""
     n, width = scratch.tally.shape
-    if scratch.ties.shape != (n, width):
-        scratch.ties = np.empty((n, width), dtype=np.uint8)
-    cols, row = np.empty(width, dtype=np.int64), np.empty(width, dtype=np.float64)
-    table = np.empty(4 * width, dtype=np.float64)
-    ordered = _signs.sort_groups(pieces)
+    if scratch.ties.shape != (n, width + _TIE_PAD):
+        # rows a multiple of 4 KiB apart would share the cache's sets as the kernel writes
+        # each row's codes in turn
+        scratch.ties = np.empty((n, width + _TIE_PAD), dtype=np.uint8)
+    row, table = np.empty(width, dtype=np.float64), np.empty(4 * width, dtype=np.float64)
     for a, b in spans(c, width):
         tied = _signs.rule_span(
-            compiled, ordered, (a, b), kind, f, out[a:b], scratch.counts, scratch.ties, cols, table
+            compiled, pieces, (a, b), kind, f, out[a:b], scratch.counts, scratch.ties, table
         )
         if tied:
-            compiled.tie_rows(scratch.ties, cols, table, tied, scratch.shares, row)
+            compiled.tie_rows(scratch.ties, table, tied, scratch.shares, row)
         _c_tally(kind, tied, scratch)
 
 

@@ -15,12 +15,13 @@ at place r sits at sorted position
 which is a permutation of 0..n-1. Equal scales and zero scales (+0.0 and -0.0 are equal
 values) only reorder equal values, so the value at each position is the sorted one.
 
-Two ways use it. The compiled kernel (`_orderstat.sign_rule`, through `rule_span`) forms
-everything a rule needs from the positions, without decoding the chunk: the cut values,
-the kept sums, each row's count (its position inside or outside the window) and, in the
-columns where a run of equal values crosses a cut, each row's share as a code into the
-column's four possible shares, summed per row in torch.sum's order (`tie_rows`), as the
-sorting kernel sums them. Without it, `cut_values` reads the four cut values of each column
+Two ways use it. The compiled kernel (`_orderstat.sign_rule`, through `rule_span`) sorts
+each group's scales itself and forms everything a rule needs from the positions, without
+decoding the chunk: the cut values, the kept sums, each row's count (its position inside
+or outside the window) and, in the columns where a run of equal values crosses a cut, each
+row's share as a code into the column's four possible shares, summed per row in
+torch.sum's order (`tie_rows`), as the sorting kernel sums them. With AVX-512 it takes 32
+columns at a time, each row's signs of them one mask (`use_sign_kernel` picks a kernel). Without it, `cut_values` reads the four cut values of each column
 off the positions in NumPy (a cumulative sum and a few elementwise passes) and the NumPy
 tie logic of `_select` runs on the decoded chunk with them, as after a sort.
 
@@ -46,6 +47,7 @@ MAX_ROWS = 8192
 _BLOCK = 1 << 18  # values of one block of groups, at most: its int16 arrays stay in L2
 
 _ENABLED = [True]
+_KERNEL: list[str | None] = [None]  # the compiled kernel's default: the fastest the CPU runs
 
 
 def use_sign_structure(enabled: bool) -> bool:
@@ -54,6 +56,15 @@ def use_sign_structure(enabled: bool) -> bool:
     previous setting."""
     previous = _ENABLED[0]
     _ENABLED[0] = enabled
+    return previous
+
+
+def use_sign_kernel(name: str | None) -> str | None:
+    """Run the compiled selection with kernel `name` (one of `_orderstat.sign_kernels`; None
+    for the fastest this CPU runs, the default). Every kernel gives the same bits. Returns
+    the previous setting."""
+    previous = _KERNEL[0]
+    _KERNEL[0] = name
     return previous
 
 
@@ -171,27 +182,25 @@ def sort_groups(pieces: Sequence[SignPiece]) -> list[Sorted]:
 
 def rule_span(
     compiled: ModuleType,
-    pieces: Sequence[Sorted],
+    pieces: Sequence[SignPiece],
     span: tuple[int, int],
     kind: str,
     f: int,
     out: NDArray[np.float32],
     counts: NDArray[np.int64],
     ties: NDArray[np.uint8],
-    tied_cols: NDArray[np.int64],
     table: NDArray[np.float64],
 ) -> int:
     """The rule of `kind` over columns [a, b) = `span` of the range `pieces` cover, by the
-    compiled kernel (`_orderstat.sign_rule`) with no decoded values: results to `out`
-    `(b - a,)`, each row's count of the untied columns to `counts` `(n,)`; the tied
-    columns' indices, in order, to `tied_cols` `(>= b - a,)`, the shares a row may hold in
-    each to `table` `(>= 4 (b - a),)` float64 and each row's code of its share (an index
-    into them) to those columns of `ties` `(n, >= b - a)` uint8. Returns the number of tied
-    columns."""
+    compiled kernel (`_orderstat.sign_rule`, which sorts each group's scales itself) with
+    no decoded values: results to `out` `(b - a,)`, each row's count of the untied columns
+    to `counts` `(n,)`; for the t-th tied column, the shares a row may hold in it to
+    `table[4 t : 4 t + 4]` float64 and each row's code of its share (an index into them)
+    to `ties[:, t]` `(n, >= b - a)` uint8. Returns the number of tied columns."""
     a, b = span
     rule = 0 if kind == "median" else 1
     tied = 0
-    for piece, order, ascending in pieces:
+    for piece in pieces:
         s0, s1 = max(a, piece.start) - piece.start, min(b, piece.stop) - piece.start
         if s0 >= s1:
             continue
@@ -204,16 +213,14 @@ def rule_span(
             s1 - s0,
             at % group,
             group,
-            np.ascontiguousarray(order[:, g0:g1]),
-            np.ascontiguousarray(ascending[:, g0:g1]),
+            piece.scales.numpy()[:, g0:g1],
             rule,
             f,
             out[col0 : col0 + s1 - s0],
             counts,
             ties,
-            col0,
-            tied_cols,
             table,
             tied,
+            _KERNEL[0],
         )
     return tied

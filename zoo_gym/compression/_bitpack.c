@@ -294,8 +294,70 @@ PyDoc_STRVAR(pack_doc,
              "contiguous float32 row on the CPU. `kernel` names one of `kernels` (default: the\n"
              "fastest this CPU runs); all give the same bytes.");
 
+/* gather(sources, starts, count, out): row i of out gets bytes starts[i] .. starts[i] + count
+ * - 1 of sources[i]. */
+static PyObject *bitpack_gather(PyObject *self, PyObject *args)
+{
+    PyObject *sources, *starts_obj, *out_obj;
+    Py_ssize_t count;
+    if (!PyArg_ParseTuple(args, "OOnO:gather", &sources, &starts_obj, &count, &out_obj))
+        return NULL;
+    PyObject *seq = PySequence_Fast(sources, "gather: sources must be a sequence of buffers");
+    if (seq == NULL)
+        return NULL;
+    Py_buffer starts, out;
+    if (PyObject_GetBuffer(starts_obj, &starts, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
+        Py_DECREF(seq);
+        return NULL;
+    }
+    if (PyObject_GetBuffer(out_obj, &out, PyBUF_STRIDES | PyBUF_WRITABLE) < 0) {
+        PyBuffer_Release(&starts);
+        Py_DECREF(seq);
+        return NULL;
+    }
+    const Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    const char *format = starts.format == NULL ? "B" : starts.format;
+    PyObject *result = NULL;
+    if (starts.itemsize != 8 || strchr("qlQL", format[strlen(format) - 1]) == NULL ||
+        starts.len != 8 * n || out.ndim != 2 || out.itemsize != 1 || out.shape[0] != n ||
+        out.strides[1] != 1 || count < 0 || count > out.shape[1]) {
+        PyErr_SetString(PyExc_ValueError,
+                        "gather needs starts (n,) int64 for n sources and out (n, >= count) "
+                        "uint8 with contiguous rows");
+        goto done;
+    }
+    const int64_t *at = (const int64_t *)starts.buf;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        Py_buffer src;
+        if (PyObject_GetBuffer(PySequence_Fast_GET_ITEM(seq, i), &src, PyBUF_SIMPLE) < 0)
+            goto done;
+        const int fits = at[i] >= 0 && at[i] <= src.len && count <= src.len - at[i];
+        if (fits)
+            memcpy((char *)out.buf + i * out.strides[0], (const char *)src.buf + at[i],
+                   (size_t)count);
+        PyBuffer_Release(&src);
+        if (!fits) {
+            PyErr_Format(PyExc_ValueError, "gather: bytes [%lld, %lld) lie outside source %zd",
+                         (long long)at[i], (long long)(at[i] + count), i);
+            goto done;
+        }
+    }
+    result = Py_NewRef(Py_None);
+done:
+    PyBuffer_Release(&out);
+    PyBuffer_Release(&starts);
+    Py_DECREF(seq);
+    return result;
+}
+
+PyDoc_STRVAR(gather_doc,
+             "gather(sources, starts, count, out)\n--\n\n"
+             "Copy bytes starts[i] .. starts[i] + count - 1 of each buffer sources[i] into row i\n"
+             "of out (n, >= count) uint8; starts (n,) int64.");
+
 static PyMethodDef bitpack_methods[] = {
     {"pack", bitpack_pack, METH_VARARGS, pack_doc},
+    {"gather", bitpack_gather, METH_VARARGS, gather_doc},
     {NULL, NULL, 0, NULL},
 };
 

@@ -67,6 +67,20 @@ def use_compiled(enabled: bool) -> bool:
     return _COMPILED.use(enabled)
 
 
+def gather_rows(
+    sources: Sequence[NDArray[np.uint8]], starts: NDArray[np.int64], out: NDArray[np.uint8]
+) -> None:
+    """Copy bytes `starts[i]` .. `starts[i] + c - 1` of `sources[i]` into row i of `out`
+    `(n, c)` uint8: in one compiled call where built, row by row otherwise."""
+    module = _COMPILED.module if _COMPILED.enabled else None
+    if module is not None:
+        module.gather(sources, starts, out.shape[1], out)
+        return
+    count = out.shape[1]
+    for i, (source, at) in enumerate(zip(sources, starts.tolist(), strict=True)):
+        out[i] = source[at : at + count]
+
+
 def _compiled_for(group: int) -> bool:
     """Whether `pack_concat` runs the compiled pass for `group`: a multiple of 8 up to
     MAX_PACK_GROUP, the groups the Triton pack kernel takes."""

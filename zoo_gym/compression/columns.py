@@ -321,9 +321,9 @@ class _HostRows:
         real = max(0, min(count, avail - first)) * width
         out = np.empty((self.m, count * width), dtype=np.uint8)
         out[:, real:] = 0
-        for j, i in enumerate(self._rows):
-            at = offsets[i] + first * width
-            out[j, :real] = self._arrays[i][at : at + real]
+        rows = np.asarray(self._rows, dtype=np.int64)
+        starts = np.asarray(offsets, dtype=np.int64)[rows] + first * width
+        bitdelta.gather_rows([self._arrays[i] for i in rows.tolist()], starts, out[:, :real])
         return out
 
 

@@ -16,9 +16,11 @@ waits on a barrier of all threads.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from types import ModuleType
 from typing import Literal, TypeVar
 
 import numpy as np
@@ -28,7 +30,8 @@ from torch import Tensor
 
 from zoo_gym.core.extension import Extension
 
-from .columns import Columns, TensorColumns, Updates
+from . import _sign_gram, _signs, columns
+from .columns import Columns, SignGroups, TensorColumns, Updates
 
 __all__ = ["Aggregate", "Decision"]
 
@@ -466,13 +469,73 @@ def squared_distances(updates: Updates, extra: Extra = None) -> Tensor:
     ||x_i - x_j||^2 = G_ii + G_jj - 2 G_ij, symmetric, zero diagonal, clamped at 0. With
     `extra` (a `(d,)` point or "origin"), `(n + 1, n + 1)` with the point as row n.
 
-    Exactly symmetric: G is, G_ii + G_jj is, and 2 G_ij is exact."""
+    Exactly symmetric: G is, G_ii + G_jj is, and 2 G_ij is exact.
+
+    A source of BitDelta payloads with float16 scales (offering `sign_groups`, on the CPU,
+    the compiled passes built) gives its distances from its sign bits instead, without a
+    Gram matrix or a decoded value (`_sign_gram`), with `extra` None or "origin"."""
+    signed = _sign_distances(as_columns(updates, "squared_distances"), extra)
+    if signed is not None:
+        return signed
     g = gram(updates, extra)
     sq = g.diagonal()
     dist = sq[:, None] + sq[None, :]
     dist.sub_(g, alpha=2.0).clamp_min_(0.0)
     dist.fill_diagonal_(0.0)
     return dist
+
+
+def _sign_source(source: Columns) -> SignGroups | None:
+    """`source` where `squared_distances` reads its sign bits: BitDelta payloads with
+    float16 scales on the CPU, the compiled passes built; None otherwise."""
+    signs = _signs.usable(source) if _PASSES.enabled else None
+    if signs is None or signs.sign_groups(0, min(source.d, 1)) is None:
+        return None
+    return signs
+
+
+def cached(source: Columns) -> Columns:
+    """A source for a rule that reads its updates more than once (`columns.cached`), but
+    one whose distances come from its sign bits as it is: the rule then decodes its values
+    once, in its last pass."""
+    return source if _sign_source(source) is not None else columns.cached(source)
+
+
+def _sign_distances(source: Columns, extra: Extra) -> Tensor | None:
+    """`squared_distances` of a source of BitDelta payloads from their sign bits (see
+    `_sign_gram`), or None where it does not offer them or `extra` is a point. The rows
+    i of each chunk are dealt out to `torch.get_num_threads()` threads (row i to thread i
+    mod T); each pair's sum runs in one thread, so the result does not depend on them."""
+    module = _PASSES.module if _PASSES.enabled else None
+    signs = _sign_source(source) if isinstance(extra, str | None) else None
+    if module is None or signs is None:
+        return None
+    first = signs.sign_groups(0, min(source.d, 1))
+    assert first is not None  # `_sign_source` asked
+    n, threads = source.n, torch.get_num_threads()
+    dist, norms = np.zeros((n, n)), np.zeros(n)
+    for start, stop in spans(source.d, _sign_gram.chunk_width(n, first[0].group, source.budget)):
+        pieces = signs.sign_groups(start, stop)
+        assert pieces is not None
+        packed = _sign_gram.pack(module, pieces, n)
+        lanes = min(threads, n)
+        run_threaded(
+            functools.partial(_sign_lane, module, packed, dist, lanes), list(range(lanes)), lanes
+        )
+        if extra == "origin":
+            norms += np.square(packed[1]) @ packed[2]
+    full = np.zeros((n + (extra is not None),) * 2)
+    full[:n, :n] = dist + dist.T
+    if extra is not None:
+        full[n, :n] = full[:n, n] = norms
+    return torch.from_numpy(full)
+
+
+def _sign_lane(
+    module: ModuleType, packed: _sign_gram.Packed, dist: NDArray[np.float64], lanes: int, t: int
+) -> None:
+    """Lane t of `lanes` of a chunk's sign distances: rows t, t + lanes, ... into `dist`."""
+    module.sign_distances(*packed, dist, t, lanes)
 
 
 def combination_distances(sq: Tensor, coef: Tensor, n: int) -> Tensor:

@@ -56,6 +56,7 @@
 #define LINE 64
 
 static int have_avx512 = 0;
+static int have_popcount512 = 0; /* AVX-512 with VPOPCNTDQ */
 
 /* ---- row_sum ---------------------------------------------------------------------------- */
 
@@ -513,9 +514,290 @@ static PyObject *passes_gram(PyObject *self, PyObject *args)
 #endif
 }
 
+/* ---- distances between BitDelta rows from their sign bits ------------------------------- */
+
+/* Bits b .. b + 63 of a row of `nbytes` packed bytes (most significant bit first) as a word,
+ * bit t holding value b + t; zeros past the row. */
+static inline uint64_t bits_at(const uint8_t *row, Py_ssize_t nbytes, Py_ssize_t b)
+{
+    const Py_ssize_t k = b >> 3;
+    const int off = (int)(b & 7);
+    uint8_t bytes[9] = {0};
+    if (k + 9 <= nbytes)
+        memcpy(bytes, row + k, 9);
+    else
+        for (Py_ssize_t i = k; i < nbytes; i++)
+            bytes[i - k] = row[i];
+    uint64_t x;
+    memcpy(&x, bytes, 8); /* little-endian: byte i at bits 8 i .. 8 i + 7 */
+    x = ((x >> 1) & 0x5555555555555555ull) | ((x & 0x5555555555555555ull) << 1);
+    x = ((x >> 2) & 0x3333333333333333ull) | ((x & 0x3333333333333333ull) << 2);
+    x = ((x >> 4) & 0x0F0F0F0F0F0F0F0Full) | ((x & 0x0F0F0F0F0F0F0F0Full) << 4);
+    x >>= off;
+    if (off) {
+        uint32_t y = bytes[8];
+        y = ((y >> 1) & 0x55u) | ((y & 0x55u) << 1);
+        y = ((y >> 2) & 0x33u) | ((y & 0x33u) << 2);
+        y = ((y >> 4) & 0x0Fu) | ((y & 0x0Fu) << 4);
+        x |= (uint64_t)y << (64 - off);
+    }
+    return x;
+}
+
+/* Packs one piece of BitDelta columns (m values from bit `bit` of each row of signs, the first
+ * being value `phase` of its group; scales (n, groups)) as groups g0 .. of the packed arrays:
+ * words (n, w, ng) uint64, bit t of word v of group g holding value 64 v + t of the group;
+ * values (n, ng) float64, the scales; sizes (ng,) float64, the values of each group here. */
+static void pack_piece(const Py_buffer *signs, Py_ssize_t bit, Py_ssize_t m, Py_ssize_t phase,
+                       Py_ssize_t group, const Py_buffer *scales, uint64_t *words,
+                       double *values, double *sizes, Py_ssize_t w, Py_ssize_t ng, Py_ssize_t g0)
+{
+    const Py_ssize_t n = signs->shape[0], nbytes = signs->shape[1], groups = scales->shape[1];
+    const Py_ssize_t s0 = scales->strides[0] / 4, s1 = scales->strides[1] / 4;
+    for (Py_ssize_t g = 0; g < groups; g++) {
+        const Py_ssize_t c0 = g * group - phase < 0 ? 0 : g * group - phase;
+        const Py_ssize_t c1 = (g + 1) * group - phase > m ? m : (g + 1) * group - phase;
+        sizes[g0 + g] = (double)(c1 - c0);
+        for (Py_ssize_t i = 0; i < n; i++) {
+            const uint8_t *row = (const uint8_t *)signs->buf + i * signs->strides[0];
+            uint64_t *out = words + (i * w) * ng + g0 + g;
+            for (Py_ssize_t v = 0; v < w; v++) {
+                const Py_ssize_t from = c0 + 64 * v, left = c1 - from;
+                uint64_t x = left > 0 ? bits_at(row, nbytes, bit + from) : 0;
+                if (left > 0 && left < 64)
+                    x &= (1ull << left) - 1;
+                out[v * ng] = x;
+            }
+            values[i * ng + g0 + g] = (double)((const float *)scales->buf)[i * s0 + g * s1];
+        }
+    }
+}
+
+/* One pair's squared distance over `count` packed groups (words of a row `ng` apart): with a
+ * the scales of row i, b of row k, size the values of a group and h the values whose signs
+ * differ, the sum over the groups of size (a - b)^2 + 4 a b h. Portable. */
+#if defined(PASSES_HAVE_X86) && defined(__GNUC__) && !defined(__clang__)
+__attribute__((target_clones("popcnt", "default")))
+#endif
+static double pair_distance(const uint64_t *pi, const uint64_t *pk, const double *si,
+                            const double *sk, const double *sizes, Py_ssize_t w, Py_ssize_t ng,
+                            Py_ssize_t count)
+{
+    double same = 0.0, differ = 0.0;
+    for (Py_ssize_t g = 0; g < count; g++) {
+        int64_t h = 0;
+        for (Py_ssize_t v = 0; v < w; v++)
+            h += __builtin_popcountll(pi[v * ng + g] ^ pk[v * ng + g]);
+        const double t = si[g] - sk[g];
+        same += sizes[g] * t * t;
+        differ += si[g] * sk[g] * (double)h;
+    }
+    return same + 4.0 * differ;
+}
+
+#ifdef PASSES_HAVE_X86
+#define POPCOUNT512 __attribute__((target("avx512f,avx512dq,avx512vpopcntdq,fma")))
+
+/* The same sums for row i against rows k .. k + 3, 8 groups per step (ng and count multiples
+ * of 8): out[kk] = the distance to row k + kk. */
+POPCOUNT512 static void pair_distances4(const uint64_t *pi, const uint64_t *pk, const double *si,
+                                        const double *sk, const double *sizes, Py_ssize_t w,
+                                        Py_ssize_t ng, Py_ssize_t count, double out[4])
+{
+    __m512d same[4], differ[4];
+    for (int kk = 0; kk < 4; kk++)
+        same[kk] = differ[kk] = _mm512_setzero_pd();
+    const Py_ssize_t row = w * ng; /* words of a row */
+    for (Py_ssize_t g = 0; g < count; g += 8) {
+        const __m512d a = _mm512_loadu_pd(si + g), size = _mm512_loadu_pd(sizes + g);
+        __m512i h[4];
+        for (int kk = 0; kk < 4; kk++)
+            h[kk] = _mm512_setzero_si512();
+        for (Py_ssize_t v = 0; v < w; v++) {
+            const __m512i x = _mm512_loadu_si512(pi + v * ng + g);
+            for (int kk = 0; kk < 4; kk++) {
+                const __m512i y = _mm512_loadu_si512(pk + kk * row + v * ng + g);
+                h[kk] = _mm512_add_epi64(h[kk], _mm512_popcnt_epi64(_mm512_xor_si512(x, y)));
+            }
+        }
+        for (int kk = 0; kk < 4; kk++) {
+            const __m512d b = _mm512_loadu_pd(sk + kk * ng + g), t = _mm512_sub_pd(a, b);
+            same[kk] = _mm512_fmadd_pd(_mm512_mul_pd(size, t), t, same[kk]);
+            differ[kk] = _mm512_fmadd_pd(_mm512_mul_pd(a, b), _mm512_cvtepi64_pd(h[kk]), differ[kk]);
+        }
+    }
+    for (int kk = 0; kk < 4; kk++)
+        out[kk] = _mm512_reduce_add_pd(same[kk]) + 4.0 * _mm512_reduce_add_pd(differ[kk]);
+}
+#endif
+
+#define PAIR_BLOCK (1 << 20) /* bytes of the packed groups of all rows that one block spans */
+
+/* dist[i, k] += the distance of rows i and k (k < i) over the packed groups, for rows i =
+ * first, first + step, ...; in blocks of groups whose packed bytes of all n rows stay in L2
+ * while every pair reads them (each pair's sum of a block added to dist in turn). */
+static void sign_pairs(const uint64_t *words, const double *values, const double *sizes,
+                       Py_ssize_t n, Py_ssize_t w, Py_ssize_t ng, double *dist, Py_ssize_t first,
+                       Py_ssize_t step, int vector)
+{
+    Py_ssize_t block = PAIR_BLOCK / (n * (8 * w + 8));
+    block = block < 8 ? 8 : block - block % 8;
+    for (Py_ssize_t g0 = 0; g0 < ng; g0 += block) {
+        const Py_ssize_t count = ng - g0 < block ? ng - g0 : block;
+        for (Py_ssize_t i = first; i < n; i += step) {
+            const uint64_t *pi = words + i * w * ng + g0;
+            const double *si = values + i * ng + g0;
+            Py_ssize_t k = 0;
+#ifdef PASSES_HAVE_X86
+            if (vector && ng % 8 == 0 && count % 8 == 0) {
+                for (; k + 4 <= i; k += 4) {
+                    double d[4];
+                    pair_distances4(pi, words + k * w * ng + g0, si, values + k * ng + g0,
+                                    sizes + g0, w, ng, count, d);
+                    for (int kk = 0; kk < 4; kk++)
+                        dist[i * n + k + kk] += d[kk];
+                }
+            }
+#endif
+            for (; k < i; k++)
+                dist[i * n + k] += pair_distance(pi, words + k * w * ng + g0, si,
+                                                 values + k * ng + g0, sizes + g0, w, ng, count);
+        }
+    }
+}
+
+/* The element format of a buffer ('B', 'Q' for 8-byte unsigned, 'f', 'd') or 0. */
+static char sign_format(const Py_buffer *view)
+{
+    const char *f = view->format == NULL ? "B" : view->format;
+    if (f[0] == '<' || f[0] == '=' || f[0] == '@')
+        f++;
+    if (f[1] != '\0')
+        return 0;
+    if ((f[0] == 'Q' || f[0] == 'L' || f[0] == 'q' || f[0] == 'l') && view->itemsize == 8)
+        return 'Q';
+    if ((f[0] == 'B' && view->itemsize == 1) || (f[0] == 'f' && view->itemsize == 4) ||
+        (f[0] == 'd' && view->itemsize == 8))
+        return f[0];
+    return 0;
+}
+
+PyDoc_STRVAR(sign_pack_doc,
+             "sign_pack(signs, bit, m, phase, group, scales, words, values, sizes, g0)\n\n"
+             "Packs m BitDelta values of each row (bits bit .. of signs (n, bytes) uint8, most\n"
+             "significant first; the first value being value phase of its group; scales (n,\n"
+             "groups) float32) as groups g0 .. g0 + groups - 1 of words (n, w, ng) uint64 (64 w\n"
+             ">= group; bit t of word v: value 64 v + t of the group), values (n, ng) float64\n"
+             "(the scales) and sizes (ng,) float64 (each group's values here).");
+
+static PyObject *passes_sign_pack(PyObject *self, PyObject *args)
+{
+    PyObject *objs[5];
+    Py_ssize_t bit, m, phase, group, g0;
+    if (!PyArg_ParseTuple(args, "OnnnnOOOOn:sign_pack", &objs[0], &bit, &m, &phase, &group,
+                          &objs[1], &objs[2], &objs[3], &objs[4], &g0))
+        return NULL;
+    Py_buffer v[5];
+    const int writable = PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE | PyBUF_FORMAT;
+    const int modes[5] = {PyBUF_STRIDES | PyBUF_FORMAT, PyBUF_STRIDES | PyBUF_FORMAT, writable,
+                          writable, writable};
+    int got = 0;
+    for (; got < 5; got++)
+        if (PyObject_GetBuffer(objs[got], &v[got], modes[got]) < 0)
+            break;
+    PyObject *result = NULL;
+    if (got == 5) {
+        const Py_ssize_t n = v[0].ndim == 2 ? v[0].shape[0] : -1;
+        const Py_ssize_t w = v[2].ndim == 3 ? v[2].shape[1] : 0;
+        const Py_ssize_t ng = v[2].ndim == 3 ? v[2].shape[2] : 0;
+        const Py_ssize_t groups = v[1].ndim == 2 ? v[1].shape[1] : 0;
+        const int ok = n >= 1 && sign_format(&v[0]) == 'B' && v[0].strides[1] == 1 &&
+                       sign_format(&v[1]) == 'f' && v[1].shape[0] == n &&
+                       v[1].strides[0] % 4 == 0 && v[1].strides[1] % 4 == 0 && group >= 1 &&
+                       phase >= 0 && phase < group && m >= 1 && bit >= 0 &&
+                       bit + m <= 8 * v[0].shape[1] &&
+                       groups == (phase + m + group - 1) / group && sign_format(&v[2]) == 'Q' &&
+                       v[2].shape[0] == n && 64 * w >= (group < m ? group : m) &&
+                       sign_format(&v[3]) == 'd' && v[3].ndim == 2 && v[3].shape[0] == n &&
+                       v[3].shape[1] == ng && sign_format(&v[4]) == 'd' && v[4].len == 8 * ng &&
+                       g0 >= 0 && g0 + groups <= ng;
+        if (!ok) {
+            PyErr_SetString(PyExc_ValueError,
+                            "sign_pack needs signs (n, bytes) uint8 holding bits [bit, bit + m), "
+                            "scales (n, groups) float32, words (n, w, ng) uint64 with 64 w >= "
+                            "group, values (n, ng) and sizes (ng,) float64, g0 + groups <= ng");
+        } else {
+            Py_BEGIN_ALLOW_THREADS
+            pack_piece(&v[0], bit, m, phase, group, &v[1], (uint64_t *)v[2].buf,
+                       (double *)v[3].buf, (double *)v[4].buf, w, ng, g0);
+            Py_END_ALLOW_THREADS
+            result = Py_NewRef(Py_None);
+        }
+    }
+    for (int i = 0; i < got; i++)
+        PyBuffer_Release(&v[i]);
+    return result;
+}
+
+PyDoc_STRVAR(sign_distances_doc,
+             "sign_distances(words, values, sizes, dist, first, step, vector=True)\n\n"
+             "dist (n, n) float64 [i, k] += the squared distance of rows i and k (k < i) of the\n"
+             "packed groups (see sign_pack), for rows i = first, first + step, ...: the sum over\n"
+             "the groups of size (a - b)^2 + 4 a b h, a and b the rows' scales and h the values\n"
+             "whose signs differ; 8 groups per step with AVX-512 (`POPCOUNT`) unless vector is\n"
+             "False. The GIL is released.");
+
+static PyObject *passes_sign_distances(PyObject *self, PyObject *args)
+{
+    PyObject *objs[4];
+    Py_ssize_t first, step;
+    int vector = 1;
+    if (!PyArg_ParseTuple(args, "OOOOnn|p:sign_distances", &objs[0], &objs[1], &objs[2], &objs[3],
+                          &first, &step, &vector))
+        return NULL;
+#ifdef PASSES_HAVE_X86
+    vector = vector && have_popcount512;
+#else
+    vector = 0;
+#endif
+    Py_buffer v[4];
+    int got = 0;
+    for (; got < 4; got++)
+        if (PyObject_GetBuffer(objs[got], &v[got],
+                               PyBUF_C_CONTIGUOUS | PyBUF_FORMAT |
+                                   (got == 3 ? PyBUF_WRITABLE : 0)) < 0)
+            break;
+    PyObject *result = NULL;
+    if (got == 4) {
+        const Py_ssize_t n = v[0].ndim == 3 ? v[0].shape[0] : 0;
+        const Py_ssize_t w = n ? v[0].shape[1] : 0, ng = n ? v[0].shape[2] : 0;
+        const int ok = n >= 1 && sign_format(&v[0]) == 'Q' && sign_format(&v[1]) == 'd' &&
+                       v[1].len == 8 * n * ng && sign_format(&v[2]) == 'd' &&
+                       v[2].len == 8 * ng && sign_format(&v[3]) == 'd' && v[3].ndim == 2 &&
+                       v[3].shape[0] == n && v[3].shape[1] == n && first >= 0 && step >= 1;
+        if (!ok) {
+            PyErr_SetString(PyExc_ValueError,
+                            "sign_distances needs words (n, w, ng) uint64, values (n, ng) and "
+                            "sizes (ng,) float64, dist (n, n) float64, first >= 0, step >= 1");
+        } else {
+            Py_BEGIN_ALLOW_THREADS
+            sign_pairs((const uint64_t *)v[0].buf, (const double *)v[1].buf,
+                       (const double *)v[2].buf, n, w, ng, (double *)v[3].buf, first, step,
+                       vector);
+            Py_END_ALLOW_THREADS
+            result = Py_NewRef(Py_None);
+        }
+    }
+    for (int i = 0; i < got; i++)
+        PyBuffer_Release(&v[i]);
+    return result;
+}
+
 static PyMethodDef passes_methods[] = {
     {"row_sum", passes_row_sum, METH_VARARGS, row_sum_doc},
     {"gram", passes_gram, METH_VARARGS, gram_doc},
+    {"sign_pack", passes_sign_pack, METH_VARARGS, sign_pack_doc},
+    {"sign_distances", passes_sign_distances, METH_VARARGS, sign_distances_doc},
     {NULL, NULL, 0, NULL},
 };
 
@@ -526,7 +808,10 @@ static int passes_exec(PyObject *module)
     have_avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq") &&
                   __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
                   __builtin_cpu_supports("fma");
+    have_popcount512 = have_avx512 && __builtin_cpu_supports("avx512vpopcntdq");
 #endif
+    if (PyModule_AddIntConstant(module, "POPCOUNT", have_popcount512) < 0)
+        return -1;
     return PyModule_AddIntConstant(module, "GRAM", have_avx512);
 }
 

@@ -27,6 +27,7 @@ from ._core import (
     Aggregate,
     Decision,
     as_columns,
+    cached,
     check_f,
     chunk_width,
     chunks,
@@ -39,7 +40,7 @@ from ._core import (
     work_dtype,
 )
 from ._select import closest_to_median, np_closest_to_median
-from .columns import Columns, Updates, cached
+from .columns import Columns, Updates
 from .krum import lowest
 
 _EPS = 1e-9  # coordinates; shares of tied runs are fractions

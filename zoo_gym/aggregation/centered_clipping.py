@@ -58,6 +58,7 @@ from ._core import (
     Aggregate,
     Decision,
     as_columns,
+    cached,
     check_count,
     combination_distances,
     combine,
@@ -65,7 +66,7 @@ from ._core import (
     pct,
     squared_distances,
 )
-from .columns import Columns, Updates, cached
+from .columns import Columns, Updates
 
 
 def centered_clipping(

@@ -28,6 +28,7 @@ from ._core import (
     Aggregate,
     Decision,
     as_columns,
+    cached,
     check_count,
     check_weights,
     combination_distances,
@@ -35,7 +36,7 @@ from ._core import (
     pct,
     squared_distances,
 )
-from .columns import Columns, Updates, cached
+from .columns import Columns, Updates
 
 
 def geometric_median(

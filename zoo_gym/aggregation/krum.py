@@ -28,13 +28,14 @@ from ._core import (
     Aggregate,
     Decision,
     as_columns,
+    cached,
     check_count,
     check_f,
     mean_of_rows,
     require,
     squared_distances,
 )
-from .columns import Updates, cached
+from .columns import Updates
 
 _SCORE_ROWS = 64  # rows of the distance matrix scored at a time
 

@@ -14,8 +14,15 @@ from typing import overload
 import torch
 from torch import Tensor
 
-from ._core import as_columns, check_f, column_chunks, require, squared_distances
-from .columns import Columns, MixedColumns, TensorColumns, Updates, cached
+from ._core import (
+    as_columns,
+    cached,
+    check_f,
+    column_chunks,
+    require,
+    squared_distances,
+)
+from .columns import Columns, MixedColumns, TensorColumns, Updates
 
 
 @overload

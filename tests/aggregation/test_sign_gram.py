@@ -121,3 +121,49 @@ def test_rules_from_payloads_choose_as_on_the_tensor(rule: str) -> None:
             d.selected for d in other.decisions
         ]
         assert torch.allclose(from_payloads.vector, other.vector, rtol=1e-6, atol=1e-7)
+
+
+@compiled
+@pytest.mark.parametrize("vector", [True, False])
+@pytest.mark.parametrize("group", [1, 8, 12, 128])
+def test_sums_from_signs_are_the_decoded_rows_sums(group: int, vector: bool) -> None:
+    # equal weights: every float16 value sums exactly, so the plain float64 sum's bits; other
+    # weights: one fused multiply-add per row in order, as `_passes.row_sum` on the values
+    payloads = source(blobs(6, group, seed=group, common=1.0))
+    x = payloads.columns(0, payloads.d).numpy()
+    rows = np.array([4, 0, 5, 2], dtype=np.int64)
+    weights = np.array([0.1, 0.7, 1e-3, 0.25])
+    pieces = payloads.sign_groups(0, payloads.d)
+    assert pieces is not None
+    plain, weighted = np.empty(payloads.d), np.empty(payloads.d)
+    for p in pieces:
+        args = (p.signs.numpy(), p.bit, p.stop - p.start, p.phase, p.group, p.scales.numpy())
+        _PASSES.sign_sum(*args, rows, None, plain[p.start : p.stop], vector)
+        _PASSES.sign_sum(*args, rows, weights, weighted[p.start : p.stop], vector)
+    assert np.array_equal(plain, x[rows].astype(np.float64).sum(axis=0))
+    expected = np.empty(payloads.d, dtype=np.float32)
+    _PASSES.row_sum(x, "f", rows, weights, 1.0, expected)
+    assert np.array_equal(weighted.astype(np.float32), expected)
+
+
+@compiled
+def test_mean_of_rows_from_payloads_keeps_the_bits() -> None:
+    # the sum path against the decoding one, and one row's copy keeps a -0.0 (a zero scale
+    # with a clear sign bit), which a sum from +0.0 would turn into +0.0
+    spec = CodecSpec("bitdelta", 8, "group", "float16")
+    values = [torch.tensor([-1e-10] * 8 + [0.5, -0.25] * 4), torch.randn(16), torch.randn(16)]
+    layout = layout_of({"w": torch.zeros(16)})
+    payloads = PayloadColumns(
+        [encode({"w": v}, spec) for v in values], layout, max_elements=MAX, budget=10**6
+    )
+    x = payloads.columns(0, 16)
+    for rows in ([0], [2, 0], [0, 1, 2]):
+        got = _core.mean_of_rows(payloads, rows)
+        _signs.use_sign_structure(False)
+        try:
+            decoded = _core.mean_of_rows(payloads, rows)
+        finally:
+            _signs.use_sign_structure(True)
+        assert torch.equal(got.view(torch.int32), decoded.view(torch.int32))
+    assert torch.equal(_core.mean_of_rows(payloads, [0])[:8], x[0, :8])
+    assert str(float(x[0, 0])) == "-0.0"

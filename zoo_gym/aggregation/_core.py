@@ -75,6 +75,7 @@ _PROBE_WIDTH = 4096  # columns of the first chunk used to choose the first refer
 _COMPILED_GRAM_ROWS = 160
 
 _PASSES = Extension("zoo_gym.aggregation._passes")
+_SIGN_SUM_BYTES = 32 << 20  # sign bytes of all rows that one range of `_sign_sum` reads
 
 
 def use_compiled_passes(enabled: bool) -> bool:
@@ -644,6 +645,8 @@ def _rows_pass(source: Columns, plan: _Pass, distances: bool) -> Tensor | None:
     threads.
     """
     n, d, device = source.n, source.d, source.device
+    if not distances and _sign_sum(source, plan):
+        return None
     subset = None
     if not distances and len(plan.pairs) < n and not _is_view_source(source):
         subset = [i for i, _ in plan.pairs]
@@ -668,6 +671,46 @@ def _rows_pass(source: Columns, plan: _Pass, distances: bool) -> Tensor | None:
     for part in parts:
         total += part
     return torch.from_numpy(total)
+
+
+def _sign_sum(source: Columns, plan: _Pass) -> bool:
+    """`plan`'s sum of rows over a source of BitDelta payloads from their sign bits, without
+    decoding them (`_passes.sign_sum`); False (nothing done) where the source does not offer
+    them, a `base` is added, or one row of weight 1 is copied (its zeros keep their sign).
+    Equal weights: the values summed, exact in float64 in any order, so the sum and its one
+    scaling are the decoding path's bits; other weights: one fused multiply-add per row in
+    order, as `_passes.row_sum`. Column ranges go to `torch.get_num_threads()` threads."""
+    module = _PASSES.module if _PASSES.enabled else None
+    signs = _sign_source(source) if module is not None and plan.base is None else None
+    out, pairs = plan.out, plan.pairs
+    if signs is None or out is None or not pairs or (len(pairs) == 1 and pairs[0][1] == 1.0):
+        return False
+    assert module is not None
+    rows = np.array([i for i, _ in pairs], dtype=np.int64)
+    weights = {wi for _, wi in pairs}
+    w = None if len(weights) == 1 else np.array([wi for _, wi in pairs], dtype=np.float64)
+    threads = torch.get_num_threads()
+    cap = _SIGN_SUM_BYTES if source.budget is None else source.budget // (4 * threads)
+    width = min(cap, _SIGN_SUM_BYTES) // max(1, source.n // 8)
+    width = min(width, -(-source.d // (4 * threads)))  # a few ranges for each thread
+    width = max(_SOURCE_ALIGN, width - width % _SOURCE_ALIGN)
+
+    def run(span: tuple[int, int]) -> None:
+        pieces = signs.sign_groups(*span)
+        assert pieces is not None
+        acc = np.empty(span[1] - span[0], dtype=np.float64)
+        for p in pieces:
+            m = p.stop - p.start
+            module.sign_sum(
+                p.signs.numpy(), p.bit, m, p.phase, p.group, p.scales.numpy(), rows, w,
+                acc[p.start : p.stop],
+            )  # fmt: skip
+        if w is None:
+            acc *= next(iter(weights))
+        out[span[0] : span[1]] = torch.from_numpy(acc)
+
+    run_threaded(run, list(spans(source.d, width)), threads)
+    return True
 
 
 def _is_view_source(source: Columns) -> bool:

@@ -793,11 +793,187 @@ static PyObject *passes_sign_distances(PyObject *self, PyObject *args)
     return result;
 }
 
+
+/* ---- sums of BitDelta rows from their sign bits ----------------------------------------- */
+
+#define SIGN_SUM_BLOCK 2048 /* columns whose float64 sums stay in L1 while every row adds */
+
+/* Bits o .. o + 7 of a row's words (bit t of words[v]: value 64 v + t), as a byte. */
+static inline unsigned int byte_at(const uint64_t *words, Py_ssize_t o)
+{
+    const int r = (int)(o & 63);
+    uint64_t x = words[o >> 6] >> r;
+    if (r > 56)
+        x |= words[(o >> 6) + 1] << (64 - r);
+    return (unsigned int)(x & 0xFF);
+}
+
+/* Each row's bits of columns c0 .. c1 - 1 into words (bit t of words[v]: column c0 + 64 v +
+ * t), a zero word after them. */
+static inline void row_words(const uint8_t *row, Py_ssize_t nbytes, Py_ssize_t bit,
+                             Py_ssize_t c0, Py_ssize_t c1, uint64_t *words)
+{
+    for (Py_ssize_t v = 0; 64 * v < c1 - c0; v++)
+        words[v] = bits_at(row, nbytes, bit + c0 + 64 * v);
+    words[(c1 - c0 + 63) / 64] = 0;
+}
+
+/* acc[0 .. c1 - c0) <- the chosen rows' values in columns c0 .. c1 - 1 (+scale where the sign
+ * bit is set, else -scale): each row's value added (weights NULL) or multiplied by weights[t]
+ * and added in one fused multiply-add, rows in order, a group's columns at a time.
+ * `words`: SIGN_SUM_BLOCK / 64 + 2 words of scratch. Portable. */
+static void sign_sum_block(const Py_buffer *signs, Py_ssize_t bit, Py_ssize_t phase,
+                           Py_ssize_t group, const Py_buffer *scales, const int64_t *rows,
+                           const double *weights, Py_ssize_t k, Py_ssize_t c0, Py_ssize_t c1,
+                           double *acc, uint64_t *words)
+{
+    const Py_ssize_t s0 = scales->strides[0] / 4, s1 = scales->strides[1] / 4;
+    for (Py_ssize_t t = 0; t < k; t++) {
+        row_words((const uint8_t *)signs->buf + rows[t] * signs->strides[0], signs->shape[1],
+                  bit, c0, c1, words);
+        const float *scale = (const float *)scales->buf + rows[t] * s0;
+        for (Py_ssize_t c = c0; c < c1;) {
+            const Py_ssize_t g = (phase + c) / group;
+            const Py_ssize_t end = (g + 1) * group - phase < c1 ? (g + 1) * group - phase : c1;
+            const double s = (double)scale[g * s1];
+            for (Py_ssize_t j = c; j < end; j++) {
+                const double x = (words[(j - c0) >> 6] >> ((j - c0) & 63)) & 1 ? s : -s;
+                acc[j - c0] = weights ? fma(weights[t], x, acc[j - c0]) : acc[j - c0] + x;
+            }
+            c = end;
+        }
+    }
+}
+
+#ifdef PASSES_HAVE_X86
+/* The same with AVX-512, 8 values of one group per step (the same bits). */
+AVX512 static void sign_sum_block512(const Py_buffer *signs, Py_ssize_t bit, Py_ssize_t phase,
+                                     Py_ssize_t group, const Py_buffer *scales,
+                                     const int64_t *rows, const double *weights, Py_ssize_t k,
+                                     Py_ssize_t c0, Py_ssize_t c1, double *acc, uint64_t *words)
+{
+    const Py_ssize_t s0 = scales->strides[0] / 4, s1 = scales->strides[1] / 4;
+    for (Py_ssize_t t = 0; t < k; t++) {
+        row_words((const uint8_t *)signs->buf + rows[t] * signs->strides[0], signs->shape[1],
+                  bit, c0, c1, words);
+        const float *scale = (const float *)scales->buf + rows[t] * s0;
+        const __m512d w = _mm512_set1_pd(weights ? weights[t] : 1.0);
+        for (Py_ssize_t c = c0; c < c1;) {
+            const Py_ssize_t g = (phase + c) / group;
+            const Py_ssize_t end = (g + 1) * group - phase < c1 ? (g + 1) * group - phase : c1;
+            const double s = (double)scale[g * s1];
+            const __m512d plus = _mm512_set1_pd(s), minus = _mm512_set1_pd(-s);
+            Py_ssize_t j = c;
+            for (; j + 8 <= end; j += 8) {
+                const __mmask8 set = (__mmask8)byte_at(words, j - c0);
+                const __m512d x = _mm512_mask_blend_pd(set, minus, plus);
+                const __m512d a = _mm512_loadu_pd(acc + (j - c0));
+                _mm512_storeu_pd(acc + (j - c0),
+                                 weights ? _mm512_fmadd_pd(w, x, a) : _mm512_add_pd(a, x));
+            }
+            for (; j < end; j++) {
+                const double x = (words[(j - c0) >> 6] >> ((j - c0) & 63)) & 1 ? s : -s;
+                acc[j - c0] = weights ? fma(weights[t], x, acc[j - c0]) : acc[j - c0] + x;
+            }
+            c = end;
+        }
+    }
+}
+#endif
+
+PyDoc_STRVAR(sign_sum_doc,
+             "sign_sum(signs, bit, m, phase, group, scales, rows, weights, out, vector=True)\n\n"
+             "out (m,) float64 <- the sum over t of the values of row rows[t] (int64) of m\n"
+             "BitDelta values (bits bit .. of signs (n, bytes) uint8, most significant first:\n"
+             "+scale where set, else -scale; the first value being value phase of its group;\n"
+             "scales (n, groups) float32): each added, rows in order (weights None; with\n"
+             "float16 scales every sum is exact), or times weights[t] (float64) in one fused\n"
+             "multiply-add per row; 8 values per step with AVX-512 (`GRAM`) unless vector is\n"
+             "False, the same bits. The GIL is released.");
+
+static PyObject *passes_sign_sum(PyObject *self, PyObject *args)
+{
+    PyObject *objs[5];
+    Py_ssize_t bit, m, phase, group;
+    int vector = 1;
+    if (!PyArg_ParseTuple(args, "OnnnnOOOO|p:sign_sum", &objs[0], &bit, &m, &phase, &group,
+                          &objs[1], &objs[2], &objs[3], &objs[4], &vector))
+        return NULL;
+    const int weighted = objs[3] != Py_None;
+    Py_buffer v[5];
+    const int modes[5] = {PyBUF_STRIDES | PyBUF_FORMAT, PyBUF_STRIDES | PyBUF_FORMAT,
+                          PyBUF_C_CONTIGUOUS | PyBUF_FORMAT, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT,
+                          PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE | PyBUF_FORMAT};
+    int got = 0;
+    for (; got < 5; got++) {
+        if (got == 3 && !weighted)
+            continue;
+        if (PyObject_GetBuffer(objs[got], &v[got], modes[got]) < 0)
+            break;
+    }
+    PyObject *result = NULL;
+    if (got == 5) {
+        const Py_ssize_t n = v[0].ndim == 2 ? v[0].shape[0] : -1, k = v[2].len / 8;
+        int ok = n >= 1 && sign_format(&v[0]) == 'B' && v[0].strides[1] == 1 &&
+                 sign_format(&v[1]) == 'f' && v[1].ndim == 2 && v[1].shape[0] == n &&
+                 v[1].strides[0] % 4 == 0 && v[1].strides[1] % 4 == 0 && group >= 1 &&
+                 phase >= 0 && phase < group && m >= 1 && bit >= 0 &&
+                 bit + m <= 8 * v[0].shape[1] && v[1].shape[1] == (phase + m + group - 1) / group &&
+                 sign_format(&v[2]) == 'Q' && (!weighted || (sign_format(&v[3]) == 'd' &&
+                                                             v[3].len == 8 * k)) &&
+                 sign_format(&v[4]) == 'd' && v[4].len == 8 * m;
+        const int64_t *rows = (const int64_t *)v[2].buf;
+        for (Py_ssize_t t = 0; t < k && ok; t++)
+            ok = rows[t] >= 0 && rows[t] < n;
+        double *acc = ok ? PyMem_RawMalloc((size_t)(SIGN_SUM_BLOCK + SIGN_SUM_BLOCK / 64 + 2) * 8)
+                         : NULL;
+        if (!ok) {
+            PyErr_SetString(PyExc_ValueError,
+                            "sign_sum needs signs (n, bytes) uint8 holding bits [bit, bit + m), "
+                            "scales (n, groups) float32, rows (k,) int64 in [0, n), weights "
+                            "None or (k,) float64, out (m,) float64");
+        } else if (acc == NULL) {
+            PyErr_NoMemory();
+        } else {
+            const double *w = weighted ? (const double *)v[3].buf : NULL;
+            double *out = (double *)v[4].buf;
+            uint64_t *words = (uint64_t *)(acc + SIGN_SUM_BLOCK);
+#ifdef PASSES_HAVE_X86
+            vector = vector && have_avx512;
+#else
+            vector = 0;
+#endif
+            Py_BEGIN_ALLOW_THREADS
+            for (Py_ssize_t c0 = 0; c0 < m; c0 += SIGN_SUM_BLOCK) {
+                const Py_ssize_t c1 = m - c0 < SIGN_SUM_BLOCK ? m : c0 + SIGN_SUM_BLOCK;
+                memset(acc, 0, (size_t)SIGN_SUM_BLOCK * 8);
+#ifdef PASSES_HAVE_X86
+                if (vector)
+                    sign_sum_block512(&v[0], bit, phase, group, &v[1], rows, w, k, c0, c1, acc,
+                                      words);
+                else
+#endif
+                    sign_sum_block(&v[0], bit, phase, group, &v[1], rows, w, k, c0, c1, acc,
+                                   words);
+                memcpy(out + c0, acc, (size_t)(c1 - c0) * 8);
+            }
+            Py_END_ALLOW_THREADS
+            PyMem_RawFree(acc);
+            result = Py_NewRef(Py_None);
+        }
+    }
+    for (int i = 0; i < got; i++)
+        if (i != 3 || weighted)
+            PyBuffer_Release(&v[i]);
+    return result;
+}
+
 static PyMethodDef passes_methods[] = {
     {"row_sum", passes_row_sum, METH_VARARGS, row_sum_doc},
     {"gram", passes_gram, METH_VARARGS, gram_doc},
     {"sign_pack", passes_sign_pack, METH_VARARGS, sign_pack_doc},
     {"sign_distances", passes_sign_distances, METH_VARARGS, sign_distances_doc},
+    {"sign_sum", passes_sign_sum, METH_VARARGS, sign_sum_doc},
     {NULL, NULL, 0, NULL},
 };
 

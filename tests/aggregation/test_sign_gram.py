@@ -61,6 +61,11 @@ def test_distances_from_signs_equal_those_of_the_values(n: int, group: int, vect
     _PASSES.sign_distances(words, values, sizes, dist, 0, 1, vector)
     expected = np.tril(reference(x), -1)
     assert np.allclose(dist, expected, rtol=1e-13, atol=0.0)
+    for lanes in (2, 3, 5):  # the rows dealt out to threads: the same bits
+        split = np.zeros((n, n))
+        for t in range(lanes):
+            _PASSES.sign_distances(words, values, sizes, split, t, lanes, vector)
+        assert np.array_equal(split, dist)
 
 
 @compiled

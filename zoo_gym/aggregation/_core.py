@@ -504,9 +504,10 @@ def cached(source: Columns) -> Columns:
 
 def _sign_distances(source: Columns, extra: Extra) -> Tensor | None:
     """`squared_distances` of a source of BitDelta payloads from their sign bits (see
-    `_sign_gram`), or None where it does not offer them or `extra` is a point. The rows
-    i of each chunk are dealt out to `torch.get_num_threads()` threads (row i to thread i
-    mod T); each pair's sum runs in one thread, so the result does not depend on them."""
+    `_sign_gram`), or None where it does not offer them or `extra` is a point. The pairs of
+    rows (2q, 2q + 1) of each chunk are dealt out to `torch.get_num_threads()` threads (q
+    to thread q mod T); how a pair's sum is formed does not depend on them, so neither does
+    the result."""
     module = _PASSES.module if _PASSES.enabled else None
     signs = _sign_source(source) if isinstance(extra, str | None) else None
     if module is None or signs is None:
@@ -518,13 +519,15 @@ def _sign_distances(source: Columns, extra: Extra) -> Tensor | None:
     for start, stop in spans(source.d, _sign_gram.chunk_width(n, first[0].group, source.budget)):
         pieces = signs.sign_groups(start, stop)
         assert pieces is not None
-        packed = _sign_gram.pack(module, pieces, n)
-        lanes = min(threads, n)
+        packed = _sign_gram.empty(pieces, n)
+        lanes = min(threads, (n + 1) // 2)
+        bounds = [(n * t // lanes, n * (t + 1) // lanes) for t in range(lanes)]
+        run_threaded(functools.partial(_sign_gram.fill, module, pieces, packed), bounds, lanes)
         run_threaded(
             functools.partial(_sign_lane, module, packed, dist, lanes), list(range(lanes)), lanes
         )
         if extra == "origin":
-            norms += np.square(packed[1]) @ packed[2]
+            norms += np.einsum("bij,bj->i", np.square(packed[1]), packed[2])
     full = np.zeros((n + (extra is not None),) * 2)
     full[:n, :n] = dist + dist.T
     if extra is not None:
@@ -535,7 +538,8 @@ def _sign_distances(source: Columns, extra: Extra) -> Tensor | None:
 def _sign_lane(
     module: ModuleType, packed: _sign_gram.Packed, dist: NDArray[np.float64], lanes: int, t: int
 ) -> None:
-    """Lane t of `lanes` of a chunk's sign distances: rows t, t + lanes, ... into `dist`."""
+    """Lane t of `lanes` of a chunk's sign distances into `dist`: the rows of the pairs
+    (2q, 2q + 1), q = t, t + lanes, ..."""
     module.sign_distances(*packed, dist, t, lanes)
 
 

@@ -545,30 +545,36 @@ static inline uint64_t bits_at(const uint8_t *row, Py_ssize_t nbytes, Py_ssize_t
 }
 
 /* Packs one piece of BitDelta columns (m values from bit `bit` of each row of signs, the first
- * being value `phase` of its group; scales (n, groups)) as groups g0 .. of the packed arrays:
- * words (n, w, ng) uint64, bit t of word v of group g holding value 64 v + t of the group;
- * values (n, ng) float64, the scales; sizes (ng,) float64, the values of each group here. */
+ * being value `phase` of its group; scales (n, groups)) as groups g0 .. of the packed arrays,
+ * in blocks of `block` groups: group g in block b = g / block at place l = g % block, with
+ * words (nb, n, w, block) uint64, bit t of word v holding value 64 v + t of the group;
+ * values (nb, n, block) float64, the scales; sizes (nb, block) float64, the values of each
+ * group here (rows i0 .. i1 - 1 only). A block's words and scales of each row are
+ * contiguous, the rows one after the other. */
 static void pack_piece(const Py_buffer *signs, Py_ssize_t bit, Py_ssize_t m, Py_ssize_t phase,
                        Py_ssize_t group, const Py_buffer *scales, uint64_t *words,
-                       double *values, double *sizes, Py_ssize_t w, Py_ssize_t ng, Py_ssize_t g0)
+                       double *values, double *sizes, Py_ssize_t w, Py_ssize_t block,
+                       Py_ssize_t g0, Py_ssize_t i0, Py_ssize_t i1)
 {
     const Py_ssize_t n = signs->shape[0], nbytes = signs->shape[1], groups = scales->shape[1];
     const Py_ssize_t s0 = scales->strides[0] / 4, s1 = scales->strides[1] / 4;
     for (Py_ssize_t g = 0; g < groups; g++) {
         const Py_ssize_t c0 = g * group - phase < 0 ? 0 : g * group - phase;
         const Py_ssize_t c1 = (g + 1) * group - phase > m ? m : (g + 1) * group - phase;
-        sizes[g0 + g] = (double)(c1 - c0);
-        for (Py_ssize_t i = 0; i < n; i++) {
+        const Py_ssize_t b = (g0 + g) / block, l = (g0 + g) % block;
+        sizes[b * block + l] = (double)(c1 - c0);
+        for (Py_ssize_t i = i0; i < i1; i++) {
             const uint8_t *row = (const uint8_t *)signs->buf + i * signs->strides[0];
-            uint64_t *out = words + (i * w) * ng + g0 + g;
+            uint64_t *out = words + ((b * n + i) * w) * block + l;
             for (Py_ssize_t v = 0; v < w; v++) {
                 const Py_ssize_t from = c0 + 64 * v, left = c1 - from;
                 uint64_t x = left > 0 ? bits_at(row, nbytes, bit + from) : 0;
                 if (left > 0 && left < 64)
                     x &= (1ull << left) - 1;
-                out[v * ng] = x;
+                out[v * block] = x;
             }
-            values[i * ng + g0 + g] = (double)((const float *)scales->buf)[i * s0 + g * s1];
+            values[(b * n + i) * block + l] =
+                (double)((const float *)scales->buf)[i * s0 + g * s1];
         }
     }
 }
@@ -631,37 +637,108 @@ POPCOUNT512 static void pair_distances4(const uint64_t *pi, const uint64_t *pk, 
 }
 #endif
 
-#define PAIR_BLOCK (1 << 20) /* bytes of the packed groups of all rows that one block spans */
-
-/* dist[i, k] += the distance of rows i and k (k < i) over the packed groups, for rows i =
- * first, first + step, ...; in blocks of groups whose packed bytes of all n rows stay in L2
- * while every pair reads them (each pair's sum of a block added to dist in turn). */
-static void sign_pairs(const uint64_t *words, const double *values, const double *sizes,
-                       Py_ssize_t n, Py_ssize_t w, Py_ssize_t ng, double *dist, Py_ssize_t first,
-                       Py_ssize_t step, int vector)
+#ifdef PASSES_HAVE_X86
+/* The same sums for rows i and i' (pi, pj; si, sj) against rows k .. k + 3: out[0][kk] for
+ * row i, out[1][kk] for row i'. Each row k's words are read once for both. */
+POPCOUNT512 static void pair_distances8(const uint64_t *pi, const uint64_t *pj,
+                                        const uint64_t *pk, const double *si, const double *sj,
+                                        const double *sk, const double *sizes, Py_ssize_t w,
+                                        Py_ssize_t ng, Py_ssize_t count, double out[2][4])
 {
-    Py_ssize_t block = PAIR_BLOCK / (n * (8 * w + 8));
-    block = block < 8 ? 8 : block - block % 8;
-    for (Py_ssize_t g0 = 0; g0 < ng; g0 += block) {
-        const Py_ssize_t count = ng - g0 < block ? ng - g0 : block;
-        for (Py_ssize_t i = first; i < n; i += step) {
-            const uint64_t *pi = words + i * w * ng + g0;
-            const double *si = values + i * ng + g0;
+    __m512d acc[2][4];
+    for (int ii = 0; ii < 2; ii++)
+        for (int kk = 0; kk < 4; kk++)
+            acc[ii][kk] = _mm512_setzero_pd();
+    const Py_ssize_t row = w * ng;
+    const __m512d four = _mm512_set1_pd(4.0);
+    for (Py_ssize_t g = 0; g < count; g += 8) {
+        __m512i h[2][4];
+        for (int ii = 0; ii < 2; ii++)
+            for (int kk = 0; kk < 4; kk++)
+                h[ii][kk] = _mm512_setzero_si512();
+        for (Py_ssize_t v = 0; v < w; v++) {
+            const __m512i x0 = _mm512_loadu_si512(pi + v * ng + g);
+            const __m512i x1 = _mm512_loadu_si512(pj + v * ng + g);
+            for (int kk = 0; kk < 4; kk++) {
+                const __m512i y = _mm512_loadu_si512(pk + kk * row + v * ng + g);
+                h[0][kk] = _mm512_add_epi64(h[0][kk], _mm512_popcnt_epi64(_mm512_xor_si512(x0, y)));
+                h[1][kk] = _mm512_add_epi64(h[1][kk], _mm512_popcnt_epi64(_mm512_xor_si512(x1, y)));
+            }
+        }
+        const __m512d size = _mm512_loadu_pd(sizes + g);
+        const __m512d a[2] = {_mm512_loadu_pd(si + g), _mm512_loadu_pd(sj + g)};
+        for (int kk = 0; kk < 4; kk++) {
+            const __m512d b = _mm512_loadu_pd(sk + kk * ng + g), b4 = _mm512_mul_pd(four, b);
+            for (int ii = 0; ii < 2; ii++) {
+                const __m512d t = _mm512_sub_pd(a[ii], b);
+                acc[ii][kk] = _mm512_fmadd_pd(_mm512_mul_pd(size, t), t, acc[ii][kk]);
+                acc[ii][kk] = _mm512_fmadd_pd(_mm512_mul_pd(a[ii], b4),
+                                              _mm512_cvtepi64_pd(h[ii][kk]), acc[ii][kk]);
+            }
+        }
+    }
+    for (int ii = 0; ii < 2; ii++)
+        for (int kk = 0; kk < 4; kk++)
+            out[ii][kk] = _mm512_reduce_add_pd(acc[ii][kk]);
+}
+#endif
+
+/* A block's dist[i, k] for k0 <= k < i (row i's words pi, scales si). */
+static void row_pairs(const uint64_t *words, const double *values, const double *sizes,
+                      Py_ssize_t n, Py_ssize_t w, Py_ssize_t ng, Py_ssize_t g0, Py_ssize_t count,
+                      double *dist, Py_ssize_t i, Py_ssize_t k, int vector)
+{
+    const uint64_t *pi = words + i * w * ng + g0;
+    const double *si = values + i * ng + g0;
+#ifdef PASSES_HAVE_X86
+    if (vector) {
+        for (; k + 4 <= i; k += 4) {
+            double d[4];
+            pair_distances4(pi, words + k * w * ng + g0, si, values + k * ng + g0, sizes + g0, w,
+                            ng, count, d);
+            for (int kk = 0; kk < 4; kk++)
+                dist[i * n + k + kk] += d[kk];
+        }
+    }
+#endif
+    for (; k < i; k++)
+        dist[i * n + k] += pair_distance(pi, words + k * w * ng + g0, si, values + k * ng + g0,
+                                         sizes + g0, w, ng, count);
+}
+
+/* dist[i, k] += the distance of rows i and k (k < i) over the packed groups (nb blocks of
+ * `block`, see pack_piece), for the rows i of the pairs (2 q, 2 q + 1), q = first, first +
+ * step, ...: block by block, each pair's sum of a block added to dist in turn (a block of
+ * all n rows is sized to stay in L2 while every pair reads it). Which kernel adds which pair
+ * does not depend on first and step. */
+static void sign_pairs(const uint64_t *words, const double *values, const double *sizes,
+                       Py_ssize_t nb, Py_ssize_t n, Py_ssize_t w, Py_ssize_t block, double *dist,
+                       Py_ssize_t first, Py_ssize_t step, int vector)
+{
+    vector = vector && block % 8 == 0;
+    for (Py_ssize_t b = 0; b < nb; b++) {
+        const uint64_t *wb = words + b * n * w * block;
+        const double *vb = values + b * n * block, *sb = sizes + b * block;
+        for (Py_ssize_t i = 2 * first; i < n; i += 2 * step) {
+            const Py_ssize_t j = i + 1;
             Py_ssize_t k = 0;
 #ifdef PASSES_HAVE_X86
-            if (vector && ng % 8 == 0 && count % 8 == 0) {
+            if (vector && j < n) {
                 for (; k + 4 <= i; k += 4) {
-                    double d[4];
-                    pair_distances4(pi, words + k * w * ng + g0, si, values + k * ng + g0,
-                                    sizes + g0, w, ng, count, d);
-                    for (int kk = 0; kk < 4; kk++)
-                        dist[i * n + k + kk] += d[kk];
+                    double d[2][4];
+                    pair_distances8(wb + i * w * block, wb + j * w * block, wb + k * w * block,
+                                    vb + i * block, vb + j * block, vb + k * block, sb, w, block,
+                                    block, d);
+                    for (int kk = 0; kk < 4; kk++) {
+                        dist[i * n + k + kk] += d[0][kk];
+                        dist[j * n + k + kk] += d[1][kk];
+                    }
                 }
             }
 #endif
-            for (; k < i; k++)
-                dist[i * n + k] += pair_distance(pi, words + k * w * ng + g0, si,
-                                                 values + k * ng + g0, sizes + g0, w, ng, count);
+            row_pairs(wb, vb, sb, n, w, block, 0, block, dist, i, k, vector);
+            if (j < n)
+                row_pairs(wb, vb, sb, n, w, block, 0, block, dist, j, k, vector);
         }
     }
 }
@@ -683,19 +760,21 @@ static char sign_format(const Py_buffer *view)
 }
 
 PyDoc_STRVAR(sign_pack_doc,
-             "sign_pack(signs, bit, m, phase, group, scales, words, values, sizes, g0)\n\n"
+             "sign_pack(signs, bit, m, phase, group, scales, words, values, sizes, g0, i0=0,\n"
+             "          i1=n)\n\n"
              "Packs m BitDelta values of each row (bits bit .. of signs (n, bytes) uint8, most\n"
              "significant first; the first value being value phase of its group; scales (n,\n"
-             "groups) float32) as groups g0 .. g0 + groups - 1 of words (n, w, ng) uint64 (64 w\n"
-             ">= group; bit t of word v: value 64 v + t of the group), values (n, ng) float64\n"
-             "(the scales) and sizes (ng,) float64 (each group's values here).");
+             "groups) float32) as groups g0 .. g0 + groups - 1 of blocks of `block` groups:\n"
+             "words (nb, n, w, block) uint64 (64 w >= group; bit t of word v: value 64 v + t of\n"
+             "the group), values (nb, n, block) float64 (the scales) and sizes (nb, block)\n"
+             "float64 (each group's values here); rows i0 .. i1 - 1 of them.");
 
 static PyObject *passes_sign_pack(PyObject *self, PyObject *args)
 {
     PyObject *objs[5];
-    Py_ssize_t bit, m, phase, group, g0;
-    if (!PyArg_ParseTuple(args, "OnnnnOOOOn:sign_pack", &objs[0], &bit, &m, &phase, &group,
-                          &objs[1], &objs[2], &objs[3], &objs[4], &g0))
+    Py_ssize_t bit, m, phase, group, g0, i0 = 0, i1 = -1;
+    if (!PyArg_ParseTuple(args, "OnnnnOOOOn|nn:sign_pack", &objs[0], &bit, &m, &phase, &group,
+                          &objs[1], &objs[2], &objs[3], &objs[4], &g0, &i0, &i1))
         return NULL;
     Py_buffer v[5];
     const int writable = PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE | PyBUF_FORMAT;
@@ -708,8 +787,9 @@ static PyObject *passes_sign_pack(PyObject *self, PyObject *args)
     PyObject *result = NULL;
     if (got == 5) {
         const Py_ssize_t n = v[0].ndim == 2 ? v[0].shape[0] : -1;
-        const Py_ssize_t w = v[2].ndim == 3 ? v[2].shape[1] : 0;
-        const Py_ssize_t ng = v[2].ndim == 3 ? v[2].shape[2] : 0;
+        const int four = v[2].ndim == 4;
+        const Py_ssize_t nb = four ? v[2].shape[0] : 0, w = four ? v[2].shape[2] : 0;
+        const Py_ssize_t block = four ? v[2].shape[3] : 0;
         const Py_ssize_t groups = v[1].ndim == 2 ? v[1].shape[1] : 0;
         const int ok = n >= 1 && sign_format(&v[0]) == 'B' && v[0].strides[1] == 1 &&
                        sign_format(&v[1]) == 'f' && v[1].shape[0] == n &&
@@ -717,19 +797,21 @@ static PyObject *passes_sign_pack(PyObject *self, PyObject *args)
                        phase >= 0 && phase < group && m >= 1 && bit >= 0 &&
                        bit + m <= 8 * v[0].shape[1] &&
                        groups == (phase + m + group - 1) / group && sign_format(&v[2]) == 'Q' &&
-                       v[2].shape[0] == n && 64 * w >= (group < m ? group : m) &&
-                       sign_format(&v[3]) == 'd' && v[3].ndim == 2 && v[3].shape[0] == n &&
-                       v[3].shape[1] == ng && sign_format(&v[4]) == 'd' && v[4].len == 8 * ng &&
-                       g0 >= 0 && g0 + groups <= ng;
+                       four && v[2].shape[1] == n && 64 * w >= (group < m ? group : m) &&
+                       sign_format(&v[3]) == 'd' && v[3].ndim == 3 && v[3].shape[0] == nb &&
+                       v[3].shape[1] == n && v[3].shape[2] == block &&
+                       sign_format(&v[4]) == 'd' && v[4].len == 8 * nb * block && g0 >= 0 &&
+                       g0 + groups <= nb * block && i0 >= 0 && (i1 < 0 || (i0 <= i1 && i1 <= n));
         if (!ok) {
             PyErr_SetString(PyExc_ValueError,
                             "sign_pack needs signs (n, bytes) uint8 holding bits [bit, bit + m), "
-                            "scales (n, groups) float32, words (n, w, ng) uint64 with 64 w >= "
-                            "group, values (n, ng) and sizes (ng,) float64, g0 + groups <= ng");
+                            "scales (n, groups) float32, words (nb, n, w, block) uint64 with 64 w "
+                            ">= group, values (nb, n, block) and sizes (nb, block) float64, g0 + "
+                            "groups <= nb block");
         } else {
             Py_BEGIN_ALLOW_THREADS
             pack_piece(&v[0], bit, m, phase, group, &v[1], (uint64_t *)v[2].buf,
-                       (double *)v[3].buf, (double *)v[4].buf, w, ng, g0);
+                       (double *)v[3].buf, (double *)v[4].buf, w, block, g0, i0, i1 < 0 ? n : i1);
             Py_END_ALLOW_THREADS
             result = Py_NewRef(Py_None);
         }
@@ -742,7 +824,8 @@ static PyObject *passes_sign_pack(PyObject *self, PyObject *args)
 PyDoc_STRVAR(sign_distances_doc,
              "sign_distances(words, values, sizes, dist, first, step, vector=True)\n\n"
              "dist (n, n) float64 [i, k] += the squared distance of rows i and k (k < i) of the\n"
-             "packed groups (see sign_pack), for rows i = first, first + step, ...: the sum over\n"
+             "packed groups (see sign_pack), for the rows i of the pairs (2 q, 2 q + 1), q =\n"
+             "first, first + step, ... (the same bits whatever first and step): the sum over\n"
              "the groups of size (a - b)^2 + 4 a b h, a and b the rows' scales and h the values\n"
              "whose signs differ; 8 groups per step with AVX-512 (`POPCOUNT`) unless vector is\n"
              "False. The GIL is released.");
@@ -769,20 +852,23 @@ static PyObject *passes_sign_distances(PyObject *self, PyObject *args)
             break;
     PyObject *result = NULL;
     if (got == 4) {
-        const Py_ssize_t n = v[0].ndim == 3 ? v[0].shape[0] : 0;
-        const Py_ssize_t w = n ? v[0].shape[1] : 0, ng = n ? v[0].shape[2] : 0;
+        const int four = v[0].ndim == 4;
+        const Py_ssize_t nb = four ? v[0].shape[0] : 0, n = four ? v[0].shape[1] : 0;
+        const Py_ssize_t w = four ? v[0].shape[2] : 0, block = four ? v[0].shape[3] : 0;
         const int ok = n >= 1 && sign_format(&v[0]) == 'Q' && sign_format(&v[1]) == 'd' &&
-                       v[1].len == 8 * n * ng && sign_format(&v[2]) == 'd' &&
-                       v[2].len == 8 * ng && sign_format(&v[3]) == 'd' && v[3].ndim == 2 &&
-                       v[3].shape[0] == n && v[3].shape[1] == n && first >= 0 && step >= 1;
+                       v[1].len == 8 * nb * n * block && sign_format(&v[2]) == 'd' &&
+                       v[2].len == 8 * nb * block && sign_format(&v[3]) == 'd' &&
+                       v[3].ndim == 2 && v[3].shape[0] == n && v[3].shape[1] == n &&
+                       first >= 0 && step >= 1;
         if (!ok) {
             PyErr_SetString(PyExc_ValueError,
-                            "sign_distances needs words (n, w, ng) uint64, values (n, ng) and "
-                            "sizes (ng,) float64, dist (n, n) float64, first >= 0, step >= 1");
+                            "sign_distances needs words (nb, n, w, block) uint64, values (nb, n, "
+                            "block) and sizes (nb, block) float64, dist (n, n) float64, first >= "
+                            "0, step >= 1");
         } else {
             Py_BEGIN_ALLOW_THREADS
             sign_pairs((const uint64_t *)v[0].buf, (const double *)v[1].buf,
-                       (const double *)v[2].buf, n, w, ng, (double *)v[3].buf, first, step,
+                       (const double *)v[2].buf, nb, n, w, block, (double *)v[3].buf, first, step,
                        vector);
             Py_END_ALLOW_THREADS
             result = Py_NewRef(Py_None);

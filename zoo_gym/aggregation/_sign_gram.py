@@ -31,8 +31,10 @@ from numpy.typing import NDArray
 from .columns import SignPiece
 
 CHUNK_BYTES = 32 << 20  # packed bytes of one chunk's groups, all rows, at most
+BLOCK_BYTES = 1 << 20  # packed bytes of one block of groups, all rows: it stays in L2
 
-# a chunk's groups: words (n, w, ng) uint64, scales (n, ng) and counts of values (ng,) float64
+# a chunk's groups in blocks: words (nb, n, w, block) uint64, scales (nb, n, block) and
+# counts of values (nb, block) float64
 Packed = tuple[NDArray[np.uint64], NDArray[np.float64], NDArray[np.float64]]
 
 
@@ -46,17 +48,27 @@ def chunk_width(n: int, group: int, budget: int | None) -> int:
     return width - width % 1024 if width > 1024 else width
 
 
-def pack(module: ModuleType, pieces: Sequence[SignPiece], n: int) -> Packed:
-    """The groups of a chunk's `pieces` packed for `sign_distances`: words `(n, w, ng)`
-    uint64 (w words of 64 values per group), the scales `(n, ng)` float64 and each group's
-    count of values `(ng,)` float64, ng padded with empty groups to a multiple of 8."""
-    counts = [piece.scales.shape[1] for piece in pieces]
+def empty(pieces: Sequence[SignPiece], n: int) -> Packed:
+    """Zeroed arrays for the groups of a chunk's `pieces` (see `fill`), in blocks of groups
+    whose words and scales of all n rows take about `BLOCK_BYTES` (a multiple of 8 groups),
+    the last block padded with empty groups; w words of 64 values per group."""
+    groups = sum(piece.scales.shape[1] for piece in pieces)
     w = -(-max(min(p.group, p.stop - p.start) for p in pieces) // 64)
-    ng = -(-sum(counts) // 8) * 8
-    words = np.zeros((n, w, ng), dtype=np.uint64)
-    values, sizes = np.zeros((n, ng)), np.zeros(ng)
+    block = max(8, BLOCK_BYTES // (n * 8 * (w + 1)) // 8 * 8)
+    block = min(block, -(-groups // 8) * 8)
+    nb = -(-groups // block)
+    words = np.zeros((nb, n, w, block), dtype=np.uint64)
+    return words, np.zeros((nb, n, block)), np.zeros((nb, block))
+
+
+def fill(
+    module: ModuleType, pieces: Sequence[SignPiece], packed: Packed, rows: tuple[int, int]
+) -> None:
+    """Pack rows [i0, i1) = `rows` of the chunk's `pieces` into `packed` (from `empty`) for
+    `sign_distances` (`_passes.sign_pack`)."""
+    words, values, sizes = packed
     g0 = 0
-    for piece, count in zip(pieces, counts, strict=True):
+    for piece in pieces:
         module.sign_pack(
             piece.signs.numpy(),
             piece.bit,
@@ -68,6 +80,13 @@ def pack(module: ModuleType, pieces: Sequence[SignPiece], n: int) -> Packed:
             values,
             sizes,
             g0,
+            *rows,
         )
-        g0 += count
-    return words, values, sizes
+        g0 += piece.scales.shape[1]
+
+
+def pack(module: ModuleType, pieces: Sequence[SignPiece], n: int) -> Packed:
+    """The groups of a chunk's `pieces`, all rows, packed for `sign_distances`."""
+    packed = empty(pieces, n)
+    fill(module, pieces, packed, (0, n))
+    return packed

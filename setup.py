@@ -26,14 +26,14 @@ setup(
         Extension(
             "zoo_gym.aggregation._orderstat",
             sources=["zoo_gym/aggregation/_orderstat.c"],
-            depends=["zoo_gym/core/_floats.h"],
+            depends=["zoo_gym/core/_bits.h", "zoo_gym/core/_floats.h"],
             extra_compile_args=["-O3", "-ffp-contract=off"],
             optional=True,
         ),
         Extension(
             "zoo_gym.aggregation._passes",
             sources=["zoo_gym/aggregation/_passes.c"],
-            depends=["zoo_gym/core/_floats.h"],
+            depends=["zoo_gym/core/_bits.h", "zoo_gym/core/_floats.h"],
             extra_compile_args=["-O3", "-ffp-contract=off"],
             optional=True,
         ),

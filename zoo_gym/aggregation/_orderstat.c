@@ -52,6 +52,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "../core/_bits.h"
 #include "../core/_floats.h"
 
 #if (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__))
@@ -785,33 +786,11 @@ static void sign_rule_group(sign_call *sc, Py_ssize_t bit, int w, const scale_or
             add_tied(sc, e[j], e[w + j], e[2 * w + j], e[3 * w + j]);
 }
 
-/* The word of bits b .. b + 63 of a row of `nbytes` packed sign bytes (most significant bit
- * first), bit j set where value b + j is negative (its sign bit clear); bits past the row
- * are set. */
+/* The word of values b .. b + 63 of a row of `nbytes` packed sign bytes, bit t set where
+ * value b + t is negative (its sign bit clear); bits past the row are set. */
 static inline uint64_t negative_word(const uint8_t *row, Py_ssize_t nbytes, Py_ssize_t b)
 {
-    const Py_ssize_t k = b >> 3;
-    const int off = (int)(b & 7);
-    uint8_t bytes[9] = {0};
-    if (k + 9 <= nbytes)
-        memcpy(bytes, row + k, 9);
-    else
-        for (Py_ssize_t i = k; i < nbytes; i++)
-            bytes[i - k] = row[i];
-    uint64_t x;
-    memcpy(&x, bytes, 8); /* little-endian: byte i at bits 8 i .. 8 i + 7 */
-    x = ((x >> 1) & 0x5555555555555555ull) | ((x & 0x5555555555555555ull) << 1);
-    x = ((x >> 2) & 0x3333333333333333ull) | ((x & 0x3333333333333333ull) << 2);
-    x = ((x >> 4) & 0x0F0F0F0F0F0F0F0Full) | ((x & 0x0F0F0F0F0F0F0F0Full) << 4);
-    x >>= off; /* bit j: value b + j, for j < 64 - off */
-    if (off) {
-        uint32_t y = bytes[8];
-        y = ((y >> 1) & 0x55u) | ((y & 0x55u) << 1);
-        y = ((y >> 2) & 0x33u) | ((y & 0x33u) << 2);
-        y = ((y >> 4) & 0x0Fu) | ((y & 0x0Fu) << 4);
-        x |= (uint64_t)y << (64 - off);
-    }
-    return ~x;
+    return ~bits_at(row, nbytes, b);
 }
 
 #ifdef ORDERSTAT_HAVE_X86

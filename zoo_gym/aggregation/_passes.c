@@ -42,6 +42,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "../core/_bits.h"
 #include "../core/_floats.h"
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
@@ -515,34 +516,6 @@ static PyObject *passes_gram(PyObject *self, PyObject *args)
 }
 
 /* ---- distances between BitDelta rows from their sign bits ------------------------------- */
-
-/* Bits b .. b + 63 of a row of `nbytes` packed bytes (most significant bit first) as a word,
- * bit t holding value b + t; zeros past the row. */
-static inline uint64_t bits_at(const uint8_t *row, Py_ssize_t nbytes, Py_ssize_t b)
-{
-    const Py_ssize_t k = b >> 3;
-    const int off = (int)(b & 7);
-    uint8_t bytes[9] = {0};
-    if (k + 9 <= nbytes)
-        memcpy(bytes, row + k, 9);
-    else
-        for (Py_ssize_t i = k; i < nbytes; i++)
-            bytes[i - k] = row[i];
-    uint64_t x;
-    memcpy(&x, bytes, 8); /* little-endian: byte i at bits 8 i .. 8 i + 7 */
-    x = ((x >> 1) & 0x5555555555555555ull) | ((x & 0x5555555555555555ull) << 1);
-    x = ((x >> 2) & 0x3333333333333333ull) | ((x & 0x3333333333333333ull) << 2);
-    x = ((x >> 4) & 0x0F0F0F0F0F0F0F0Full) | ((x & 0x0F0F0F0F0F0F0F0Full) << 4);
-    x >>= off;
-    if (off) {
-        uint32_t y = bytes[8];
-        y = ((y >> 1) & 0x55u) | ((y & 0x55u) << 1);
-        y = ((y >> 2) & 0x33u) | ((y & 0x33u) << 2);
-        y = ((y >> 4) & 0x0Fu) | ((y & 0x0Fu) << 4);
-        x |= (uint64_t)y << (64 - off);
-    }
-    return x;
-}
 
 /* Packs one piece of BitDelta columns (m values from bit `bit` of each row of signs, the first
  * being value `phase` of its group; scales (n, groups)) as groups g0 .. of the packed arrays,

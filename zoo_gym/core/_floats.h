@@ -1,5 +1,6 @@
 /* The 16-bit floating formats as float32, exactly, for the package's C extensions (included by
- * `zoo_gym/aggregation/_passes.c` and `zoo_gym/serving/_binary_gemm.c`). */
+ * `zoo_gym/aggregation/_orderstat.c`, `zoo_gym/aggregation/_passes.c` and
+ * `zoo_gym/serving/_binary_gemm.c`). */
 
 #ifndef ZOO_GYM_FLOATS_H
 #define ZOO_GYM_FLOATS_H

@@ -514,20 +514,21 @@ def _sign_distances(source: Columns, extra: Extra) -> Tensor | None:
         return None
     first = signs.sign_groups(0, min(source.d, 1))
     assert first is not None  # `_sign_source` asked
-    n, threads = source.n, torch.get_num_threads()
+    n = source.n
+    lanes = min(torch.get_num_threads(), (n + 1) // 2)
     dist, norms = np.zeros((n, n)), np.zeros(n)
-    for start, stop in spans(source.d, _sign_gram.chunk_width(n, first[0].group, source.budget)):
-        pieces = signs.sign_groups(start, stop)
-        assert pieces is not None
-        packed = _sign_gram.empty(pieces, n)
-        lanes = min(threads, (n + 1) // 2)
-        bounds = [(n * t // lanes, n * (t + 1) // lanes) for t in range(lanes)]
-        run_threaded(functools.partial(_sign_gram.fill, module, pieces, packed), bounds, lanes)
-        run_threaded(
-            functools.partial(_sign_lane, module, packed, dist, lanes), list(range(lanes)), lanes
-        )
-        if extra == "origin":
-            norms += np.einsum("bij,bj->i", np.square(packed[1]), packed[2])
+    bounds = [(n * t // lanes, n * (t + 1) // lanes) for t in range(lanes)]
+    packed: _sign_gram.Packed | None = None
+    width = _sign_gram.chunk_width(n, first[0].group, source.budget)
+    with ThreadPoolExecutor(lanes) as pool:  # one for all chunks: threads start slowly
+        for start, stop in spans(source.d, width):
+            pieces = signs.sign_groups(start, stop)
+            assert pieces is not None
+            packed = _sign_gram.empty(pieces, n, packed)
+            list(pool.map(functools.partial(_sign_gram.fill, module, pieces, packed), bounds))
+            list(pool.map(functools.partial(_sign_lane, module, packed, dist, lanes), range(lanes)))
+            if extra == "origin":
+                norms += np.einsum("bij,bj->i", np.square(packed[1]), packed[2])
     full = np.zeros((n + (extra is not None),) * 2)
     full[:n, :n] = dist + dist.T
     if extra is not None:

@@ -534,10 +534,13 @@ static void pack_piece(const Py_buffer *signs, Py_ssize_t bit, Py_ssize_t m, Py_
     for (Py_ssize_t g = 0; g < groups; g++) {
         const Py_ssize_t c0 = g * group - phase < 0 ? 0 : g * group - phase;
         const Py_ssize_t c1 = (g + 1) * group - phase > m ? m : (g + 1) * group - phase;
-        const Py_ssize_t b = (g0 + g) / block, l = (g0 + g) % block;
-        sizes[b * block + l] = (double)(c1 - c0);
-        for (Py_ssize_t i = i0; i < i1; i++) {
-            const uint8_t *row = (const uint8_t *)signs->buf + i * signs->strides[0];
+        sizes[(g0 + g) / block * block + (g0 + g) % block] = (double)(c1 - c0);
+    }
+    for (Py_ssize_t i = i0; i < i1; i++) { /* each row's bytes in order */
+        const uint8_t *row = (const uint8_t *)signs->buf + i * signs->strides[0];
+        const float *scale = (const float *)scales->buf + i * s0;
+        Py_ssize_t b = g0 / block, l = g0 % block, c0 = 0, c1 = group - phase < m ? group - phase : m;
+        for (Py_ssize_t g = 0; g < groups; g++) {
             uint64_t *out = words + ((b * n + i) * w) * block + l;
             for (Py_ssize_t v = 0; v < w; v++) {
                 const Py_ssize_t from = c0 + 64 * v, left = c1 - from;
@@ -546,8 +549,10 @@ static void pack_piece(const Py_buffer *signs, Py_ssize_t bit, Py_ssize_t m, Py_
                     x &= (1ull << left) - 1;
                 out[v * block] = x;
             }
-            values[(b * n + i) * block + l] =
-                (double)((const float *)scales->buf)[i * s0 + g * s1];
+            values[(b * n + i) * block + l] = (double)scale[g * s1];
+            c0 = c1, c1 = c1 + group < m ? c1 + group : m; /* the next group's columns */
+            if (++l == block)
+                b++, l = 0;
         }
     }
 }

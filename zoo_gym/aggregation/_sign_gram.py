@@ -30,7 +30,9 @@ from numpy.typing import NDArray
 
 from .columns import SignPiece
 
-CHUNK_BYTES = 32 << 20  # packed bytes of one chunk's groups, all rows, at most
+CHUNK_BYTES = (
+    8 << 20
+)  # packed bytes of one chunk's groups, all rows, at most (the heap reuses them)
 BLOCK_BYTES = 1 << 20  # packed bytes of one block of groups, all rows: it stays in L2
 
 # a chunk's groups in blocks: words (nb, n, w, block) uint64, scales (nb, n, block) and
@@ -48,15 +50,20 @@ def chunk_width(n: int, group: int, budget: int | None) -> int:
     return width - width % 1024 if width > 1024 else width
 
 
-def empty(pieces: Sequence[SignPiece], n: int) -> Packed:
+def empty(pieces: Sequence[SignPiece], n: int, previous: Packed | None = None) -> Packed:
     """Zeroed arrays for the groups of a chunk's `pieces` (see `fill`), in blocks of groups
     whose words and scales of all n rows take about `BLOCK_BYTES` (a multiple of 8 groups),
-    the last block padded with empty groups; w words of 64 values per group."""
+    the last block padded with empty groups; w words of 64 values per group. `previous`
+    where it has the same shape and the same padding (every other place is filled again):
+    its pages are already there."""
     groups = sum(piece.scales.shape[1] for piece in pieces)
     w = -(-max(min(p.group, p.stop - p.start) for p in pieces) // 64)
     block = max(8, BLOCK_BYTES // (n * 8 * (w + 1)) // 8 * 8)
     block = min(block, -(-groups // 8) * 8)
     nb = -(-groups // block)
+    same = previous is not None and previous[0].shape == (nb, n, w, block)
+    if previous is not None and same and not previous[2].reshape(-1)[groups:].any():
+        return previous  # no group of it past these
     words = np.zeros((nb, n, w, block), dtype=np.uint64)
     return words, np.zeros((nb, n, block)), np.zeros((nb, block))
 

@@ -18,13 +18,15 @@ static inline uint64_t bits_at(const uint8_t *row, Py_ssize_t nbytes, Py_ssize_t
     const Py_ssize_t k = b >> 3;
     const int off = (int)(b & 7);
     uint8_t bytes[9] = {0};
-    if (k + 9 <= nbytes)
-        memcpy(bytes, row + k, 9);
-    else
+    uint64_t x;
+    if (k + 9 <= nbytes) {
+        memcpy(&x, row + k, 8); /* little-endian: byte i at bits 8 i .. 8 i + 7 */
+        bytes[8] = row[k + 8];
+    } else {
         for (Py_ssize_t i = k; i < nbytes; i++)
             bytes[i - k] = row[i];
-    uint64_t x;
-    memcpy(&x, bytes, 8); /* little-endian: byte i at bits 8 i .. 8 i + 7 */
+        memcpy(&x, bytes, 8);
+    }
     x = ((x >> 1) & 0x5555555555555555ull) | ((x & 0x5555555555555555ull) << 1);
     x = ((x >> 2) & 0x3333333333333333ull) | ((x & 0x3333333333333333ull) << 2);
     x = ((x >> 4) & 0x0F0F0F0F0F0F0F0Full) | ((x & 0x0F0F0F0F0F0F0F0Full) << 4);

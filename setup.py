@@ -6,9 +6,10 @@ column chunks with sorting networks on the CPU. Both are optional: without a C c
 build goes on without them and `zoo_gym.compression.bitdelta` packs with numpy and torch, and
 `zoo_gym.aggregation._select` sorts with NumPy, instead (the same results, slower). Never build
 these two with -ffast-math: their sums must be added in torch.sum's order.
-`zoo_gym.aggregation._passes` sums rows (in float64, in order: the same bits as NumPy's path) and
+`zoo_gym.aggregation._passes` sums rows (in float64, in order: the same bits as NumPy's path),
 forms the shifted Gram products of up to 160 updates with AVX-512 (to rounding, as the GEMM
-does); without it NumPy and torch's GEMM run instead; the same flags.
+does), and the distances and sums of BitDelta rows from their sign bits; without it NumPy and
+torch's GEMM run instead on decoded values; the same flags.
 `zoo_gym.serving._binary_gemm` computes the 1-bit products of BitDelta variants with a batch's
 rows on the CPU; without it `zoo_gym.serving.binary` decodes each variant's weights in torch.
 """

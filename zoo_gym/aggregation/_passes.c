@@ -30,6 +30,14 @@
  * triangle and the 2,500 of the whole product). The result depends only on the chunk and
  * its column blocks, not on threads or timing.
  *
+ * For BitDelta rows (a value is +scale where its sign bit is set, else -scale; see
+ * `zoo_gym.aggregation._sign_gram`) three functions read the packed sign bits and the group
+ * scales without decoding a value: `sign_pack` lays a chunk's groups out as 64-bit words in
+ * blocks that stay in L2, `sign_distances` adds each pair's squared distance, the sum over the
+ * groups of size (a - b)^2 + 4 a b h (h: the popcount of the XOR of the two rows' bits), and
+ * `sign_sum` sums chosen rows (each +-scale added, exact in float64 for float16 scales, or one
+ * fused multiply-add per row).
+ *
  * Compile without -ffast-math and with -ffp-contract=off: the float64 sums must be added in
  * the order stated above.
  */

@@ -513,7 +513,7 @@ def _sign_distances(source: Columns, extra: Extra) -> Tensor | None:
     if module is None or signs is None:
         return None
     first = signs.sign_groups(0, min(source.d, 1))
-    assert first is not None  # `_sign_source` asked
+    assert first is not None  # `_sign_source` asked the same
     n = source.n
     lanes = min(torch.get_num_threads(), (n + 1) // 2)
     dist, norms = np.zeros((n, n)), np.zeros(n)
@@ -647,7 +647,7 @@ def _rows_pass(source: Columns, plan: _Pass, distances: bool) -> Tensor | None:
     row, each range's distances summed apart and the ranges added in order: the result
     does not depend on which thread ran what. A tensor without a budget is read as views of
     4 x `_SUM_WIDTH` columns; a source with one in chunks of its budget shared among the
-    threads.
+    threads. A sum alone over BitDelta payloads is formed from their sign bits (`_sign_sum`).
     """
     n, d, device = source.n, source.d, source.device
     if not distances and _sign_sum(source, plan):
@@ -705,11 +705,9 @@ def _sign_sum(source: Columns, plan: _Pass) -> bool:
         assert pieces is not None
         acc = np.empty(span[1] - span[0], dtype=np.float64)
         for p in pieces:
-            m = p.stop - p.start
-            module.sign_sum(
-                p.signs.numpy(), p.bit, m, p.phase, p.group, p.scales.numpy(), rows, w,
-                acc[p.start : p.stop],
-            )  # fmt: skip
+            signs_of, scales_of = p.signs.numpy(), p.scales.numpy()
+            m, part = p.stop - p.start, acc[p.start : p.stop]
+            module.sign_sum(signs_of, p.bit, m, p.phase, p.group, scales_of, rows, w, part)
         if w is None:
             acc *= next(iter(weights))
         out[span[0] : span[1]] = torch.from_numpy(acc)

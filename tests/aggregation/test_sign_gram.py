@@ -55,7 +55,8 @@ def test_distances_from_signs_equal_those_of_the_values(n: int, group: int, vect
     x = payloads.columns(0, payloads.d).double().numpy()
     pieces = payloads.sign_groups(0, payloads.d)
     assert pieces is not None
-    words, values, sizes = _sign_gram.pack(_PASSES, pieces, n)
+    words, values, sizes = packed = _sign_gram.empty(pieces, n)
+    _sign_gram.fill(_PASSES, pieces, packed, (0, n))
     assert sizes.sum() == payloads.d
     dist = np.zeros((n, n))
     _PASSES.sign_distances(words, values, sizes, dist, 0, 1, vector)
@@ -110,6 +111,7 @@ def test_squared_distances_from_payloads(extra: str | None) -> None:
 def test_rules_from_payloads_choose_as_on_the_tensor(rule: str) -> None:
     # centered clipping from the origin: the origin's distances come from the signs too
     payloads = source(blobs(15, 32, seed=7, common=2.0), budget=4000)
+    assert _core._sign_source(payloads) is not None  # the rules read the sign bits
     x = payloads.columns(0, payloads.d)
     params: dict[str, float] = {"f": 2}
     if rule == "centered_clipping":
@@ -162,6 +164,7 @@ def test_mean_of_rows_from_payloads_keeps_the_bits() -> None:
         [encode({"w": v}, spec) for v in values], layout, max_elements=MAX, budget=10**6
     )
     x = payloads.columns(0, 16)
+    assert _core._sign_source(payloads) is not None  # the sums come from the sign bits
     for rows in ([0], [2, 0], [0, 1, 2]):
         got = _core.mean_of_rows(payloads, rows)
         _signs.use_sign_structure(False)

@@ -1104,10 +1104,18 @@ static Py_ssize_t key_groups(Py_ssize_t n, Py_ssize_t groups)
     return groups < most ? groups : most;
 }
 
-/* Bytes of `sign_groups`'s buffers for n rows, groups of up to w columns and `groups` groups. */
+/* Where `sign_groups`'s sort keys start in its buffer: after the scale order (40 n bytes) and
+ * the portable kernel's work (44 w, then 8 w + n w), at a multiple of 8. */
+static Py_ssize_t keys_offset(Py_ssize_t n, Py_ssize_t w)
+{
+    return (40 * n + (44 * w + 7) / 8 * 8 + w * (8 + n) + 7) / 8 * 8;
+}
+
+/* Bytes of `sign_groups`'s buffers for n rows, groups of up to w columns and `groups` groups:
+ * then the keys and the AVX-512 kernel's C of each place (32 n int16). */
 static Py_ssize_t sign_block_size(Py_ssize_t n, Py_ssize_t w, Py_ssize_t groups)
 {
-    return 40 * n + (44 * w + 7) / 8 * 8 + w * (8 + n) + 2 * n * key_groups(n, groups) + 64 * n;
+    return keys_offset(n, w) + 2 * n * key_groups(n, groups) + 64 * n;
 }
 
 /* Every group of a sign_rule call; 0, or -1 if a scale is not a float16 value. */
@@ -1129,7 +1137,7 @@ static int sign_groups(sign_call *sc, const Py_buffer *scales, Py_ssize_t bit, P
     sw.cuts = (uint32_t *)(sw.tied + w);
     sw.kept = (double *)(block + 40 * (Py_ssize_t)n + (44 * w + 7) / 8 * 8);
     sw.signs = (uint8_t *)(sw.kept + w);
-    uint16_t *keys = (uint16_t *)(sw.signs + n * w);
+    uint16_t *keys = (uint16_t *)(block + keys_offset(n, w));
     sc->c_table = (int16_t *)(keys + n * key_groups(n, groups)); /* 32 n */
     const Py_ssize_t batch = key_groups(n, groups);
     for (Py_ssize_t g = 0; g < groups; g++) {

@@ -530,8 +530,8 @@ static PyObject *passes_gram(PyObject *self, PyObject *args)
  * in blocks of `block` groups: group g in block b = g / block at place l = g % block, with
  * words (nb, n, w, block) uint64, bit t of word v holding value 64 v + t of the group;
  * values (nb, n, block) float64, the scales; sizes (nb, block) float64, the values of each
- * group here (rows i0 .. i1 - 1 only). A block's words and scales of each row are
- * contiguous, the rows one after the other. */
+ * group here (rows i0 .. i1 - 1 only; the sizes where i0 is 0). A block's words and scales
+ * of each row are contiguous, the rows one after the other. */
 static void pack_piece(const Py_buffer *signs, Py_ssize_t bit, Py_ssize_t m, Py_ssize_t phase,
                        Py_ssize_t group, const Py_buffer *scales, uint64_t *words,
                        double *values, double *sizes, Py_ssize_t w, Py_ssize_t block,
@@ -539,10 +539,10 @@ static void pack_piece(const Py_buffer *signs, Py_ssize_t bit, Py_ssize_t m, Py_
 {
     const Py_ssize_t n = signs->shape[0], nbytes = signs->shape[1], groups = scales->shape[1];
     const Py_ssize_t s0 = scales->strides[0] / 4, s1 = scales->strides[1] / 4;
-    for (Py_ssize_t g = 0; g < groups; g++) {
+    for (Py_ssize_t g = 0; g < groups && i0 == 0; g++) { /* by the first rows' caller only */
         const Py_ssize_t c0 = g * group - phase < 0 ? 0 : g * group - phase;
         const Py_ssize_t c1 = (g + 1) * group - phase > m ? m : (g + 1) * group - phase;
-        sizes[(g0 + g) / block * block + (g0 + g) % block] = (double)(c1 - c0);
+        sizes[g0 + g] = (double)(c1 - c0);
     }
     for (Py_ssize_t i = i0; i < i1; i++) { /* each row's bytes in order */
         const uint8_t *row = (const uint8_t *)signs->buf + i * signs->strides[0];
@@ -621,9 +621,7 @@ POPCOUNT512 static void pair_distances4(const uint64_t *pi, const uint64_t *pk, 
     for (int kk = 0; kk < 4; kk++)
         out[kk] = _mm512_reduce_add_pd(same[kk]) + 4.0 * _mm512_reduce_add_pd(differ[kk]);
 }
-#endif
 
-#ifdef PASSES_HAVE_X86
 /* The same sums for rows i and i' (pi, pj; si, sj) against rows k .. k + 3: out[0][kk] for
  * row i, out[1][kk] for row i'. Each row k's words are read once for both. */
 POPCOUNT512 static void pair_distances8(const uint64_t *pi, const uint64_t *pj,
@@ -669,27 +667,28 @@ POPCOUNT512 static void pair_distances8(const uint64_t *pi, const uint64_t *pj,
 }
 #endif
 
-/* A block's dist[i, k] for k0 <= k < i (row i's words pi, scales si). */
+/* A block's dist[i, k] for k from k on, k < i (the block's words, scales and sizes; `block`
+ * groups a row). */
 static void row_pairs(const uint64_t *words, const double *values, const double *sizes,
-                      Py_ssize_t n, Py_ssize_t w, Py_ssize_t ng, Py_ssize_t g0, Py_ssize_t count,
-                      double *dist, Py_ssize_t i, Py_ssize_t k, int vector)
+                      Py_ssize_t n, Py_ssize_t w, Py_ssize_t block, double *dist, Py_ssize_t i,
+                      Py_ssize_t k, int vector)
 {
-    const uint64_t *pi = words + i * w * ng + g0;
-    const double *si = values + i * ng + g0;
+    const uint64_t *pi = words + i * w * block;
+    const double *si = values + i * block;
 #ifdef PASSES_HAVE_X86
     if (vector) {
         for (; k + 4 <= i; k += 4) {
             double d[4];
-            pair_distances4(pi, words + k * w * ng + g0, si, values + k * ng + g0, sizes + g0, w,
-                            ng, count, d);
+            pair_distances4(pi, words + k * w * block, si, values + k * block, sizes, w, block,
+                            block, d);
             for (int kk = 0; kk < 4; kk++)
                 dist[i * n + k + kk] += d[kk];
         }
     }
 #endif
     for (; k < i; k++)
-        dist[i * n + k] += pair_distance(pi, words + k * w * ng + g0, si, values + k * ng + g0,
-                                         sizes + g0, w, ng, count);
+        dist[i * n + k] += pair_distance(pi, words + k * w * block, si, values + k * block,
+                                         sizes, w, block, block);
 }
 
 /* dist[i, k] += the distance of rows i and k (k < i) over the packed groups (nb blocks of
@@ -722,9 +721,9 @@ static void sign_pairs(const uint64_t *words, const double *values, const double
                 }
             }
 #endif
-            row_pairs(wb, vb, sb, n, w, block, 0, block, dist, i, k, vector);
+            row_pairs(wb, vb, sb, n, w, block, dist, i, k, vector);
             if (j < n)
-                row_pairs(wb, vb, sb, n, w, block, 0, block, dist, j, k, vector);
+                row_pairs(wb, vb, sb, n, w, block, dist, j, k, vector);
         }
     }
 }

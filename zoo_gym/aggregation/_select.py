@@ -429,7 +429,9 @@ def _sign_rule(
     trimmed_at_cuts(x, f, cuts, kept, scratch, out)
 
 
-_TIE_PAD = 64  # bytes after each row of tie codes
+# bytes after each row of tie codes: the AVX-512 kernel writes up to 32 past a span's last,
+# and rows a multiple of 4 KiB apart would share the cache's sets
+_TIE_PAD = 64
 
 
 def _sign_chunk(
@@ -446,8 +448,6 @@ def _sign_chunk(
     `(c,)`, counts and tie shares to the scratch's, as the sorting kernel adds them."""
     n, width = scratch.tally.shape
     if scratch.ties.shape != (n, width + _TIE_PAD):
-        # rows a multiple of 4 KiB apart would share the cache's sets as the kernel writes
-        # each row's codes in turn
         scratch.ties = np.empty((n, width + _TIE_PAD), dtype=np.uint8)
     row, table = np.empty(width, dtype=np.float64), np.empty(4 * width, dtype=np.float64)
     for a, b in spans(c, width):

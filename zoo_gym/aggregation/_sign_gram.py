@@ -12,9 +12,9 @@ much the updates share, and no shift is needed (the float Gram path shifts by a 
 that). h is the popcount of the XOR of the two rows' sign bits. The compiled kernels
 (`_passes.sign_pack`, `_passes.sign_distances`) pack each chunk's groups into 64-bit words
 and then add every pair's sum, 8 groups per AVX-512 step (VPOPCNTDQ) where the CPU has it,
-a group at a time otherwise. Per pair and group it is a few operations on 128 bits, against
-the 128 multiply-adds of the float Gram product: the work is n^2 d / 256 operations rather
-than n^2 d / 2.
+a group at a time otherwise. With groups of 128 that is n^2 d / 256 pairs of groups of a few
+operations each (a popcount of 128 bits, a few float64 operations), against the n^2 d / 2
+multiply-adds of the float Gram product.
 
 With float16 scales every term is exact in float64 (a, b, their difference and products are
 multiples of 2^-48 below 2^42); the sums over groups round as any float64 sum does.
@@ -30,9 +30,8 @@ from numpy.typing import NDArray
 
 from .columns import SignPiece
 
-CHUNK_BYTES = (
-    8 << 20
-)  # packed bytes of one chunk's groups, all rows, at most (the heap reuses them)
+# packed bytes of one chunk's groups, all rows, at most (the heap reuses blocks this size)
+CHUNK_BYTES = 8 << 20
 BLOCK_BYTES = 1 << 20  # packed bytes of one block of groups, all rows: it stays in L2
 
 # a chunk's groups in blocks: words (nb, n, w, block) uint64, scales (nb, n, block) and
@@ -61,9 +60,12 @@ def empty(pieces: Sequence[SignPiece], n: int, previous: Packed | None = None) -
     block = max(8, BLOCK_BYTES // (n * 8 * (w + 1)) // 8 * 8)
     block = min(block, -(-groups // 8) * 8)
     nb = -(-groups // block)
-    same = previous is not None and previous[0].shape == (nb, n, w, block)
-    if previous is not None and same and not previous[2].reshape(-1)[groups:].any():
-        return previous  # no group of it past these
+    if (
+        previous is not None
+        and previous[0].shape == (nb, n, w, block)
+        and not previous[2].reshape(-1)[groups:].any()  # no group of it past these
+    ):
+        return previous
     words = np.zeros((nb, n, w, block), dtype=np.uint64)
     return words, np.zeros((nb, n, block)), np.zeros((nb, block))
 
@@ -90,10 +92,3 @@ def fill(
             *rows,
         )
         g0 += piece.scales.shape[1]
-
-
-def pack(module: ModuleType, pieces: Sequence[SignPiece], n: int) -> Packed:
-    """The groups of a chunk's `pieces`, all rows, packed for `sign_distances`."""
-    packed = empty(pieces, n)
-    fill(module, pieces, packed, (0, n))
-    return packed

@@ -21,9 +21,10 @@ decoding the chunk: the cut values, the kept sums, each row's count (its positio
 or outside the window) and, in the columns where a run of equal values crosses a cut, each
 row's share as a code into the column's four possible shares, summed per row in
 torch.sum's order (`tie_rows`), as the sorting kernel sums them. With AVX-512 it takes 32
-columns at a time, each row's signs of them one mask (`use_sign_kernel` picks a kernel). Without it, `cut_values` reads the four cut values of each column
-off the positions in NumPy (a cumulative sum and a few elementwise passes) and the NumPy
-tie logic of `_select` runs on the decoded chunk with them, as after a sort.
+columns at a time, each row's signs of them one mask (`use_sign_kernel` picks a kernel).
+Without it, `cut_values` reads the four cut values of each column off the positions in
+NumPy (a cumulative sum and a few elementwise passes) and the NumPy tie logic of `_select`
+runs on the decoded chunk with them, as after a sort.
 
 Only sources whose scales are float16 take this path (`usable`): their values, and any
 sum of at most `MAX_ROWS` of them, are exact in float64 in any order, so a trimmed mean's

@@ -59,7 +59,7 @@
 #define AVX512 __attribute__((target("avx512f,avx512dq,avx512bw,avx512vl,fma")))
 #endif
 
-#define SUM_BLOCK 512      /* columns of a block of float64 sums (4 KiB) */
+#define SUM_BLOCK 256      /* columns of a block of float64 sums (2 KiB) */
 #define GRAM_BLOCK 1024     /* columns of the shifted scratch, at most */
 #define GRAM_SCRATCH (1 << 20) /* bytes of the shifted scratch, at most (it stays in L2) */
 #define LINE 64

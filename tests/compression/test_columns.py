@@ -88,6 +88,29 @@ def test_payloads_of_different_group_sizes_decode_one_by_one() -> None:
     assert torch.equal(source.columns(3, 101), decoded(mixed, layout)[:, 3:101])
 
 
+@pytest.mark.parametrize(
+    ("specs", "offered"),
+    [
+        ([CodecSpec("bitdelta", 16)], True),
+        ([CodecSpec("bitdelta", 16, "row")], True),
+        ([CodecSpec("bitdelta", 16, "group", "float32")], False),
+        ([CodecSpec("bitdelta", 16, "group", "bfloat16")], False),
+        ([CodecSpec("bitdelta", 16), CodecSpec("bitdelta", 8)], False),
+        ([CodecSpec("fp16", 16)], False),
+    ],
+    ids=["float16", "rows", "float32", "bfloat16", "two-groups", "fp16"],
+)
+def test_whether_payloads_offer_sign_groups_is_known_from_their_headers(
+    specs: list[CodecSpec], offered: bool
+) -> None:
+    blobs = [blob for i, spec in enumerate(specs) for blob in payloads(2, spec, seed=i)[0]]
+    layout = payloads(1, specs[0])[1]
+    headers = [PayloadColumns.check(blob, layout, MAX) for blob in blobs]
+    source = PayloadColumns(blobs, layout, max_elements=MAX, budget=1000, headers=headers)
+    assert PayloadColumns.offers_sign_groups(headers) is offered
+    assert (source.sign_groups(0, 5) is not None) is offered
+
+
 # 4000 bytes: chunks of a few columns; 1 MiB: multi-pass rules decode everything once
 @pytest.mark.parametrize("budget", [4000, 1 << 20])
 @pytest.mark.parametrize("rule", sorted(RULES))

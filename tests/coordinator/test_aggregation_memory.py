@@ -1,12 +1,15 @@
 """`aggregation_memory`: a round whose decoded updates do not fit aggregates from the payloads.
 
 The same round (same clients, data and seeds) runs twice: with the default budget (2 GiB: the
-tiny model's updates are decoded into one (n, d) buffer) and with 64 KiB, less than the
-three copies of the (n, d) float32 updates the in-memory path needs, so the rule reads
-column chunks decoded from the compressed payloads (`PayloadColumns`), and so does scoring
-(each row decoded on its own for `individual`, coalitions as views for `leave_one_out`,
-chunks for `first_order`). The published weights, every decision and every reward recorded
-in the ledger must be the same.
+tiny model's updates are decoded into one (n, d) buffer, the sign-bit paths being off there)
+and with 64 KiB, less than the three copies of the (n, d) float32 updates the in-memory path
+needs, so the rule reads column chunks of the compressed payloads (`PayloadColumns`, their
+sign bits), and so does scoring (each row decoded on its own for `individual`, coalitions as
+views for `leave_one_out`, chunks for `first_order`). The published weights, every decision
+and every reward recorded in the ledger must be the same.
+
+With the sign-bit paths on (the default), a BitDelta round takes the payload path on the CPU
+whatever the budget: the rules read the sign bits faster than the updates decode.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import torch
 from sqlmodel import Session
 
 from zoo_gym import ledger
+from zoo_gym.aggregation import _signs
 from zoo_gym.core.synthetic import make_examples
 from zoo_gym.core.weights import load_weights
 from zoo_gym.simulation.inprocess import InProcessFederation
@@ -81,8 +85,14 @@ def test_a_round_over_the_budget_publishes_and_pays_what_the_in_memory_round_doe
     shutil.copytree(tiny_home, other)
     caplog.set_level(logging.INFO, logger="zoo_gym.core.phases")
 
-    # Execute
-    in_memory, decided, paid = one_round(tiny_home, rule, f, None, scoring)
+    # Execute: the first round decodes in memory (the sign-bit paths off), the second reads
+    # the payloads
+    previous = _signs.use_sign_structure(False)
+    try:
+        in_memory, decided, paid = one_round(tiny_home, rule, f, None, scoring)
+    finally:
+        _signs.use_sign_structure(previous)
+    decoded = [r.getMessage() for r in caplog.records]
     streamed, decided_streamed, paid_streamed = one_round(other, rule, f, SMALL, scoring)
 
     # Assert: same decisions, same rewards, same published weights
@@ -95,4 +105,22 @@ def test_a_round_over_the_budget_publishes_and_pays_what_the_in_memory_round_doe
     assert set(in_memory) == set(streamed)
     for name, tensor in in_memory.items():
         torch.testing.assert_close(streamed[name], tensor, rtol=1e-5, atol=1e-7, msg=name)
-    assert any("payload columns" in r.getMessage() for r in caplog.records)
+    assert any("decoded in memory" in m for m in decoded)
+    assert not any("payload columns" in m for m in decoded)
+    assert any("payload columns" in r.getMessage() for r in caplog.records[len(decoded) :])
+
+
+def test_a_bitdelta_round_within_the_budget_reads_the_payloads_sign_bits(
+    tiny_home: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Prepare
+    caplog.set_level(logging.INFO, logger="zoo_gym.core.phases")
+
+    # Execute: the default budget, which three decoded copies of the round fit
+    _, decided, paid = one_round(tiny_home, "multikrum", 1, None, "individual")
+
+    # Assert: the payload path, and a round decided and paid in full
+    messages = [r.getMessage() for r in caplog.records]
+    assert any("payload columns" in m for m in messages)
+    assert not any("decoded in memory" in m for m in messages)
+    assert len(decided) == 6 and len(paid) == 6

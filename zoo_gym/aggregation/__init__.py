@@ -22,7 +22,7 @@ its column ranges among `torch.get_num_threads()` threads, each running single-t
 kernels (no per-kernel barrier of all threads, which stalls a busy machine).
 """
 
-from ._core import Aggregate, Decision
+from ._core import Aggregate, Decision, reads_sign_bits
 from .bulyan import bulyan
 from .centered_clipping import centered_clipping
 from .clipping import clip_updates
@@ -53,5 +53,6 @@ __all__ = [
     "median",
     "min_clients",
     "nnm",
+    "reads_sign_bits",
     "trimmed_mean",
 ]

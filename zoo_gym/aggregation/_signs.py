@@ -51,6 +51,11 @@ _ENABLED = [True]
 _KERNEL: list[str | None] = [None]  # the compiled kernel's default: the fastest the CPU runs
 
 
+def is_enabled() -> bool:
+    """Whether the sign-bit paths are on (`use_sign_structure`)."""
+    return _ENABLED[0]
+
+
 def use_sign_structure(enabled: bool) -> bool:
     """Select order statistics of BitDelta sources from their sign bits when `enabled`,
     by sorting the decoded values otherwise; both give the same bits. Returns the

@@ -131,6 +131,15 @@ class PayloadColumns:
                 codecs.check_padding(data, section.spec.numel, section.spec.name)
         return header
 
+    @staticmethod
+    def offers_sign_groups(headers: Sequence[EnvelopeHeader]) -> bool:
+        """Whether a source over payloads of these headers (checked by `check`) offers
+        `sign_groups`: every tensor BitDelta with float16 scales and one group size in all."""
+        if not headers:
+            return False
+        tensors = [_sign_tensor(headers, t) for t in range(len(headers[0].sections))]
+        return all(t is not None and t.scale_dtype == torch.float16 for t in tensors)
+
     @property
     def n(self) -> int:
         return len(self.payloads)

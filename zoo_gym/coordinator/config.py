@@ -206,7 +206,8 @@ class CoordinatorConfig(HomeConfig):
         ge=1 << 16,
         description="bytes the decoded updates may take while a round is aggregated, in bytes "
         'or with a unit ("2GiB"); when n x d float32 values need more, the payloads stay '
-        "compressed and every rule reads column chunks of all n updates within this budget",
+        "compressed and every rule reads column chunks of all n updates within this budget "
+        "(BitDelta payloads with float16 scales stay compressed on the CPU whatever their size)",
     )
     # -- admission and intake (who may take part; what a submission must satisfy) --
     max_upload_bytes: int = Field(64 << 20, ge=1024)

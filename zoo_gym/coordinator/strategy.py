@@ -11,7 +11,10 @@ decoded `(n, d)` float32 updates fit in a third of it (a rule over a tensor may 
 working copies of it: sorted values, a Gram pass), the envelopes are decoded straight into one
 preallocated buffer; when they do not, the payloads stay compressed in memory and the rule
 reads column chunks of all n updates decoded at a time (`PayloadColumns`, chunks within
-that budget), so n x d never has to fit.
+that budget), so n x d never has to fit. BitDelta payloads with float16 scales (the
+contributors' default) stay compressed on the CPU whatever their size: the rules read their
+sign bits and scales without decoding a value (`zoo_gym.aggregation.reads_sign_bits`), faster
+than decoding them first.
 
 Decoding and aggregation run on the coordinator's `device` ("auto": the first CUDA device when
 PyTorch sees one, else the CPU). On CUDA the envelopes are decoded (and, for fused FedAvg,
@@ -38,10 +41,23 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg
 
 from zoo_gym import ledger
-from zoo_gym.aggregation import WEIGHTED_RULES, Aggregate, Decision, aggregate, min_clients
+from zoo_gym.aggregation import (
+    WEIGHTED_RULES,
+    Aggregate,
+    Decision,
+    aggregate,
+    min_clients,
+    reads_sign_bits,
+)
 from zoo_gym.aggregation.columns import Columns
 from zoo_gym.aggregation.fedavg import fedavg_decisions
-from zoo_gym.compression import EnvelopeError, EnvelopeHeader, decode_accumulate, decode_into
+from zoo_gym.compression import (
+    EnvelopeError,
+    EnvelopeHeader,
+    decode_accumulate,
+    decode_into,
+    kernels,
+)
 from zoo_gym.compression.columns import PayloadColumns
 from zoo_gym.coordinator.backend import CoordinatorBackend
 from zoo_gym.coordinator.config import DEFAULT_AGGREGATION_MEMORY
@@ -205,9 +221,7 @@ class ZooStrategy(FedAvg):
                     "round %d: %d updates averaged in one fused pass", server_round, len(accepted)
                 )
                 return fused
-        # the updates as the rule reads them: decoded into one (n, d) buffer when three of
-        # those fit in `memory`, else column chunks of the compressed payloads
-        in_memory = 3 * len(accepted) * numel(layout) * 4 <= self.memory
+        in_memory = self._decodes_in_memory(accepted, layout)
         how = "decoded in memory" if in_memory else "payload columns"
         with phase("decode", f"round {server_round}, {len(accepted)} updates, {how}"):
             decode = self._decoded_in_memory if in_memory else self._payload_columns
@@ -232,6 +246,27 @@ class ZooStrategy(FedAvg):
             return self._robust(
                 updates, rows, layout, received=len(replies), accepted=len(accepted)
             )
+
+    def _decodes_in_memory(self, accepted: list[Message], layout: Layout) -> bool:
+        """Whether the rule reads the accepted updates decoded into one `(n, d)` buffer (else
+        column chunks of their compressed payloads): where three decoded copies fit in
+        `memory`, unless the rule would read them from their sign bits instead (every payload
+        BitDelta with float16 scales, on the CPU where the Triton kernels do not decode, no
+        pre-aggregation: `reads_sign_bits`)."""
+        d = numel(layout)
+        if 3 * len(accepted) * d * 4 > self.memory:
+            return False
+        cpu = self.device.type == "cpu" and not kernels.active_for(self.device)
+        if not cpu or self.pre is not None or not reads_sign_bits(len(accepted)):
+            return True
+        headers = []
+        for reply in accepted:
+            data = self.backend.payload_path(_intake(reply).payload_sha256).read_bytes()
+            try:
+                headers.append(PayloadColumns.check(data, layout, d))
+            except EnvelopeError:
+                continue  # the payload path refuses it, with the reason
+        return not PayloadColumns.offers_sign_groups(headers)
 
     def _payload_columns(
         self, accepted: list[Message], layout: Layout

@@ -278,3 +278,80 @@ def test_use_compiled_returns_the_previous_setting() -> None:
     assert _select.use_compiled(False) is available
     assert _select.use_compiled(True) is False
     assert _select.use_compiled(True) is available
+
+
+def _closest(
+    x: NDArray[Any], beta: int, kernel: str | None = None
+) -> tuple[NDArray[np.float32], NDArray[np.float64], int]:
+    """Bulyan's second step by the compiled kernel: means, per-row numbers, tied columns."""
+    assert _orderstat is not None
+    n, c = x.shape
+    out = np.full(c, np.nan, dtype=np.float32)
+    counts, shares = np.zeros(n, dtype=np.int64), np.zeros(n, dtype=np.float64)
+    network = _orderstat.network(n, 0, n - 1)
+    tied = _orderstat.closest(x, beta, network, out, counts, shares, _work(x), kernel)
+    return out, counts + (shares if tied > 0 else 0.0), tied
+
+
+@compiled
+@settings(max_examples=150, deadline=None)
+@given(
+    theta=st.integers(1, 60),
+    c=st.integers(1, 45),
+    beta_share=st.floats(0.0, 1.0),
+    float64=st.booleans(),
+    ties=st.sampled_from([0.0, 0.2, 0.9]),
+    special=st.sampled_from([0.0, 0.1, 0.6]),
+    spread=st.sampled_from([0.0, 2.0, 30.0]),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_bulyans_closest_values_equal_the_numpy_twin_bit_for_bit(
+    theta: int,
+    c: int,
+    beta_share: float,
+    float64: bool,
+    ties: float,
+    special: float,
+    spread: float,
+    seed: int,
+) -> None:
+    beta = 1 + int(beta_share * (theta - 1))
+    x = _matrix(np.random.default_rng(seed), theta, c, ties, special, spread)
+    data = x if float64 else x.astype(np.float32)
+    v = data.astype(np.float64)
+    np_mean, np_used = _select.np_closest_to_median(v, beta)
+    # the torch twin (other devices) sums each column in an order of its own: its means are
+    # not compared here (over 30 decades an order of the sum is a different number)
+    _, t_used = _select.closest_to_median(torch.from_numpy(v), beta)
+    for kernel in KERNELS:
+        out, used, _ = _closest(data, beta, kernel)
+        assert np.array_equal(_raw(out), _raw(np_mean)), kernel
+        # the tie shares are added in another order than the twins add them
+        np.testing.assert_allclose(used, np_used, rtol=1e-12, atol=1e-9)
+        np.testing.assert_allclose(used, t_used.numpy(), rtol=1e-12, atol=1e-9)
+
+
+@compiled
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_bulyans_closest_values_by_hand_ties_shared_and_a_nan_left_to_numpy(kernel: str) -> None:
+    # column 0: 0, 2, 3, 4, 5 -> median 3, distances 3, 1, 0, 1, 2; beta = 2 keeps 3 and shares
+    # the last place between the tied 2 and 4: (3 + 2 / 2 + 4 / 2) / 2 = 3; column 1: 1, 9, 2,
+    # 3, 8 -> median 3, distances 2, 6, 1, 0, 5: 3 and 2 -> 2.5; column 2: -0.0 everywhere:
+    # +0.0
+    x = np.array([[0, 1, -0.0], [2, 9, -0.0], [3, 2, -0.0], [4, 3, -0.0], [5, 8, -0.0]])
+    out, used, tied = _closest(x.astype(np.float32), 2, kernel)
+    assert tied == 2  # columns 0 and 2
+    assert out.tolist() == [3.0, 2.5, 0.0] and _raw(out)[2] == 0  # +0.0
+    # rows: column 0 gives 0, 0.5, 1, 0.5, 0; column 1 gives 0, 0, 1, 1, 0; column 2 (five
+    # equal values, two places) 0.4 each
+    np.testing.assert_allclose(used, [0.4, 0.9, 2.4, 1.9, 0.4], rtol=1e-15)
+    x32 = x.astype(np.float32)
+    x32[1, 1] = np.nan
+    out, used, tied = _closest(x32, 2, kernel)
+    assert tied == -1 and used.tolist() == [0] * 5  # counts untouched
+    mean, share = _select.np_closest_to_median(x32.astype(np.float64), 2)
+    closest = _select.Closest.of(5, 3)  # the NumPy twin takes the span
+    assert closest is not None
+    closest.span(x32, 2, out)
+    assert np.array_equal(_raw(out), _raw(mean))
+    assert closest.used().tolist() == share.tolist()

@@ -48,6 +48,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
+#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -81,7 +82,7 @@ VECTORS(16) /* portable: SSE2, NEON, ... */
 VECTORS(32) /* AVX2 */
 VECTORS(64) /* AVX-512 */
 
-enum { MEDIAN = 0, TRIMMED = 1 };
+enum { MEDIAN = 0, TRIMMED = 1, CLOSEST = 2 };
 
 /* A kernel runs one rule over a chunk: see `chunk` in the template below. */
 typedef Py_ssize_t (*kernel_fn)(const char *x, Py_ssize_t stride, int n, Py_ssize_t c, int f,
@@ -94,6 +95,7 @@ typedef Py_ssize_t (*kernel_fn)(const char *x, Py_ssize_t stride, int n, Py_ssiz
 typedef struct {
     double first, last, s_first, s_last;
     Py_ssize_t col;
+    double med; /* Bulyan: the column's median, from which the distances are taken */
 } tied_column;
 
 /* The additions of PyTorch's `multi_row_sum` cascade: a level step of 2^power quads. */
@@ -248,16 +250,20 @@ static double torch_sum(const double *x, Py_ssize_t k)
 
 typedef struct {
     const char *name;
-    kernel_fn fns[2][2]; /* [dtype: float32, float64][rule: median, trimmed] */
+    kernel_fn fns[2][3]; /* [dtype: float32, float64][rule: median, trimmed, closest] */
 } kernel_set;
 
 static const kernel_set kernel_sets[] = {
     {"portable",
-     {{median_f32_portable, trimmed_f32_portable}, {median_f64_portable, trimmed_f64_portable}}},
+     {{median_f32_portable, trimmed_f32_portable, closest_f32_portable},
+      {median_f64_portable, trimmed_f64_portable, closest_f64_portable}}},
 #ifdef ORDERSTAT_HAVE_X86
-    {"avx2", {{median_f32_avx2, trimmed_f32_avx2}, {median_f64_avx2, trimmed_f64_avx2}}},
+    {"avx2",
+     {{median_f32_avx2, trimmed_f32_avx2, closest_f32_avx2},
+      {median_f64_avx2, trimmed_f64_avx2, closest_f64_avx2}}},
     {"avx512",
-     {{median_f32_avx512, trimmed_f32_avx512}, {median_f64_avx512, trimmed_f64_avx512}}},
+     {{median_f32_avx512, trimmed_f32_avx512, closest_f32_avx512},
+      {median_f64_avx512, trimmed_f64_avx512, closest_f64_avx512}}},
 #endif
 };
 #define N_KERNELS ((int)(sizeof(kernel_sets) / sizeof(kernel_sets[0])))
@@ -387,6 +393,10 @@ static int check_args(const Py_buffer *x, Py_ssize_t f, const Py_buffer *pairs,
                      n, f);
         return -1;
     }
+    if (rule == CLOSEST && (f < 1 || f > n)) {
+        PyErr_Format(PyExc_ValueError, "n = %zd rows and beta = %zd: need 1 <= beta <= n", n, f);
+        return -1;
+    }
     const int32_t *p = (const int32_t *)pairs->buf;
     for (Py_ssize_t k = 0; k < pairs->len / 4; k++) {
         if (p[k] < 0 || p[k] >= n || (k % 2 == 1 && p[k - 1] >= p[k])) {
@@ -402,13 +412,14 @@ static int check_args(const Py_buffer *x, Py_ssize_t f, const Py_buffer *pairs,
 }
 
 /* Bytes of the work buffer a kernel needs for n rows and c columns: the tile, its unsorted
- * copy and the per-lane counts (n vectors each), the tied columns and a row of their shares
- * (c each), and room to align the start to 64 bytes. The caller keeps one per thread: a
+ * copy (n vectors each) and the per-lane counts (up to 2n vectors: `closest` counts in
+ * float64-wide lanes), the tied columns and a row of their shares (c each), and room to align
+ * the start to 64 bytes. The caller keeps one per thread: a
  * kernel allocates nothing (blocks freed from several threads would raise glibc's mmap
  * threshold, and the heap would then keep the decoded chunks' memory). */
 static Py_ssize_t work_size(Py_ssize_t n, Py_ssize_t c)
 {
-    return (3 * n + 1) * LANE_BYTES + c * (Py_ssize_t)(sizeof(tied_column) + sizeof(double));
+    return (4 * n + 1) * LANE_BYTES + c * (Py_ssize_t)(sizeof(tied_column) + sizeof(double));
 }
 
 static int check_work(const Py_buffer *work, Py_ssize_t n, Py_ssize_t c)
@@ -442,8 +453,9 @@ static PyObject *run_rule(PyObject *args, int rule)
         if (!PyArg_ParseTuple(args, "OOOOOO|z:median", &x_obj, &pairs_obj, &out_obj,
                               &counts_obj, &shares_obj, &work_obj, &kernel))
             return NULL;
-    } else if (!PyArg_ParseTuple(args, "OnOOOOO|z:trimmed", &x_obj, &f, &pairs_obj, &out_obj,
-                                 &counts_obj, &shares_obj, &work_obj, &kernel)) {
+    } else if (!PyArg_ParseTuple(args, rule == TRIMMED ? "OnOOOOO|z:trimmed" : "OnOOOOO|z:closest",
+                                 &x_obj, &f, &pairs_obj, &out_obj, &counts_obj, &shares_obj,
+                                 &work_obj, &kernel)) {
         return NULL;
     }
     const int k = kernel_index(kernel);
@@ -490,6 +502,11 @@ static PyObject *orderstat_median(PyObject *self, PyObject *args)
 static PyObject *orderstat_trimmed(PyObject *self, PyObject *args)
 {
     return run_rule(args, TRIMMED);
+}
+
+static PyObject *orderstat_closest(PyObject *self, PyObject *args)
+{
+    return run_rule(args, CLOSEST);
 }
 
 /* ---- order statistics from the sign bits of BitDelta columns ----------------------------- */
@@ -1341,6 +1358,15 @@ PyDoc_STRVAR(trimmed_doc,
              "pairs: network(n, f - 1, n - f); work: a writable buffer of work_size(n, c)\n"
              "bytes.");
 
+PyDoc_STRVAR(closest_doc,
+             "closest(x, beta, pairs, out, counts, shares, work, kernel=None) -> int\n\n"
+             "Bulyan's second step on x (n, c) (float32 or float64, rows contiguous), the n\n"
+             "rows Krum chose: per column, the mean of the beta values closest to the median\n"
+             "(float64) into out (c,) float32; += into counts (n,) int64 each row's columns\n"
+             "it was kept in, bar the tied columns; their shares summed per row into shares\n"
+             "(n,) float64. pairs: `network(n, 0, n - 1)`. Returns the number of tied\n"
+             "columns, or -1 where x holds a NaN. The GIL is released.");
+
 PyDoc_STRVAR(work_size_doc,
              "work_size(n, c)\n--\n\n"
              "Bytes of the work buffer median and trimmed need for n rows and c columns.");
@@ -1349,6 +1375,7 @@ static PyMethodDef orderstat_methods[] = {
     {"network", orderstat_network, METH_VARARGS, network_doc},
     {"median", orderstat_median, METH_VARARGS, median_doc},
     {"trimmed", orderstat_trimmed, METH_VARARGS, trimmed_doc},
+    {"closest", orderstat_closest, METH_VARARGS, closest_doc},
     {"work_size", orderstat_work_size, METH_VARARGS, work_size_doc},
     {"sign_rule", orderstat_sign_rule, METH_VARARGS, sign_rule_doc},
     {"tie_rows", orderstat_tie_rows, METH_VARARGS, tie_rows_doc},
@@ -1685,6 +1712,152 @@ ATTR static Py_ssize_t NAME(trimmed)(const char *x, Py_ssize_t stride, int n, Py
 {
     return NAME(chunk)(x, stride, n, c, f, TRIMMED, pairs, npairs, out, counts, shares, work);
 }
+
+/* ---- Bulyan: the beta values closest to the median ---- */
+
+typedef int64_t NAME(vdi) __attribute__((vector_size(sizeof(VD))));
+#define VDI NAME(vdi)
+#define DMIN(x, y) ((VD)(((VDI)(x) & (VDI)((x) < (y))) | ((VDI)(y) & ~(VDI)((x) < (y)))))
+#define DMAX(x, y) ((VD)(((VDI)(x) & (VDI)((x) > (y))) | ((VDI)(y) & ~(VDI)((x) > (y)))))
+#define DABS(x) ((VD)((VDI)(x) & NAME(magnitude)())) /* the sign bit cleared */
+
+/* INT64_MAX in every lane: the bits of a float64 but its sign */
+static inline __attribute__((always_inline)) ATTR VDI NAME(magnitude)(void)
+{
+    VDI m;
+    for (int l = 0; l < HW; l++)
+        m[l] = INT64_MAX;
+    return m;
+}
+
+/* The least over the windows of k consecutive sorted values (of t, half h) of the greater
+ * distance of their two ends from med: the k-th smallest distance of a value from med (the
+ * k values closest to it lie in one window) */
+static inline __attribute__((always_inline)) ATTR VD NAME(radius)(const V *t, int n, int k,
+                                                                  VD med, int h)
+{
+    VD least = DMAX(med - NAME(half)(t[0], h), NAME(half)(t[k - 1], h) - med);
+    for (int l = 1; l + k <= n; l++) {
+        const VD r = DMAX(med - NAME(half)(t[l], h), NAME(half)(t[l + k - 1], h) - med);
+        least = DMIN(least, r);
+    }
+    return least;
+}
+
+/* A tied lane's share of the window for a value at distance g from its column's median */
+static inline double NAME(closest_share)(const tied_column *at, double g)
+{
+    return g == at->first  ? at->s_first
+           : g == at->last ? at->s_last
+           : (g > at->first && g < at->last) ? 1.0
+                                             : 0.0;
+}
+
+/* A tied lane l of half h of the tile: its window's ends and their runs' shares into tied,
+ * and the lane's mean, sum over the rows in order of share x value, into out */
+static inline __attribute__((always_inline)) ATTR void
+NAME(closest_tie)(const V *u, int n, int beta, double med, double first, double last, int lane,
+                  Py_ssize_t col, tied_column *at, float *out)
+{
+    Py_ssize_t below_last = 0, upto_first = 0, upto_last = 0;
+    for (int r = 0; r < n; r++) {
+        const double g = fabs((double)u[r][lane] - med);
+        upto_first += g <= first;
+        below_last += g < last;
+        upto_last += g <= last;
+    }
+    at->first = first;
+    at->last = last;
+    at->s_first = overlap(0, upto_first, 0, beta); /* nothing is nearer than the nearest */
+    at->s_last = overlap(below_last, upto_last, 0, beta);
+    at->col = col;
+    at->med = med;
+    double acc = 0.0;
+    for (int r = 0; r < n; r++) {
+        const double v = (double)u[r][lane];
+        const double term = NAME(closest_share)(at, fabs(v - med)) * v;
+        acc = r == 0 ? term : acc + term;
+    }
+    *out = (float)(acc / (double)beta + 0.0);
+}
+
+/* Bulyan's second step on a chunk (n, c) of the chosen rows: per column, the mean of the beta
+ * values closest to the median (float64: the median the mean of the middle values, each value's
+ * distance |v - med|, the kept values summed over the rows in order, a row left out adding
+ * +0.0, divided by beta, plus 0.0: a zero mean is +0.0), rounded to float32; each row's count of columns in which it was kept.
+ * Where the beta-th and the next distance tie, the values at the window's ends share its
+ * places as `_select.window_shares` gives them, the products share x value summed over the
+ * rows in order; such a column is left out of the counts and its shares summed per row at the
+ * end, as `chunk` does. Returns the number of tied columns, or -1 where a column holds a NaN. */
+ATTR static Py_ssize_t NAME(closest)(const char *x, Py_ssize_t stride, int n, Py_ssize_t c,
+                                     int beta, const int32_t *pairs, Py_ssize_t npairs,
+                                     float *out, int64_t *counts, double *shares, void *work)
+{
+    V *t = (V *)work, *u = t + n;
+    VDI *lanes = (VDI *)(u + n); /* per row, HALVES vectors of counts (a hit is -1) */
+    tied_column *tied = (tied_column *)(lanes + (Py_ssize_t)n * HALVES);
+    double *row = (double *)(tied + c);
+    const int lo = (n - 1) / 2, hi = n / 2;
+    VI nan = {0};
+    Py_ssize_t ntied = 0;
+    memset(lanes, 0, (size_t)n * HALVES * sizeof(VDI));
+    for (Py_ssize_t c0 = 0; c0 < c; c0 += W) {
+        const int cw = c - c0 < W ? (int)(c - c0) : W;
+        nan |= NAME(load_tile)(x, stride, n, c0, cw, t, u);
+        NAME(sort_tile)(t, pairs, npairs);
+        for (int h = 0; h < HALVES; h++) {
+            const VD a = NAME(half)(t[lo], h), b = NAME(half)(t[hi], h);
+            const VD med = (a + b) * 0.5;
+            const VD last = NAME(radius)(t, n, beta, med, h);
+            VDI ok, tie = {0};
+            for (int l = 0; l < HW; l++)
+                ok[l] = h * HW + l < cw ? -1 : 0;
+            if (beta < n)
+                tie = (VDI)(NAME(radius)(t, n, beta + 1, med, h) == last) & ok;
+            ok &= ~tie;
+            VD acc = {0};
+            for (int r = 0; r < n; r++) {
+                const VD v = NAME(half)(u[r], h);
+                const VDI keep = (VDI)(DABS(v - med) <= last);
+                const VD term = (VD)((VDI)v & keep); /* v, or +0.0 */
+                acc = r == 0 ? term : acc + term;
+                lanes[r * HALVES + h] += keep & ok;
+            }
+            const VD zero = {0};
+            NAME(store_half)(acc / (double)beta + zero, h, cw, out + c0);
+            for (int l = 0; l < HW; l++) {
+                if (!tie[l])
+                    continue;
+                const double first = fmin(fabs(a[l] - med[l]), fabs(b[l] - med[l]));
+                NAME(closest_tie)(u, n, beta, med[l], first, last[l], h * HW + l,
+                                  c0 + h * HW + l, tied + ntied, out + c0 + h * HW + l);
+                ntied++;
+            }
+        }
+    }
+    VI folded = nan;
+    if (NAME(any)(folded))
+        return -1;
+    for (int r = 0; r < n; r++) {
+        int64_t hits = 0;
+        for (int h = 0; h < HALVES; h++)
+            for (int l = 0; l < HW; l++)
+                hits -= lanes[r * HALVES + h][l];
+        counts[r] += hits;
+    }
+    for (int r = 0; r < n && ntied > 0; r++) {
+        const T *xr = (const T *)(x + r * stride);
+        for (Py_ssize_t j = 0; j < ntied; j++)
+            row[j] = NAME(closest_share)(tied + j, fabs((double)xr[tied[j].col] - tied[j].med));
+        shares[r] = torch_sum(row, ntied);
+    }
+    return ntied;
+}
+
+#undef DABS
+#undef DMIN
+#undef DMAX
+#undef VDI
 
 #undef W
 #undef HALVES

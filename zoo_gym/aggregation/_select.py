@@ -214,6 +214,7 @@ def closest_to_median(values: Tensor, beta: int) -> tuple[Tensor, Tensor]:
     closest to the column's median, and each row's share `(theta,)` float64 of them.
 
     Where distances tie at the beta-th place, the tied values share the remaining places.
+    A zero mean is +0.0, whatever the signs of the zeros it comes from.
     """
     theta, _ = values.shape
     v = values.to(torch.float64)
@@ -222,7 +223,7 @@ def closest_to_median(values: Tensor, beta: int) -> tuple[Tensor, Tensor]:
     gap = (v - med).abs()  # (theta, c)
     g = sorted_columns(gap)  # (c, theta)
     share = window_shares(gap, 0, beta, g[:, 0], g[:, beta - 1])  # (theta, c)
-    return (share * v).sum(0) / beta, share.sum(1)
+    return (share * v).sum(0) / beta + 0.0, share.sum(1)  # + 0.0: a zero mean is +0.0
 
 
 # --- CPU engine: the same kernels on NumPy arrays, chunks shared out among threads ----------
@@ -493,7 +494,43 @@ def np_closest_to_median(v: NDArray[np.float64], beta: int) -> tuple[Array, Arra
         share = window_shares(keys, 0, beta, first, torch.from_numpy(last[cols])).numpy()
         used += share.sum(axis=1) - np.count_nonzero(keep[:, cols], axis=1)
         mean[cols] = (share * v[:, cols]).sum(axis=0)
-    return mean / beta, used
+    return mean / beta + 0.0, used  # + 0.0: a zero mean is +0.0
+
+
+class Closest:
+    """Bulyan's second step (`np_closest_to_median`) through the compiled kernel
+    (`_orderstat.closest`) on spans of up to `width` columns of the theta chosen rows, for
+    one thread: its sorting network, work buffer and the rows' counts. The means are the
+    NumPy twin's bits; the per-row numbers agree to rounding (the tie shares are added in
+    another order). A span holding a NaN goes through the twin."""
+
+    def __init__(self, module: ModuleType, theta: int, width: int) -> None:
+        self.module = module
+        self.network: bytes = module.network(theta, 0, theta - 1)
+        self.work = np.empty(module.work_size(theta, width), dtype=np.uint8)
+        self.counts = np.zeros(theta, dtype=np.int64)
+        self.shares = np.empty(theta, dtype=np.float64)
+        self.total = np.zeros(theta, dtype=np.float64)
+
+    @classmethod
+    def of(cls, theta: int, width: int) -> Closest | None:
+        """One for a thread, or None where the kernels are not built or not in use."""
+        module = _COMPILED.module if _COMPILED.enabled else None
+        return None if module is None else cls(module, theta, width)
+
+    def span(self, x: Array, beta: int, out: NDArray[np.float32]) -> None:
+        """The means of the span `x` `(theta, c)` (float32 or float64) into `out` `(c,)`."""
+        tied = self.module.closest(x, beta, self.network, out, self.counts, self.shares, self.work)
+        if tied > 0:
+            self.total += self.shares
+        elif tied < 0:
+            mean, share = np_closest_to_median(x.astype(np.float64), beta)
+            out[:] = mean
+            self.total += share
+
+    def used(self) -> NDArray[np.float64]:
+        """Each row's number `(theta,)` of columns it was kept in, tie shares included."""
+        return self.total + self.counts
 
 
 def coordinatewise(

@@ -39,7 +39,7 @@ from ._core import (
     squared_distances,
     work_dtype,
 )
-from ._select import closest_to_median, np_closest_to_median
+from ._select import Closest, closest_to_median, np_closest_to_median
 from .columns import Columns, Updates
 from .krum import lowest
 
@@ -161,6 +161,7 @@ def _pick(full: Tensor, walk: _SortedRows, alive: NDArray[np.bool_], k: int) -> 
 
 
 _CHUNKS_PER_GROUP = 64  # chunks of the closest-to-median pass handed to a thread at once
+_CLOSEST_SPAN = 1 << 16  # columns per call of the compiled kernel (its work: 48 bytes each)
 
 
 def _closest_to_median_pass(source: Columns, chosen: list[int], beta: int, out: Tensor) -> Tensor:
@@ -168,12 +169,19 @@ def _closest_to_median_pass(source: Columns, chosen: list[int], beta: int, out: 
     each chosen row's number `(theta,)` float64 of coordinates it was kept in.
 
     On CPU the column ranges go to `torch.get_num_threads()` threads, each sorting its
-    chunks with NumPy (see `_select`) in spans that fit the sort budget; elsewhere the
-    torch kernel, chunk by chunk."""
+    chunks in spans that fit the sort budget, through the compiled kernel where it was built
+    (`_select.Closest`), with NumPy otherwise; elsewhere the torch kernel, chunk by chunk."""
     theta, device = len(chosen), source.device
     dtype = work_dtype(source)
     threads = torch.get_num_threads() if device.type == "cpu" else 1
-    width = chunk_width(source, 48, sort_budget(source), threads)  # rows, gaps, shares
+    compiled = device.type == "cpu" and Closest.of(theta, 1) is not None
+    # the kernel sorts tiles of 16 columns in cache whatever the chunk: chunks of the default
+    # share of the input (fewer calls); otherwise the sort's temporaries must stay in cache
+    width = (
+        chunk_width(source, 4, parallel=threads)  # the chosen rows' copy
+        if compiled
+        else chunk_width(source, 48, sort_budget(source), threads)  # rows, gaps, shares
+    )
     if device.type != "cpu":
         used = torch.zeros(theta, dtype=torch.float64, device=device)
         for start, stop, rows in chunks(source, width, chosen):  # rows (theta, c)
@@ -183,18 +191,22 @@ def _closest_to_median_pass(source: Columns, chosen: list[int], beta: int, out: 
         return used
     out_np = out.numpy()
 
-    inner = min(width, max(1, sort_budget(source) // (theta * 48)))  # kernel columns
+    inner = min(width, _CLOSEST_SPAN if compiled else max(1, sort_budget(source) // (theta * 48)))
 
     def run(group: list[tuple[int, int]]) -> NDArray[np.float64]:
+        closest = Closest.of(theta, inner)
         total = np.zeros(theta, dtype=np.float64)
         for start, stop in group:
             rows = source.columns(start, stop, chosen)  # (theta, c), chosen order
             for a, b in spans(stop - start, inner):  # in cache-sized spans
-                v = rows[:, a:b].to(dtype).numpy().astype(np.float64)
-                mean, share = np_closest_to_median(v, beta)
+                v = rows[:, a:b].to(dtype).numpy()
+                if closest is not None:
+                    closest.span(v, beta, out_np[start + a : start + b])
+                    continue
+                mean, share = np_closest_to_median(v.astype(np.float64), beta)
                 out_np[start + a : start + b] = mean
                 total += share
-        return total
+        return total if closest is None else closest.used()
 
     # the chunks in groups of a fixed count, each group's counts summed apart and the groups
     # added in order (one (theta,) total per chunk held 150 MB at n = 1,000, d = 1M)

@@ -355,3 +355,27 @@ def test_bulyans_closest_values_by_hand_ties_shared_and_a_nan_left_to_numpy(kern
     closest.span(x32, 2, out)
     assert np.array_equal(_raw(out), _raw(mean))
     assert closest.used().tolist() == share.tolist()
+
+
+@compiled
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_bulyans_kernel_reads_the_chosen_rows_where_they_are(kernel: str) -> None:
+    assert _orderstat is not None
+    rng = np.random.default_rng(7)
+    x = _matrix(rng, 30, 77, 0.3, 0.05).astype(np.float32)
+    rows = np.array([29, 3, 3, 17, 0, 8, 21, 12, 5, 26, 14], dtype=np.int64)
+    expected, expected_used, tied = _closest(np.ascontiguousarray(x[rows]), 5, kernel)
+    assert tied > 0  # the small integers tie
+    out = np.empty(77, dtype=np.float32)
+    counts, shares = np.zeros(11, dtype=np.int64), np.zeros(11)
+    network = _orderstat.network(11, 0, 10)
+    work = np.empty(_orderstat.work_size(11, 77), dtype=np.uint8)
+    assert _orderstat.closest(x, 5, network, out, counts, shares, work, kernel, rows) == tied
+    assert np.array_equal(_raw(out), _raw(expected))
+    assert (counts + shares).tolist() == expected_used.tolist()
+    with pytest.raises(ValueError, match="rows must be int64 indices of x's rows"):
+        _orderstat.closest(x, 5, network, out, counts, shares, work, kernel, rows + 1)
+    with pytest.raises(ValueError, match="rows must be int64 indices of x's rows"):
+        _orderstat.closest(x, 5, network, out, counts, shares, work, kernel, rows.astype(np.int32))
+    with pytest.raises(ValueError, match="need 1 <= beta <= n"):
+        _orderstat.closest(x, 12, network, out, counts, shares, work, kernel, rows)

@@ -1,4 +1,5 @@
-/* Per-coordinate median and trimmed mean of a column chunk (n, c) in one pass over it (CPU).
+/* Per-coordinate median, trimmed mean and Bulyan's closest-to-median mean of a column chunk
+ * (n, c) in one pass over it (CPU).
  *
  * The chunk's rows are the n updates, each contiguous along the columns (its rows may lie
  * any fixed number of bytes apart). For every tile of W consecutive columns (one vector: 16
@@ -18,7 +19,13 @@
  * - trimmed mean (f >= 1): the sorted values at positions f .. n - f - 1, each converted to
  *   float64 and summed in the order of PyTorch's CPU `torch.sum` over a contiguous float64 row
  *   (see `torch_sum`), divided by n - 2f and rounded to float32; each row's count of columns
- *   in which its value lies outside [v_f, v_(n-f-1)] (it was dropped).
+ *   in which its value lies outside [v_f, v_(n-f-1)] (it was dropped);
+ * - Bulyan's second step (`closest`, on the rows Krum chose, read where they lie): the mean of
+ *   the beta values closest to the median. The beta-th smallest distance from the median is
+ *   the least, over the windows of beta consecutive sorted values, of the greater distance of
+ *   the window's two ends (the beta closest values lie in one window), so only the sort is
+ *   needed; the kept values are then added over the rows in order in float64. Each row's
+ *   count of columns in which it was kept.
  *
  * A column whose window of sorted positions (the middle ones, or the kept ones) starts or ends
  * inside a run of equal values (a tie) leaves which rows hold those positions to shares: each
@@ -84,10 +91,13 @@ VECTORS(64) /* AVX-512 */
 
 enum { MEDIAN = 0, TRIMMED = 1, CLOSEST = 2 };
 
+/* Row r of a chunk: rows[r] of x where the kernel reads chosen rows, else r */
+#define ROW(rows, r) ((rows) == NULL ? (Py_ssize_t)(r) : (Py_ssize_t)(rows)[r])
+
 /* A kernel runs one rule over a chunk: see `chunk` in the template below. */
-typedef Py_ssize_t (*kernel_fn)(const char *x, Py_ssize_t stride, int n, Py_ssize_t c, int f,
-                                const int32_t *pairs, Py_ssize_t npairs, float *out,
-                                int64_t *counts, double *shares, void *work);
+typedef Py_ssize_t (*kernel_fn)(const char *x, Py_ssize_t stride, const int64_t *rows, int n,
+                                Py_ssize_t c, int f, const int32_t *pairs, Py_ssize_t npairs,
+                                float *out, int64_t *counts, double *shares, void *work);
 
 /* A column whose window of sorted positions [p, q) starts or ends inside a run of equal
  * values: the values at its ends and the share of the window each member of their runs
@@ -370,7 +380,7 @@ static char format_of(const Py_buffer *view)
 }
 
 /* Checks of the arguments; 0 when they are usable, -1 with an exception set otherwise. */
-static int check_args(const Py_buffer *x, Py_ssize_t f, const Py_buffer *pairs,
+static int check_args(const Py_buffer *x, Py_ssize_t n, Py_ssize_t f, const Py_buffer *pairs,
                       const Py_buffer *out, const Py_buffer *counts, const Py_buffer *shares,
                       int rule)
 {
@@ -380,7 +390,7 @@ static int check_args(const Py_buffer *x, Py_ssize_t f, const Py_buffer *pairs,
                         "x must be a 2-d float32 or float64 array (n, c), each row contiguous");
         return -1;
     }
-    const Py_ssize_t n = x->shape[0], c = x->shape[1];
+    const Py_ssize_t c = x->shape[1];
     if (format_of(out) != 'f' || format_of(counts) != 'q' || format_of(shares) != 'd' ||
         out->len / 4 < c || counts->len / 8 != n || shares->len / 8 != n) {
         PyErr_Format(PyExc_TypeError,
@@ -444,18 +454,43 @@ static PyObject *orderstat_work_size(PyObject *self, PyObject *args)
     return PyLong_FromSsize_t(work_size(n, c));
 }
 
+/* The chosen rows of `closest` (None: all rows of x): an int64 array of indices into x's
+ * rows into `view`; their number, or -1 with an exception set */
+static Py_ssize_t chosen_rows(PyObject *rows_obj, const Py_buffer *x, Py_buffer *view)
+{
+    if (rows_obj == Py_None)
+        return x->ndim == 2 ? x->shape[0] : 0;
+    if (PyObject_GetBuffer(rows_obj, view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0)
+        return -1;
+    const int64_t *r = (const int64_t *)view->buf;
+    const Py_ssize_t k = view->len / 8;
+    int bad = format_of(view) != 'q' || x->ndim != 2;
+    for (Py_ssize_t i = 0; i < k && !bad; i++)
+        bad = r[i] < 0 || r[i] >= x->shape[0];
+    if (bad) {
+        PyErr_SetString(PyExc_ValueError, "rows must be int64 indices of x's rows");
+        PyBuffer_Release(view);
+        return -1;
+    }
+    return k;
+}
+
 static PyObject *run_rule(PyObject *args, int rule)
 {
     PyObject *x_obj, *pairs_obj, *out_obj, *counts_obj, *shares_obj, *work_obj;
+    PyObject *rows_obj = Py_None;
     Py_ssize_t f = 0;
     const char *kernel = NULL;
     if (rule == MEDIAN) {
         if (!PyArg_ParseTuple(args, "OOOOOO|z:median", &x_obj, &pairs_obj, &out_obj,
                               &counts_obj, &shares_obj, &work_obj, &kernel))
             return NULL;
-    } else if (!PyArg_ParseTuple(args, rule == TRIMMED ? "OnOOOOO|z:trimmed" : "OnOOOOO|z:closest",
-                                 &x_obj, &f, &pairs_obj, &out_obj, &counts_obj, &shares_obj,
-                                 &work_obj, &kernel)) {
+    } else if (rule == TRIMMED) {
+        if (!PyArg_ParseTuple(args, "OnOOOOO|z:trimmed", &x_obj, &f, &pairs_obj, &out_obj,
+                              &counts_obj, &shares_obj, &work_obj, &kernel))
+            return NULL;
+    } else if (!PyArg_ParseTuple(args, "OnOOOOO|zO:closest", &x_obj, &f, &pairs_obj, &out_obj,
+                                 &counts_obj, &shares_obj, &work_obj, &kernel, &rows_obj)) {
         return NULL;
     }
     const int k = kernel_index(kernel);
@@ -473,9 +508,12 @@ static PyObject *run_rule(PyObject *args, int rule)
         if (PyObject_GetBuffer(objs[got], &views[got], modes[got]) < 0)
             break;
     PyObject *result = NULL;
-    if (got == 6 && check_args(&views[0], f, &views[1], &views[2], &views[3], &views[4], rule) == 0 &&
-        check_work(&views[5], views[0].shape[0], views[0].shape[1]) == 0) {
-        const Py_ssize_t n = views[0].shape[0], c = views[0].shape[1];
+    Py_buffer rows_view = {0};
+    const Py_ssize_t n = got == 6 ? chosen_rows(rows_obj, &views[0], &rows_view) : -1;
+    if (n >= 0 && check_args(&views[0], n, f, &views[1], &views[2], &views[3], &views[4], rule) == 0 &&
+        check_work(&views[5], n, views[0].shape[1]) == 0) {
+        const Py_ssize_t c = views[0].shape[1];
+        const int64_t *rows = rows_obj == Py_None ? NULL : (const int64_t *)rows_view.buf;
         const int dtype = format_of(&views[0]) == 'd';
         /* within `work`, 64-byte aligned: see work_size */
         char *work = (char *)views[5].buf;
@@ -483,12 +521,14 @@ static PyObject *run_rule(PyObject *args, int rule)
         kernel_fn fn = kernel_sets[k].fns[dtype][rule];
         Py_ssize_t tied;
         Py_BEGIN_ALLOW_THREADS
-        tied = fn((const char *)views[0].buf, views[0].strides[0], (int)n, c, (int)f,
+        tied = fn((const char *)views[0].buf, views[0].strides[0], rows, (int)n, c, (int)f,
                   (const int32_t *)views[1].buf, views[1].len / 8, (float *)views[2].buf,
                   (int64_t *)views[3].buf, (double *)views[4].buf, work);
         Py_END_ALLOW_THREADS
         result = PyLong_FromSsize_t(tied);
     }
+    if (rows_view.obj != NULL)
+        PyBuffer_Release(&rows_view);
     for (int i = 0; i < got; i++)
         PyBuffer_Release(&views[i]);
     return result;
@@ -1359,9 +1399,10 @@ PyDoc_STRVAR(trimmed_doc,
              "bytes.");
 
 PyDoc_STRVAR(closest_doc,
-             "closest(x, beta, pairs, out, counts, shares, work, kernel=None) -> int\n\n"
-             "Bulyan's second step on x (n, c) (float32 or float64, rows contiguous), the n\n"
-             "rows Krum chose: per column, the mean of the beta values closest to the median\n"
+             "closest(x, beta, pairs, out, counts, shares, work, kernel=None, rows=None) -> int\n\n"
+             "Bulyan's second step on x (float32 or float64, rows contiguous), its n rows\n"
+             "`rows` (int64, in that order; None: all) that Krum chose: per column, the mean of\n"
+             "the beta values closest to the median\n"
              "(float64) into out (c,) float32; += into counts (n,) int64 each row's columns\n"
              "it was kept in, bar the tied columns; their shares summed per row into shares\n"
              "(n,) float64. pairs: `network(n, 0, n - 1)`. Returns the number of tied\n"
@@ -1469,12 +1510,13 @@ PyMODINIT_FUNC PyInit__orderstat(void)
 /* Copy columns c0 .. c0 + cw of the n rows into the tile t and its copy u (lanes past cw are
  * 0.0); return the lanes that hold a NaN in some row. */
 static inline __attribute__((always_inline)) ATTR VI NAME(load_tile)(const char *x, Py_ssize_t stride,
-                                                                 int n, Py_ssize_t c0, int cw,
-                                                                 V *t, V *u)
+                                                                 const int64_t *rows, int n,
+                                                                 Py_ssize_t c0, int cw, V *t,
+                                                                 V *u)
 {
     VI nan = {0};
-    const char *at = x + c0 * (Py_ssize_t)sizeof(T);
-    for (int r = 0; r < n; r++, at += stride) {
+    for (int r = 0; r < n; r++) {
+        const char *at = x + ROW(rows, r) * stride + c0 * (Py_ssize_t)sizeof(T);
         V v = {0};
         if (cw == W)
             memcpy(&v, at, sizeof(V)); /* one vector load */
@@ -1637,7 +1679,7 @@ NAME(tie_shares)(const char *x, Py_ssize_t stride, int n, const tied_column *tie
                  Py_ssize_t ntied, double *row, double *shares)
 {
     for (int r = 0; r < n; r++) {
-        const T *xr = (const T *)(x + r * stride);
+        const T *xr = (const T *)(x + r * stride); /* the median and trimmed mean read all rows */
         for (Py_ssize_t j = 0; j < ntied; j++) {
             const double v = (double)xr[tied[j].col];
             const tied_column *at = tied + j;
@@ -1669,7 +1711,7 @@ NAME(chunk)(const char *x, Py_ssize_t stride, int n, Py_ssize_t c, int f, int ru
     memset(lanes, 0, (size_t)n * sizeof(VI));
     for (Py_ssize_t c0 = 0; c0 < c; c0 += W) {
         const int cw = c - c0 < W ? (int)(c - c0) : W;
-        nan |= NAME(load_tile)(x, stride, n, c0, cw, t, u);
+        nan |= NAME(load_tile)(x, stride, NULL, n, c0, cw, t, u);
         NAME(sort_tile)(t, pairs, npairs);
         const V first = t[p], last = t[q - 1];
         VI tie = {0};
@@ -1699,17 +1741,20 @@ NAME(chunk)(const char *x, Py_ssize_t stride, int n, Py_ssize_t c, int f, int ru
     return ntied;
 }
 
-ATTR static Py_ssize_t NAME(median)(const char *x, Py_ssize_t stride, int n, Py_ssize_t c,
-                                    int f, const int32_t *pairs, Py_ssize_t npairs, float *out,
-                                    int64_t *counts, double *shares, void *work)
+ATTR static Py_ssize_t NAME(median)(const char *x, Py_ssize_t stride, const int64_t *rows, int n,
+                                    Py_ssize_t c, int f, const int32_t *pairs, Py_ssize_t npairs,
+                                    float *out, int64_t *counts, double *shares, void *work)
 {
+    (void)rows; /* all rows */
     return NAME(chunk)(x, stride, n, c, f, MEDIAN, pairs, npairs, out, counts, shares, work);
 }
 
-ATTR static Py_ssize_t NAME(trimmed)(const char *x, Py_ssize_t stride, int n, Py_ssize_t c,
-                                     int f, const int32_t *pairs, Py_ssize_t npairs, float *out,
-                                     int64_t *counts, double *shares, void *work)
+ATTR static Py_ssize_t NAME(trimmed)(const char *x, Py_ssize_t stride, const int64_t *rows,
+                                     int n, Py_ssize_t c, int f, const int32_t *pairs,
+                                     Py_ssize_t npairs, float *out, int64_t *counts,
+                                     double *shares, void *work)
 {
+    (void)rows; /* all rows */
     return NAME(chunk)(x, stride, n, c, f, TRIMMED, pairs, npairs, out, counts, shares, work);
 }
 
@@ -1789,9 +1834,10 @@ NAME(closest_tie)(const V *u, int n, int beta, double med, double first, double 
  * places as `_select.window_shares` gives them, the products share x value summed over the
  * rows in order; such a column is left out of the counts and its shares summed per row at the
  * end, as `chunk` does. Returns the number of tied columns, or -1 where a column holds a NaN. */
-ATTR static Py_ssize_t NAME(closest)(const char *x, Py_ssize_t stride, int n, Py_ssize_t c,
-                                     int beta, const int32_t *pairs, Py_ssize_t npairs,
-                                     float *out, int64_t *counts, double *shares, void *work)
+ATTR static Py_ssize_t NAME(closest)(const char *x, Py_ssize_t stride, const int64_t *rows,
+                                     int n, Py_ssize_t c, int beta, const int32_t *pairs,
+                                     Py_ssize_t npairs, float *out, int64_t *counts,
+                                     double *shares, void *work)
 {
     V *t = (V *)work, *u = t + n;
     VDI *lanes = (VDI *)(u + n); /* per row, HALVES vectors of counts (a hit is -1) */
@@ -1803,7 +1849,7 @@ ATTR static Py_ssize_t NAME(closest)(const char *x, Py_ssize_t stride, int n, Py
     memset(lanes, 0, (size_t)n * HALVES * sizeof(VDI));
     for (Py_ssize_t c0 = 0; c0 < c; c0 += W) {
         const int cw = c - c0 < W ? (int)(c - c0) : W;
-        nan |= NAME(load_tile)(x, stride, n, c0, cw, t, u);
+        nan |= NAME(load_tile)(x, stride, rows, n, c0, cw, t, u);
         NAME(sort_tile)(t, pairs, npairs);
         for (int h = 0; h < HALVES; h++) {
             const VD a = NAME(half)(t[lo], h), b = NAME(half)(t[hi], h);
@@ -1846,7 +1892,7 @@ ATTR static Py_ssize_t NAME(closest)(const char *x, Py_ssize_t stride, int n, Py
         counts[r] += hits;
     }
     for (int r = 0; r < n && ntied > 0; r++) {
-        const T *xr = (const T *)(x + r * stride);
+        const T *xr = (const T *)(x + ROW(rows, r) * stride);
         for (Py_ssize_t j = 0; j < ntied; j++)
             row[j] = NAME(closest_share)(tied + j, fabs((double)xr[tied[j].col] - tied[j].med));
         shares[r] = torch_sum(row, ntied);

@@ -475,7 +475,8 @@ def np_closest_to_median(v: NDArray[np.float64], beta: int) -> tuple[Array, Arra
 
     Where no distance ties at the beta-th place, the kept values are those at most the
     beta-th smallest distance from the median, each wholly; the tied columns go through
-    `window_shares`."""
+    `window_shares`. Each column's kept values (or shares x values) are added over the rows
+    in order, as the compiled kernel adds them."""
     theta, c = v.shape
     s = np.sort(v.T, axis=1)  # (c, theta)
     med = 0.5 * (s[:, (theta - 1) // 2] + s[:, theta // 2])  # (c,)
@@ -483,8 +484,7 @@ def np_closest_to_median(v: NDArray[np.float64], beta: int) -> tuple[Array, Arra
     g = np.sort(gap.T, axis=1)  # (c, theta)
     last = g[:, beta - 1]
     keep = gap <= last  # (theta, c)
-    kept = np.where(keep, v, 0.0)
-    mean = kept.sum(axis=0)
+    mean = _rows_in_order(np.where(keep, v, 0.0))
     used = np.count_nonzero(keep, axis=1).astype(np.float64)
     tie = g[:, beta] == last if beta < theta else np.zeros(c, dtype=np.bool_)
     if tie.any():
@@ -493,8 +493,17 @@ def np_closest_to_median(v: NDArray[np.float64], beta: int) -> tuple[Array, Arra
         first = torch.from_numpy(np.ascontiguousarray(g[cols, 0]))
         share = window_shares(keys, 0, beta, first, torch.from_numpy(last[cols])).numpy()
         used += share.sum(axis=1) - np.count_nonzero(keep[:, cols], axis=1)
-        mean[cols] = (share * v[:, cols]).sum(axis=0)
+        mean[cols] = _rows_in_order(share * v[:, cols])
     return mean / beta + 0.0, used  # + 0.0: a zero mean is +0.0
+
+
+def _rows_in_order(x: NDArray[np.float64]) -> NDArray[np.float64]:
+    """The sum `(c,)` of the rows of `x` `(theta, c)`, added one after the other from the
+    first (NumPy's `sum(axis=0)` adds a single column pairwise instead)."""
+    acc = x[0].copy()
+    for row in x[1:]:
+        acc += row
+    return acc
 
 
 class Closest:
@@ -518,13 +527,24 @@ class Closest:
         module = _COMPILED.module if _COMPILED.enabled else None
         return None if module is None else cls(module, theta, width)
 
-    def span(self, x: Array, beta: int, out: NDArray[np.float32]) -> None:
-        """The means of the span `x` `(theta, c)` (float32 or float64) into `out` `(c,)`."""
-        tied = self.module.closest(x, beta, self.network, out, self.counts, self.shares, self.work)
+    def span(
+        self,
+        x: Array,
+        beta: int,
+        out: NDArray[np.float32],
+        rows: NDArray[np.int64] | None = None,
+    ) -> None:
+        """The means of the span `x` `(theta, c)` (float32 or float64), or of its `rows` in
+        that order, into `out` `(c,)`."""
+        work = self.work
+        tied = self.module.closest(
+            x, beta, self.network, out, self.counts, self.shares, work, None, rows
+        )
         if tied > 0:
             self.total += self.shares
         elif tied < 0:
-            mean, share = np_closest_to_median(x.astype(np.float64), beta)
+            chosen = x if rows is None else x[rows]
+            mean, share = np_closest_to_median(chosen.astype(np.float64), beta)
             out[:] = mean
             self.total += share
 

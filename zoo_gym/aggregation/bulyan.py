@@ -11,9 +11,11 @@ With n updates of which at most f are Byzantine (n >= 4f + 3):
    not depend on the order of the updates).
 
 Distances come from the chunked Gram matrix of `_core.gram` (float64 accumulation); step 1
-sorts each row of distances once (see `recursive_krum`); step 2 sorts column chunks of the
-selected updates in float64. Two passes over the updates: one
-for the Gram matrix, one reading the theta selected rows.
+sorts each row of distances once (see `recursive_krum`); step 2 sorts tiles of 16 columns of
+the selected updates with a sorting network (the compiled kernel `_orderstat.closest`, which
+reads an in-memory tensor's chosen rows where they lie; NumPy's sort where it was not built).
+A zero result is +0.0. Two passes over the updates: one for the Gram matrix, one reading the
+theta selected rows.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ from ._core import (
     work_dtype,
 )
 from ._select import Closest, closest_to_median, np_closest_to_median
-from .columns import Columns, Updates
+from .columns import Columns, TensorColumns, Updates
 from .krum import lowest
 
 _EPS = 1e-9  # coordinates; shares of tied runs are fractions
@@ -193,15 +195,19 @@ def _closest_to_median_pass(source: Columns, chosen: list[int], beta: int, out: 
 
     inner = min(width, _CLOSEST_SPAN if compiled else max(1, sort_budget(source) // (theta * 48)))
 
+    # an in-memory tensor's chosen rows are read where they are, by the kernel
+    in_place = compiled and isinstance(source, TensorColumns) and source.dtype == dtype
+    picked = np.asarray(chosen, dtype=np.int64) if in_place else None
+
     def run(group: list[tuple[int, int]]) -> NDArray[np.float64]:
         closest = Closest.of(theta, inner)
         total = np.zeros(theta, dtype=np.float64)
         for start, stop in group:
-            rows = source.columns(start, stop, chosen)  # (theta, c), chosen order
+            rows = source.columns(start, stop, None if in_place else chosen)  # chosen order
             for a, b in spans(stop - start, inner):  # in cache-sized spans
                 v = rows[:, a:b].to(dtype).numpy()
                 if closest is not None:
-                    closest.span(v, beta, out_np[start + a : start + b])
+                    closest.span(v, beta, out_np[start + a : start + b], picked)
                     continue
                 mean, share = np_closest_to_median(v.astype(np.float64), beta)
                 out_np[start + a : start + b] = mean

@@ -9,7 +9,8 @@ views for `leave_one_out`, chunks for `first_order`). The published weights, eve
 and every reward recorded in the ledger must be the same.
 
 With the sign-bit paths on (the default), a BitDelta round takes the payload path on the CPU
-whatever the budget: the rules read the sign bits faster than the updates decode.
+whatever the budget: the rules read the sign bits faster than the updates decode. A round of
+another codec is decoded into memory where it fits.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ SMALL = 1 << 16  # bytes: 6 updates of 8,192 float32 values take 192 KiB; three 
 
 
 def one_round(
-    home: Path, rule: str, f: int, memory: int | None, scoring: str
+    home: Path, rule: str, f: int, memory: int | None, scoring: str, codec: str = "bitdelta"
 ) -> tuple[dict, list, list]:
     """Published weights, the ledger's (decision, weight) and (quality, amount) of one round,
     each sorted (contributor ids differ between homes)."""
@@ -43,7 +44,7 @@ def one_round(
         "byzantine_f": f,
         "quality_gate_tolerance": 100.0,
         "rewards": {"method": scoring},
-        "training": {"steps": 3, "codec": "bitdelta"},
+        "training": {"steps": 3, "codec": codec},
     }
     if memory is not None:
         overrides["aggregation_memory"] = memory
@@ -110,17 +111,20 @@ def test_a_round_over_the_budget_publishes_and_pays_what_the_in_memory_round_doe
     assert any("payload columns" in r.getMessage() for r in caplog.records[len(decoded) :])
 
 
-def test_a_bitdelta_round_within_the_budget_reads_the_payloads_sign_bits(
-    tiny_home: Path, caplog: pytest.LogCaptureFixture
+@pytest.mark.parametrize(("codec", "path"), [("bitdelta", "payload columns"), ("int8", "decoded")])
+def test_within_the_budget_only_a_bitdelta_round_stays_compressed(
+    tiny_home: Path, caplog: pytest.LogCaptureFixture, codec: str, path: str
 ) -> None:
     # Prepare
     caplog.set_level(logging.INFO, logger="zoo_gym.core.phases")
 
     # Execute: the default budget, which three decoded copies of the round fit
-    _, decided, paid = one_round(tiny_home, "multikrum", 1, None, "individual")
+    _, decided, paid = one_round(tiny_home, "multikrum", 1, None, "individual", codec)
 
-    # Assert: the payload path, and a round decided and paid in full
+    # Assert: BitDelta's sign bits read from the payloads, int8 decoded into memory (no faster
+    # path reads its values), and a round decided and paid in full either way
     messages = [r.getMessage() for r in caplog.records]
-    assert any("payload columns" in m for m in messages)
-    assert not any("decoded in memory" in m for m in messages)
+    other = "decoded in memory" if path == "payload columns" else "payload columns"
+    assert any(path in m for m in messages)
+    assert not any(other in m for m in messages)
     assert len(decided) == 6 and len(paid) == 6

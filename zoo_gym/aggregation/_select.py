@@ -500,7 +500,7 @@ def np_closest_to_median(v: NDArray[np.float64], beta: int) -> tuple[Array, Arra
 def _rows_in_order(x: NDArray[np.float64]) -> NDArray[np.float64]:
     """The sum `(c,)` of the rows of `x` `(theta, c)`, added one after the other from the
     first (NumPy's `sum(axis=0)` adds a single column pairwise instead)."""
-    acc = x[0].copy()
+    acc: NDArray[np.float64] = x[0].copy()
     for row in x[1:]:
         acc += row
     return acc

@@ -259,14 +259,17 @@ class ZooStrategy(FedAvg):
         cpu = self.device.type == "cpu" and not kernels.active_for(self.device)
         if not cpu or self.pre is not None or not reads_sign_bits(len(accepted)):
             return True
-        headers = []
+        # the first payload that checks speaks for the round: intake holds every payload to
+        # the round's codec (a round of mixed payloads still aggregates from their columns,
+        # the rule decoding them); the payload path checks every one
         for reply in accepted:
             data = self.backend.payload_path(_intake(reply).payload_sha256).read_bytes()
             try:
-                headers.append(PayloadColumns.check(data, layout, d))
+                header = PayloadColumns.check(data, layout, d)
             except EnvelopeError:
                 continue  # the payload path refuses it, with the reason
-        return not PayloadColumns.offers_sign_groups(headers)
+            return not PayloadColumns.offers_sign_groups([header])
+        return True
 
     def _payload_columns(
         self, accepted: list[Message], layout: Layout

@@ -219,12 +219,10 @@ def test_a_fresh_sybil_neither_shapes_the_model_nor_takes_the_pool(
     def inspect(summary: RoundSummary) -> None:
         last = results[-1]
         assert last is not None and last.rows is not None
+        rows = last.rows  # a BitDelta round's rows stay compressed: decode them here
+        decoded = rows if isinstance(rows, torch.Tensor) else rows.columns(0, rows.d)
         honest = torch.stack(
-            [
-                r
-                for r, cid in zip(last.rows, last.row_contributors, strict=True)
-                if cid not in sybils
-            ]
+            [r for r, cid in zip(decoded, last.row_contributors, strict=True) if cid not in sybils]
         )  # (3, d)
         vector = torch.cat([v.flatten() for _, v in sorted(last.update.items())])
         outside = torch.clamp(honest.min(0).values - vector, min=0) + torch.clamp(

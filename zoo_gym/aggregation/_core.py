@@ -76,6 +76,7 @@ _COMPILED_GRAM_ROWS = 160
 
 _PASSES = Extension("zoo_gym.aggregation._passes")
 _SIGN_SUM_BYTES = 32 << 20  # sign bytes of all rows that one range of `_sign_sum` reads
+_SIGN_SUM_COLUMNS = 1 << 18  # and at most these columns: its float64 sums take 2 MiB
 
 
 def use_compiled_passes(enabled: bool) -> bool:
@@ -707,7 +708,7 @@ def _sign_sum(source: Columns, plan: _Pass) -> bool:
     threads = torch.get_num_threads()
     cap = _SIGN_SUM_BYTES if source.budget is None else source.budget // (4 * threads)
     width = min(cap, _SIGN_SUM_BYTES) // max(1, source.n // 8)
-    width = min(width, -(-source.d // (4 * threads)))  # a few ranges for each thread
+    width = min(width, -(-source.d // (4 * threads)), _SIGN_SUM_COLUMNS)  # a few per thread
     width = max(_SOURCE_ALIGN, width - width % _SOURCE_ALIGN)
 
     def run(span: tuple[int, int]) -> None:

@@ -162,8 +162,10 @@ def _pick(full: Tensor, walk: _SortedRows, alive: NDArray[np.bool_], k: int) -> 
     return int(near[lowest(scores, 1, sub)[0]])
 
 
-_CHUNKS_PER_GROUP = 64  # chunks of the closest-to-median pass handed to a thread at once
+_CHUNKS_PER_GROUP = 64  # chunks of the closest-to-median pass handed to a thread at once, at most
 _CLOSEST_SPAN = 1 << 16  # columns per call of the compiled kernel (its work: 48 bytes each)
+_DECODED = 8 << 20  # bytes of chosen rows a thread decodes at a time for the compiled kernel
+_ALIGN = 1024  # columns: decoded ranges of packed payloads start on whole bytes and groups
 
 
 def _closest_to_median_pass(source: Columns, chosen: list[int], beta: int, out: Tensor) -> Tensor:
@@ -193,6 +195,8 @@ def _closest_to_median_pass(source: Columns, chosen: list[int], beta: int, out: 
         return used
     out_np = out.numpy()
 
+    if compiled and not isinstance(source, TensorColumns):  # decoded chosen rows: 8 MiB
+        width = min(width, max(_ALIGN, _DECODED // (theta * 4) // _ALIGN * _ALIGN))
     inner = min(width, _CLOSEST_SPAN if compiled else max(1, sort_budget(source) // (theta * 48)))
 
     # an in-memory tensor's chosen rows are read where they are, by the kernel
@@ -217,7 +221,9 @@ def _closest_to_median_pass(source: Columns, chosen: list[int], beta: int, out: 
     # the chunks in groups of a fixed count, each group's counts summed apart and the groups
     # added in order (one (theta,) total per chunk held 150 MB at n = 1,000, d = 1M)
     ranges = list(spans(source.d, width))
-    groups = [ranges[k : k + _CHUNKS_PER_GROUP] for k in range(0, len(ranges), _CHUNKS_PER_GROUP)]
+    # at most 64 a group, and at least 4 groups a thread where there are chunks enough
+    size = max(1, min(_CHUNKS_PER_GROUP, len(ranges) // (4 * threads)))
+    groups = [ranges[k : k + size] for k in range(0, len(ranges), size)]
     parts = run_threaded(run, groups, threads)
     total = np.zeros(theta, dtype=np.float64)
     for part in parts:

@@ -164,8 +164,25 @@ def _pick(full: Tensor, walk: _SortedRows, alive: NDArray[np.bool_], k: int) -> 
 
 _CHUNKS_PER_GROUP = 64  # chunks of the closest-to-median pass handed to a thread at once, at most
 _CLOSEST_SPAN = 1 << 16  # columns per call of the compiled kernel (its work: 48 bytes each)
-_DECODED = 8 << 20  # bytes of chosen rows a thread decodes at a time for the compiled kernel
+# bytes of chosen rows a thread decodes at a time for the compiled kernel (n = 50, d = 10M
+# from payloads: 8 MiB peaked at 200 MiB, 4 MiB at 125 MiB, as fast)
+_DECODED = 4 << 20
 _ALIGN = 1024  # columns: decoded ranges of packed payloads start on whole bytes and groups
+
+
+def _pass_widths(source: Columns, theta: int, threads: int, compiled: bool) -> tuple[int, int]:
+    """Columns of a chunk of the closest-to-median pass, and of a span of a kernel call.
+
+    The compiled kernel sorts tiles of 16 columns in cache whatever the chunk: chunks of the
+    default share of an in-memory input (fewer calls), and `_DECODED` bytes of chosen rows
+    from a source that decodes them. NumPy's sort needs its temporaries to stay in cache."""
+    if not compiled:
+        width = chunk_width(source, 48, sort_budget(source), threads)  # rows, gaps, shares
+        return width, min(width, max(1, sort_budget(source) // (theta * 48)))
+    width = chunk_width(source, 4, parallel=threads)
+    if not isinstance(source, TensorColumns):
+        width = min(width, max(_ALIGN, _DECODED // (theta * 4) // _ALIGN * _ALIGN))
+    return width, min(width, _CLOSEST_SPAN)
 
 
 def _closest_to_median_pass(source: Columns, chosen: list[int], beta: int, out: Tensor) -> Tensor:
@@ -179,13 +196,7 @@ def _closest_to_median_pass(source: Columns, chosen: list[int], beta: int, out: 
     dtype = work_dtype(source)
     threads = torch.get_num_threads() if device.type == "cpu" else 1
     compiled = device.type == "cpu" and Closest.of(theta, 1) is not None
-    # the kernel sorts tiles of 16 columns in cache whatever the chunk: chunks of the default
-    # share of the input (fewer calls); otherwise the sort's temporaries must stay in cache
-    width = (
-        chunk_width(source, 4, parallel=threads)  # the chosen rows' copy
-        if compiled
-        else chunk_width(source, 48, sort_budget(source), threads)  # rows, gaps, shares
-    )
+    width, inner = _pass_widths(source, theta, threads, compiled)
     if device.type != "cpu":
         used = torch.zeros(theta, dtype=torch.float64, device=device)
         for start, stop, rows in chunks(source, width, chosen):  # rows (theta, c)
@@ -194,11 +205,6 @@ def _closest_to_median_pass(source: Columns, chosen: list[int], beta: int, out: 
             used += share
         return used
     out_np = out.numpy()
-
-    if compiled and not isinstance(source, TensorColumns):  # decoded chosen rows: 8 MiB
-        width = min(width, max(_ALIGN, _DECODED // (theta * 4) // _ALIGN * _ALIGN))
-    inner = min(width, _CLOSEST_SPAN if compiled else max(1, sort_budget(source) // (theta * 48)))
-
     # an in-memory tensor's chosen rows are read where they are, by the kernel
     in_place = compiled and isinstance(source, TensorColumns) and source.dtype == dtype
     picked = np.asarray(chosen, dtype=np.int64) if in_place else None

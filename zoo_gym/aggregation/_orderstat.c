@@ -1829,7 +1829,8 @@ NAME(closest_tie)(const V *u, int n, int beta, double med, double first, double 
 /* Bulyan's second step on a chunk (n, c) of the chosen rows: per column, the mean of the beta
  * values closest to the median (float64: the median the mean of the middle values, each value's
  * distance |v - med|, the kept values summed over the rows in order, a row left out adding
- * +0.0, divided by beta, plus 0.0: a zero mean is +0.0), rounded to float32; each row's count of columns in which it was kept.
+ * +0.0, divided by beta, plus 0.0: a zero mean is +0.0), rounded to float32; each row's count
+ * of columns in which it was kept.
  * Where the beta-th and the next distance tie, the values at the window's ends share its
  * places as `_select.window_shares` gives them, the products share x value summed over the
  * rows in order; such a column is left out of the counts and its shares summed per row at the
@@ -1881,8 +1882,7 @@ ATTR static Py_ssize_t NAME(closest)(const char *x, Py_ssize_t stride, const int
             }
         }
     }
-    VI folded = nan;
-    if (NAME(any)(folded))
+    if (NAME(any)(nan))
         return -1;
     for (int r = 0; r < n; r++) {
         int64_t hits = 0;

@@ -513,19 +513,31 @@ class Closest:
     NumPy twin's bits; the per-row numbers agree to rounding (the tie shares are added in
     another order). A span holding a NaN goes through the twin."""
 
-    def __init__(self, module: ModuleType, theta: int, width: int) -> None:
-        self.module = module
-        self.network: bytes = module.network(theta, 0, theta - 1)
+    def __init__(self, module: ModuleType, network: bytes, theta: int, width: int) -> None:
+        self.module, self.network, self.theta, self.width = module, network, theta, width
         self.work = np.empty(module.work_size(theta, width), dtype=np.uint8)
         self.counts = np.zeros(theta, dtype=np.int64)
         self.shares = np.empty(theta, dtype=np.float64)
         self.total = np.zeros(theta, dtype=np.float64)
 
+    @staticmethod
+    def available() -> bool:
+        """Whether the kernels are built and in use (`use_compiled`)."""
+        return _COMPILED.enabled
+
     @classmethod
     def of(cls, theta: int, width: int) -> Closest | None:
         """One for a thread, or None where the kernels are not built or not in use."""
         module = _COMPILED.module if _COMPILED.enabled else None
-        return None if module is None else cls(module, theta, width)
+        return (
+            None
+            if module is None
+            else cls(module, module.network(theta, 0, theta - 1), theta, width)
+        )
+
+    def another(self) -> Closest:
+        """A fresh one with its own buffers and counts (for another thread), the same network."""
+        return Closest(self.module, self.network, self.theta, self.width)
 
     def span(
         self,
@@ -536,9 +548,8 @@ class Closest:
     ) -> None:
         """The means of the span `x` `(theta, c)` (float32 or float64), or of its `rows` in
         that order, into `out` `(c,)`."""
-        work = self.work
         tied = self.module.closest(
-            x, beta, self.network, out, self.counts, self.shares, work, None, rows
+            x, beta, self.network, out, self.counts, self.shares, self.work, None, rows
         )
         if tied > 0:
             self.total += self.shares

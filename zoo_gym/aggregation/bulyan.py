@@ -195,7 +195,7 @@ def _closest_to_median_pass(source: Columns, chosen: list[int], beta: int, out: 
     theta, device = len(chosen), source.device
     dtype = work_dtype(source)
     threads = torch.get_num_threads() if device.type == "cpu" else 1
-    compiled = device.type == "cpu" and Closest.of(theta, 1) is not None
+    compiled = device.type == "cpu" and Closest.available()
     width, inner = _pass_widths(source, theta, threads, compiled)
     if device.type != "cpu":
         used = torch.zeros(theta, dtype=torch.float64, device=device)
@@ -208,9 +208,10 @@ def _closest_to_median_pass(source: Columns, chosen: list[int], beta: int, out: 
     # an in-memory tensor's chosen rows are read where they are, by the kernel
     in_place = compiled and isinstance(source, TensorColumns) and source.dtype == dtype
     picked = np.asarray(chosen, dtype=np.int64) if in_place else None
+    first = Closest.of(theta, inner) if compiled else None  # its network serves every group
 
     def run(group: list[tuple[int, int]]) -> NDArray[np.float64]:
-        closest = Closest.of(theta, inner)
+        closest = None if first is None else first.another()
         total = np.zeros(theta, dtype=np.float64)
         for start, stop in group:
             rows = source.columns(start, stop, None if in_place else chosen)  # chosen order

@@ -137,8 +137,7 @@ class PayloadColumns:
         `sign_groups`: every tensor BitDelta with float16 scales and one group size in all."""
         if not headers:
             return False
-        tensors = [_sign_tensor(headers, t) for t in range(len(headers[0].sections))]
-        return all(t is not None and t.scale_dtype == torch.float16 for t in tensors)
+        return _half_scales([_sign_tensor(headers, t) for t in range(len(headers[0].sections))])
 
     @property
     def n(self) -> int:
@@ -460,7 +459,7 @@ class _SignColumns:
     @property
     def half_scales(self) -> bool:
         """Whether every tensor is covered, with float16 scales."""
-        return all(t is not None and t.scale_dtype == torch.float16 for t in self._tensors)
+        return _half_scales(self._tensors)
 
     def pieces(self, start: int, stop: int) -> list[SignPiece]:
         """Columns [start, stop) as one `SignPiece` per tensor they cover (all covered), read
@@ -554,6 +553,11 @@ def _scale_groups(target: Tensor, scales: Tensor, v0: int, v1: int, group: int) 
         middle = target[:, head:last].view(m, g1 - g0 - 2, group)
         middle.mul_(scales[:, 1:-1, None])
         target[:, last:].mul_(scales[:, -1:])
+
+
+def _half_scales(tensors: Sequence[_SignTensor | None]) -> bool:
+    """Whether every tensor is BitDelta in all payloads (`_sign_tensor`), with float16 scales."""
+    return all(t is not None and t.scale_dtype == torch.float16 for t in tensors)
 
 
 def _sign_tensor(headers: Sequence[EnvelopeHeader], t: int) -> _SignTensor | None:

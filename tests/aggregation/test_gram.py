@@ -150,3 +150,47 @@ def test_medoid_reads_the_lower_triangle_only() -> None:
     expected = int(torch.cdist(x, x).sum(dim=1).argmin())
     garbage = torch.tril(full) + torch.triu(torch.full_like(full, 1e9), 1)
     assert _core._medoid(garbage) == expected
+
+
+@pytest.mark.parametrize("slices", [1, 2, 3, 16])
+@pytest.mark.parametrize("add", [False, True])
+def test_a_product_cut_into_slices_equals_the_whole_product(slices: int, add: bool) -> None:
+    # small integers: every product and sum is exact, whatever the slices and their order;
+    # `a` a padded view of a wider scratch, as the Gram pass hands it over (GPU path)
+    g = torch.Generator().manual_seed(11)
+    scratch = torch.randint(-3, 4, (9, 1_013 + 16), generator=g).float()
+    a = scratch[:, :1_013]
+    start = torch.randint(-5, 6, (9, 9), generator=g).float()
+    out = start.clone()
+    _core.sliced_product(a, a.T, out, add, slices)
+    whole = a.to(torch.int64) @ a.T.to(torch.int64)
+    assert torch.equal(out.to(torch.int64), whole + start.to(torch.int64) if add else whole)
+
+
+def test_the_product_is_sliced_off_the_cpu_only_where_the_columns_and_memory_allow() -> None:
+    # a chunk of an H200's budget at n = 1,000 (268,288 columns): 16 slices of 64 MiB of
+    # products in all; a chunk of 4,096 columns, or rows whose products would take over
+    # 256 MiB each, stay one GEMM
+    assert _core._slices(1_000, 268_288, 1_000) == 16
+    assert _core._slices(1_000, 4_096 * 3 + 5, 1_000) == 3
+    assert _core._slices(1_000, 4_096, 1_000) == 1
+    assert _core._slices(8_192, 268_288, 8_192) == 1
+
+
+@pytest.mark.parametrize("weights", [[0.25] * 4, [1.0], [0.5, 0.25, 0.125, 0.125]])
+def test_a_chunk_sum_off_the_cpu_is_the_float64_sum(weights: list[float]) -> None:
+    # the reduction the GPU runs per chunk, run here on the CPU: against the float64 sum of
+    # the same rows (exact for these values, so any order gives these bits)
+    g = torch.Generator().manual_seed(12)
+    chunk = torch.randint(-1000, 1000, (6, 5_001), generator=g).float() / 64
+    rows = [5, 1, 2, 4][: len(weights)]
+    pairs = list(zip(rows, weights, strict=True))
+    out = torch.empty(5_001)
+    _core._sum_accelerator(chunk, pairs, out)
+    expected = sum(w * chunk[i].double() for i, w in pairs)
+    assert torch.equal(out, torch.as_tensor(expected).float())
+    whole = torch.empty(5_001)
+    _core._sum_accelerator(
+        chunk[rows[: len(weights)]], [(j, w) for j, w in enumerate(weights)], whole
+    )
+    assert torch.equal(whole, out)

@@ -42,18 +42,30 @@ _MIN_BUDGET = 1 << 20  # bytes of chunk temporaries, at least
 _MAX_BUDGET = 32 << 20  # and at most
 _SORT_BUDGET = 2 << 20  # at most, for rules that sort chunks on CPU: a chunk stays in L2
 _BUDGET_SHARE = 100  # 1% of the input
-# bytes of a chunk read from a source with a budget, at most: glibc maps larger allocations
-# afresh each time, and faulting in fresh pages costs more than decoding them (about 7 ns
-# per value for 400 MiB chunks of n = 1000 BitDelta rows against 2.5 ns for 32 MiB)
+# bytes of a chunk read from a source with a budget on the CPU, at most: glibc maps larger
+# allocations afresh each time, and faulting in fresh pages costs more than decoding them
+# (about 7 ns per value for 400 MiB chunks of n = 1000 BitDelta rows against 2.5 ns for
+# 32 MiB). A GPU's caching allocator reuses its blocks, so there a chunk takes the budget:
+# chunks of 32 MiB cost Multi-Krum 27 s at n = 1,000, d = 22M on an H200, in launches
 _SOURCE_CHUNK = 32 << 20
 _SOURCE_ALIGN = 1024  # columns; wider chunks from a source are a multiple of it
+# bytes per value that decoding a chunk on a GPU holds beside it (the sign bytes of its rows
+# as int32 indices into the sign table, 0.5; a subset's signs picked, 0.125; its scales)
+_DECODE_BYTES_ACCELERATOR = 1
 # columns per float64 accumulator span on CPU (512 KiB, in L2): each row's kernel over it
 # (about 25 us) outlasts the Python work around it, so threads do not queue for Python's
 # lock (over 32,000 columns two threads summed 45 rows of 10M no faster than one)
 _SUM_WIDTH = 1 << 16
-_SUM_WIDTH_ACCELERATOR = 1 << 22  # fewer, larger kernels on a GPU
+# bytes of the float64 copy of a span of the rows that a weighted sum on a GPU multiplies
+_SUM_SPAN_ACCELERATOR = 256 << 20
 _GRAM_BLOCK = 32  # columns per block of the block-triangular Gram product on CPU
-_GRAM_BLOCK_ACCELERATOR = 128  # rows per block on a GPU, from n = 256
+# On a GPU the Gram product of a chunk is one batched GEMM over up to `_GRAM_SLICES` slices
+# of its columns, each at least `_GRAM_SLICE_MIN` wide, whose (slices, n, n) float32
+# products take at most `_GRAM_SLICE_BYTES`: a single (n, n) product over a chunk of
+# 100,000s of columns has too few output tiles to occupy the chip's multiprocessors
+_GRAM_SLICES = 16
+_GRAM_SLICE_MIN = 4096
+_GRAM_SLICE_BYTES = 256 << 20
 # bytes of the shifted block of columns of the Gram product on CPU, at most: it stays in
 # cache while it is multiplied (n = 50: 6,144 columns, 1.2 MiB; n = 1000: 1,280 columns)
 _GRAM_SCRATCH = 5 << 20
@@ -197,15 +209,18 @@ def chunk_width(
 
     A source without a budget (the in-memory tensor): 1% of the input, clamped to [1 MiB,
     `max_budget`] (32 MiB by default). A source with one: its budget shared among
-    `parallel` chunks at a time, each also holding the chunk the source returns, and
-    that chunk at most 32 MiB and, when wider than 1024 columns, a multiple of 1024 (so
-    that ranges decoded from packed payloads start on whole bytes and groups).
+    `parallel` chunks at a time, each also holding the chunk the source returns (and, off
+    the CPU, what decoding it takes), and that chunk (on the CPU) at most 32 MiB and, when wider than 1024 columns, a multiple
+    of 1024 (so that ranges decoded from packed payloads start on whole bytes and groups).
     """
     n, d = source.n, source.d
     itemsize = torch.finfo(source.dtype).bits // 8
     if source.budget is not None:
-        per_column = n * (bytes_per_value + itemsize) * max(1, parallel)
-        width = min(source.budget // per_column, _SOURCE_CHUNK // (n * itemsize))
+        decoding = 0 if source.device.type == "cpu" else _DECODE_BYTES_ACCELERATOR
+        per_column = n * (bytes_per_value + itemsize + decoding) * max(1, parallel)
+        width = source.budget // per_column
+        if source.device.type == "cpu":
+            width = min(width, _SOURCE_CHUNK // (n * itemsize))
         if width > _SOURCE_ALIGN:  # whole bytes and groups of a decoded range
             width -= width % _SOURCE_ALIGN
         return max(1, min(d, width))
@@ -275,9 +290,9 @@ def gram(updates: Updates, extra: Extra = None) -> Tensor:
     lane order, and the chunk widths do not depend on the threads either, so the result
     depends neither on the thread count nor on timing (a coordinator's aggregate does not
     change with its cores). On a GPU each
-    chunk is shifted whole and multiplied at once (in blocks of 128 rows from n = 256); the
-    GEMM follows torch's float32 matmul precision: keep it at "highest" (the default),
-    TF32 keeps 10 bits.
+    chunk (the source's budget) is shifted whole and its whole product formed at once, as
+    one batched GEMM over slices of its columns (`_product`); the GEMM follows torch's
+    float32 matmul precision: keep it at "highest" (the default), TF32 keeps 10 bits.
     """
     source = as_columns(updates, "gram")
     n, dtype, device = source.n, work_dtype(source), source.device
@@ -308,9 +323,8 @@ class _GramPlan:
 def _gram_plan(n: int, dtype: torch.dtype, device: torch.device, width: int) -> _GramPlan:
     """The blocks and scratch width of the shifted products for n updates in chunks of
     `width` columns (see `gram`)."""
-    if device.type != "cpu":
-        step = _GRAM_BLOCK_ACCELERATOR if n >= 2 * _GRAM_BLOCK_ACCELERATOR else n
-        return _GramPlan(width, tuple((i, min(n, i + step)) for i in range(0, n, step)))
+    if device.type != "cpu":  # the whole product at once (`_product`)
+        return _GramPlan(width, ((0, n),))
     cuts = list(range(0, n, _GRAM_BLOCK))
     if n - cuts[-1] > _GRAM_BLOCK // 2:  # a narrow last block multiplies slowly
         cuts.append(cuts[-1] + _GRAM_BLOCK // 2)
@@ -341,6 +355,7 @@ def _gram_part(
         point = extra[start:stop] if isinstance(extra, Tensor) else extra
         given = _compiled_gram(chunk, m)
         if given is not None:
+            del chunk
             ref = _gram_compiled(given, k, ref, point, g)
             continue
         if k == 0:  # probe a few columns, shifted by update 0, for the first medoid
@@ -350,6 +365,7 @@ def _gram_part(
         elif k & (k - 1) == 0:  # k a power of two
             ref = _medoid(g[:n, :n])
         _shifted_product(chunk, ref, scratch, part, plan.blocks, point)
+        del chunk  # before the next is decoded: on a GPU a chunk is most of the budget
         for i0, i1 in plan.blocks:  # only the blocks computed
             g[i0:, i0:i1] += part[i0:, i0:i1]
     return g
@@ -443,10 +459,43 @@ def _shifted_product(
                 torch.neg(r, out=x[n])
         operands = whole if x is scratch else [(x[i0:], x[i0:i1].T) for i0, i1 in blocks]
         for out, (a, b) in zip(outs, operands, strict=True):
-            if s0 == 0:
-                torch.mm(a, b, out=out)
-            else:
-                torch.addmm(out, a, b, out=out)
+            _product(a, b, out, s0 > 0)
+
+
+def _product(a: Tensor, b: Tensor, out: Tensor, add: bool) -> None:
+    """out <- a @ b, or out += a @ b when `add`: on the CPU one GEMM; elsewhere the inner
+    dimension cut into slices multiplied in one batched GEMM and their products summed in
+    the working dtype (see `_GRAM_SLICES`)."""
+    slices = 1 if a.device.type == "cpu" else _slices(a.shape[0], a.shape[1], b.shape[1])
+    sliced_product(a, b, out, add, slices)
+
+
+def _slices(m: int, k: int, n: int) -> int:
+    """Slices of the inner dimension k of an (m, k) x (k, n) product off the CPU."""
+    return min(_GRAM_SLICES, k // _GRAM_SLICE_MIN, _GRAM_SLICE_BYTES // (4 * m * n))
+
+
+def sliced_product(a: Tensor, b: Tensor, out: Tensor, add: bool, slices: int) -> None:
+    """`_product` with the inner dimension cut into `slices` slices (one GEMM below 2)."""
+    k = a.shape[1]
+    if slices < 2:
+        if add:
+            torch.addmm(out, a, b, out=out)
+        else:
+            torch.mm(a, b, out=out)
+        return
+    step = k // slices
+    cut = slices * step
+    products = torch.bmm(
+        a[:, :cut].view(a.shape[0], slices, step).transpose(0, 1),  # (slices, m, step) views
+        b[:cut].view(slices, step, b.shape[1]),
+    )
+    if cut < k:  # the last columns into the first slice's product
+        products[0].addmm_(a[:, cut:], b[cut:])
+    if add:
+        out.add_(products.sum(0))
+    else:
+        torch.sum(products, 0, out=out)
 
 
 def _symmetric(g: Tensor) -> Tensor:
@@ -574,9 +623,10 @@ def weighted_sum(updates: Updates, weights: Tensor) -> Tensor:
     """`sum_i weights[i] * updates[i]` as `(d,)` float32, accumulated in float64; one pass.
 
     Rows with weight zero are skipped (a source that decodes is asked for the others only);
-    the others are added one at a time into a float64 accumulator of a few columns, so no
-    `(n, d)` copy is ever made. Each coordinate's sum runs over the rows in order, so the
-    result does not depend on the chunk widths.
+    on the CPU the others are added one at a time into a float64 accumulator of a few
+    columns, so no `(n, d)` copy is ever made, and each coordinate's sum runs over the rows
+    in order, so the result does not depend on the chunk widths. Off the CPU each chunk is
+    reduced at once, in float64 (`_sum_accelerator`).
     """
     vector, _ = combine(as_columns(updates, "weighted_sum"), weights, distances=False)
     return vector
@@ -593,12 +643,12 @@ def combine(
     """One pass: z = sum_i weights[i] x_i (+ base_weight * base) `(d,)` float32 and, with
     `distances`, ||x_i - z|| `(n,)` float64 of every update to it.
 
-    z's sum is accumulated in float64 over the rows in order, rounded to float32, then the
-    `base` `(d,)` term added in float32; each span's distances are formed in float64 from
-    the updates and the finished span of z, so iterative rules (geometric median, centered
-    clipping) read the updates once per step. On CPU the column ranges are shared out among
-    `torch.get_num_threads()` threads (see `_rows_pass`); elsewhere each chunk is one
-    kernel per row.
+    z's sum is accumulated in float64 (on the CPU over the rows in order), rounded to
+    float32, then the `base` `(d,)` term added in float32; each span's distances are formed
+    in float64 from the updates and the finished span of z, so iterative rules (geometric
+    median, centered clipping) read the updates once per step. On CPU the column ranges are shared out among
+    `torch.get_num_threads()` threads (see `_rows_pass`); elsewhere a few kernels per
+    chunk.
     """
     w = weights.detach().to("cpu", torch.float64).reshape(-1).tolist()
     pairs = [(i, wi) for i, wi in enumerate(w) if wi != 0.0]
@@ -829,31 +879,46 @@ def _add_rows(acc: Tensor, chunk: Tensor, pairs: list[tuple[int, float]], scratc
 def _rows_pass_accelerator(
     source: Columns, plan: _Pass, distances: bool, subset: list[int] | None
 ) -> Tensor | None:
-    """`_rows_pass` off the CPU: chunks of the budget, one kernel per row for the sum and
-    one per chunk for the distances."""
+    """`_rows_pass` off the CPU: chunks of the budget, a few kernels per chunk for the sum
+    (`_sum_accelerator`) and for the distances."""
     n, device = source.n, source.device
     width = chunk_width(source, 16 if distances else 0)
-    acc = torch.empty(min(source.d, _SUM_WIDTH_ACCELERATOR, width), dtype=torch.float64)
-    acc = acc.to(device)
     dist = torch.zeros(n, dtype=torch.float64, device=device) if distances else None
     for start, stop, chunk in chunks(source, width, subset):
         if plan.out is not None:
-            for s0, s1 in spans(stop - start, _SUM_WIDTH_ACCELERATOR):
-                a = acc[: s1 - s0]
-                a.zero_()
-                for i, wi in plan.pairs:
-                    a.add_(chunk[i, s0:s1], alpha=wi)
-                plan.out[start + s0 : start + s1] = a
+            _sum_accelerator(chunk, plan.pairs, plan.out[start:stop])
             if plan.base is not None:
                 o = plan.out[start:stop]
                 o.copy_(o + plan.base_weight * plan.base[start:stop])
         if dist is not None:
             centre = plan.center if plan.center is not None else plan.out
-            diff = chunk.to(torch.float64)
+            diff = chunk.to(torch.float64, copy=True)  # the one (n, c) float64 temporary
             if centre is not None:
-                diff = diff - centre[start:stop].to(torch.float64)
-            dist += diff.square().sum(dim=1)
+                diff.sub_(centre[start:stop].to(torch.float64))
+            dist += diff.square_().sum(dim=1)
+            del diff
+        del chunk  # before the next is decoded: a chunk is most of the budget
     return dist
+
+
+def _sum_accelerator(chunk: Tensor, pairs: list[tuple[int, float]], out: Tensor) -> None:
+    """out `(c,)` float32 <- sum of w_i chunk[i] over `pairs`, in float64, off the CPU:
+    equal weights as one sum over the rows scaled once (as the CPU's `_passes.row_sum`,
+    which adds them in row order), others as float64 products of the weights with spans of
+    the rows; one row of weight 1: its values. A few kernels a chunk, not one per row."""
+    if len(pairs) == 1 and pairs[0][1] == 1.0:
+        out.copy_(chunk[pairs[0][0]])
+        return
+    index = [i for i, _ in pairs]
+    rows = chunk if index == list(range(chunk.shape[0])) else chunk[index]
+    weights = {wi for _, wi in pairs}
+    if len(weights) == 1:
+        out.copy_(rows.sum(0, dtype=torch.float64).mul_(weights.pop()))
+        return
+    w = torch.tensor([wi for _, wi in pairs], dtype=torch.float64, device=chunk.device)
+    span = max(1, _SUM_SPAN_ACCELERATOR // (8 * len(pairs)))
+    for s0, s1 in spans(out.shape[0], span):
+        out[s0:s1] = w @ rows[:, s0:s1].to(torch.float64)
 
 
 def run_threaded(fn: Callable[[_I], _T], items: list[_I], threads: int) -> list[_T]:

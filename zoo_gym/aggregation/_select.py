@@ -592,6 +592,7 @@ def coordinatewise(
                     rows += median_columns(chunk[:, a:b], scratch, o)
                 else:
                     rows += trimmed_columns(chunk[:, a:b], f, scratch, o)
+            del chunk  # before the next is decoded
         return out, rows
     rows_np = _np_coordinatewise(source, kind, f, width, inner, out)
     return out, torch.from_numpy(rows_np)

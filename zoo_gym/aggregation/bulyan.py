@@ -203,6 +203,7 @@ def _closest_to_median_pass(source: Columns, chosen: list[int], beta: int, out: 
             mean, share = closest_to_median(rows.to(dtype), beta)
             out[start:stop] = mean
             used += share
+            del rows, mean  # before the next chunk is decoded
         return used
     out_np = out.numpy()
     # an in-memory tensor's chosen rows are read where they are, by the kernel

@@ -114,8 +114,8 @@ def encode_tensor(codec: str, x: Tensor, group: int, scale_dtype: str) -> tuple[
         packed, scales = packed.cpu(), scales.cpu()
     elif codec == "bitdelta":  # on the CPU: a GPU's torch sum could round scales differently
         packed, scales = bitdelta.pack(x.cpu(), group)
-    else:  # max |x| is exact in any order
-        scales = (bitdelta.group_reduce(x, group, ord=ord_) / LEVELS[codec]).cpu()
+    else:  # max |x| is exact in any order; divided on the CPU (CUDA multiplies by 1 / 127)
+        scales = bitdelta.group_reduce(x, group, ord=ord_).cpu() / LEVELS[codec]
     stored = scales.to(SCALE_TORCH_DTYPES[scale_dtype])
     if not bool(torch.isfinite(stored).all()):
         raise ValueError(f"a scale overflows {scale_dtype}; use scale_dtype='float32'")

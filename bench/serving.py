@@ -3,7 +3,9 @@
     python bench/serving.py --model tiny --variants 1,10,100,1000
     python bench/serving.py --model qwen2.5-0.5b --variants 1,10,100 --new-tokens 8
     python bench/serving.py --model qwen2.5-0.5b --profile 100 --new-tokens 2
+    python bench/serving.py --model qwen2.5-0.5b --profile 100 --new-tokens 8 --device cuda
     python bench/serving.py --kernel 4864x896 --variants 100
+    python bench/serving.py --kernel 4864x896 --variants 100 --device cuda
     python bench/serving.py --model qwen2.5-0.5b --variants 1,10,100,1000 --device cuda
 
 For each count n of distinct variants, a batch of B = max(n, --min-batch) rows (row r uses
@@ -33,12 +35,18 @@ before reading each clock, and reports the peak GPU memory allocated beside the 
 the same batch, then runs one more mixed step under cProfile and says where it went: the
 compiled kernel, the rest of the linear hooks around it (argument lists, conversions, adding
 the products), the embedding and norm hooks, the base's own linear layers, and the rest of
-the model's forward.
+the model's forward. With --device cuda the kernel's part is the Triton launch (its arguments
+and tables), and one more step is timed synchronised and traced by torch.profiler: the GPU
+kernels' own time summed against that wall time says whether the step waits on the GPU or on
+Python, and the five kernels that took longest are listed.
 
 --kernel OUTxIN times the compiled kernel alone on one (OUT, IN) layer of --variants distinct
 random variants, one row each (group 128, float16 scales), on one thread and on torch's, as
 gigabytes of sign bits read per second, against numpy's sum (one thread) and torch's (torch's
 threads) over 2 GiB of float64 in the same run: how near the kernel runs to the memory's speed.
+With --device cuda it times the Triton kernels on bfloat16 rows instead (`triton.testing.
+do_bench`): the GEMV that a decode step's few rows per variant take and the tiled dot it
+replaced there, against a device-to-device copy of 2 GiB.
 """
 
 from __future__ import annotations
@@ -55,6 +63,7 @@ import time
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import torch
 from realistic_round import qwen25_05b_config  # bench/ is on the path of a bench script
@@ -224,6 +233,8 @@ def _profile_parts(stats: pstats.Stats) -> dict[str, float]:
         own, total = row[2], row[3]
         if "_binary_gemm" in name:
             parts["kernel"] += own
+        elif filename.endswith("serving/kernels.py") and name == "accumulate":
+            parts["kernel"] += total  # on CUDA: the Triton launch, its arguments and tables
         elif name == "<built-in method torch._C._nn.linear>":
             parts["base linear"] += own
         elif filename.endswith("serving/variants.py") and name == "hook":
@@ -258,6 +269,8 @@ def profile(args: argparse.Namespace) -> None:
             token = out.logits[:, -1].argmax(-1, keepdim=True)
             profiler = cProfile.Profile()
             profiler.runcall(base, token, past_key_values=out.past_key_values, use_cache=True)
+            if device.type == "cuda":
+                gpu = _gpu_step(base, token, out.past_key_values)
     stats = pstats.Stats(profiler)
     parts = _profile_parts(stats)
     step = stats.total_tt  # type: ignore[attr-defined]
@@ -277,6 +290,34 @@ def profile(args: argparse.Namespace) -> None:
     }
     for key, label in names.items():
         print(f"| {label} | {1e3 * parts[key]:.1f} |")
+    if device.type == "cuda":
+        print(f"| one mixed step, wall (synchronised) | {gpu['wall_ms']:.1f} |")
+        print(f"| one mixed step, GPU kernels' own time summed | {gpu['kernels_ms']:.1f} |")
+        for name, ms in gpu["top"]:
+            print(f"| kernel {name[:60]} | {ms:.2f} |")
+
+
+def _gpu_step(model: torch.nn.Module, token: torch.Tensor, past: object) -> dict[str, Any]:
+    """One more step on CUDA: its synchronised wall time and the GPU kernels' own time
+    (torch.profiler), in ms, with the five kernels that took longest."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as trace
+
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    model(token, past_key_values=past, use_cache=True)
+    torch.cuda.synchronize()
+    wall = time.perf_counter() - start
+    with trace(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as run:
+        model(token, past_key_values=past, use_cache=True)
+        torch.cuda.synchronize()
+    events = [e for e in run.key_averages() if e.self_device_time_total > 0]
+    events.sort(key=lambda e: -e.self_device_time_total)
+    return {
+        "wall_ms": 1e3 * wall,
+        "kernels_ms": sum(e.self_device_time_total for e in events) / 1e3,
+        "top": [(e.key, e.self_device_time_total / 1e3) for e in events[:5]],
+    }
 
 
 def kernel(args: argparse.Namespace) -> None:
@@ -314,6 +355,71 @@ def kernel(args: argparse.Namespace) -> None:
     print("| read | ms | GB/s |\n|---|---|---|")
     for (name, (_, nbytes)), t in zip(runs.items(), seconds, strict=True):
         print(f"| {name} | {1e3 * t:.2f} | {nbytes / t / 1e9:.2f} |")
+
+
+def kernel_cuda(args: argparse.Namespace) -> None:
+    """The Triton kernels alone on one (OUT, IN) layer of --variants distinct random variants,
+    one bfloat16 row each, on the GPU: the GEMV for a few rows per variant and the tiled dot
+    it replaces there, as gigabytes of sign bits read per second, against a device-to-device
+    copy of 2 GiB (bytes read and written) in the same run (module docstring)."""
+    import triton.testing
+
+    from zoo_gym.serving import kernels as triton_kernels
+    from zoo_gym.serving.packed import PackedTensor
+
+    out_features, in_features = (int(v) for v in args.kernel.split("x"))
+    n, device = int(args.variants.split(",")[-1]), torch.device(args.device)
+    gen = torch.Generator(device).manual_seed(0)
+    weights = []
+    for _ in range(n):
+        bits = torch.randint(
+            0,
+            256,
+            (out_features * in_features // 8,),
+            generator=gen,
+            device=device,
+            dtype=torch.uint8,
+        )
+        scales = (
+            0.01 * torch.rand(out_features * in_features // 128, generator=gen, device=device)
+            + 1e-3
+        )
+        weights.append(PackedTensor((out_features, in_features), bits, scales.half(), 128))
+    x = torch.randn(n, in_features, generator=gen, device=device).bfloat16()
+    out = torch.zeros(n, out_features, device=device, dtype=torch.bfloat16)
+    rows, starts = torch.arange(n, device=device), list(range(n + 1))
+    table = triton_kernels.table(weights)
+    source = torch.empty(2**30, device=device, dtype=torch.int16)
+    target = torch.empty_like(source)
+
+    def launch(gemv_rows: int) -> Callable[[], object]:
+        def run() -> None:
+            triton_kernels.GEMV_ROWS = gemv_rows
+            triton_kernels.accumulate(out, x, rows, weights, starts, table)
+
+        return run
+
+    sign_bytes = n * out_features * in_features / 8
+    runs = {
+        "device-to-device copy (read + write)": (partial(target.copy_, source), 2 * source.nbytes),
+        "GEMV kernel": (launch(triton_kernels.GEMV_ROWS), sign_bytes),
+        "tiled dot kernel": (launch(0), sign_bytes),
+    }
+    default = triton_kernels.GEMV_ROWS
+    seconds = {}
+    for name, (run, _) in runs.items():
+        run()  # compiles
+        torch.cuda.synchronize()
+        seconds[name] = triton.testing.do_bench(run, warmup=5, rep=50) / 1e3
+    triton_kernels.GEMV_ROWS = default
+    print(
+        f"{out_features}x{in_features} layer, {n} variants x 1 bfloat16 row, "
+        f"{torch.cuda.get_device_name(device)}: {sign_bytes / 1e6:.1f} MB of sign bits"
+    )
+    print("| read | ms | GB/s |\n|---|---|---|")
+    for name, (_, nbytes) in runs.items():
+        t = seconds[name]
+        print(f"| {name} | {1e3 * t:.3f} | {nbytes / t / 1e9:.0f} |")
 
 
 def _seconds(run: Callable[[], object]) -> float:
@@ -382,10 +488,8 @@ def main() -> None:
     if args.one_mode:
         print(json.dumps(run_one(args)))
         return
-    if args.device != "cpu" and (args.kernel or args.profile):
-        parser.error("--kernel and --profile time the CPU kernel; leave out --device")
     if args.kernel:
-        kernel(args)
+        kernel(args) if args.device == "cpu" else kernel_cuda(args)
         return
     counts = [args.profile] if args.profile else [int(c) for c in args.variants.split(",")]
     models = Path(args.workdir) / args.model / "models"

@@ -37,6 +37,11 @@ ROWS = dict(
     scales_table="*i64", scale_like="*S", cols="i32", group="i32", stride_out="i32",
     BLOCK="constexpr",
 )
+GEMV = dict(
+    x_ptr="*X", out_ptr="*X", rows_ptr="*i64", starts_ptr="*i64", bits_table="*i64",
+    scales_table="*i64", scale_like="*S", N="i32", K="i32", group="i32", stride_x="i32",
+    stride_out="i32", BLOCK_N="constexpr", BLOCK_B="constexpr",
+)
 EXACT = {"enable_fp_fusion": False}
 cases = []
 for x, s in (("bf16", "fp16"), ("fp16", "bf16"), ("fp32", "fp32")):  # model, scales
@@ -48,6 +53,9 @@ for x, s in (("bf16", "fp16"), ("fp16", "bf16"), ("fp32", "fp32")):  # model, sc
         cases.append((serving._accumulate_kernel, sig, consts, {}))
     sig = {k: v.replace("X", x).replace("S", s) for k, v in ROWS.items()}
     cases.append((serving._rows_kernel, sig, dict(BLOCK=serving.ROWS_BLOCK), {}))
+    sig = {k: v.replace("X", x).replace("S", s) for k, v in GEMV.items()}
+    consts = dict(BLOCK_N=serving.GEMV_BLOCK_N, BLOCK_B=serving.WIDE_K // 8)
+    cases.append((serving._gemv_kernel, sig, consts, {}))
 for group in (8, 136):
     sig = dict(x_ptr="*fp32", bits_ptr="*u8", scale_ptr="*fp32", n="i64", n_groups="i64",
                GROUP="constexpr", ROWS="constexpr")
@@ -80,5 +88,5 @@ def test_every_kernel_compiles_for_hopper_and_ampere() -> None:
     )
     assert done.returncode == 0, done.stderr[-3000:]
     compiled = json.loads(done.stdout.strip().splitlines()[-1])
-    assert len(compiled) == 2 * (3 * 3 + 2 + 2 + 3)
+    assert len(compiled) == 2 * (3 * 4 + 2 + 2 + 3)
     assert any("_accumulate_kernel" in c and "('ROW_GROUPS', True)" in c for c in compiled)

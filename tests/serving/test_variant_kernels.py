@@ -32,11 +32,17 @@ def test_the_kernel_can_run_here() -> None:
     ],
 )
 @pytest.mark.parametrize("scale_dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("gemv_rows", [0, 4, 32])  # the tiled dot alone; the GEMV for few rows
 def test_binary_gemm_matches_the_reference(
-    rows: tuple[int, ...], out: int, inn: int, group: int, scale_dtype: torch.dtype
+    rows: tuple[int, ...],
+    out: int,
+    inn: int,
+    group: int,
+    scale_dtype: torch.dtype,
+    gemv_rows: int,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from zoo_gym.serving import kernels as serving_kernels
-
+    monkeypatch.setattr(serving_kernels, "GEMV_ROWS", gemv_rows)
     gen = torch.Generator().manual_seed(out + inn)
     weights = []
     for _ in rows:

@@ -242,6 +242,10 @@ class _Rows:
     order: Tensor  # (R,) rows that use a variant, grouped by variant
     starts: list[int]  # variant k owns order[starts[k] : starts[k + 1]]
     vectors: dict[str, Tensor] = field(default_factory=dict)  # (B, ...) per-row deltas
+    # per module (by id) and input rank: what its vector hook does (`_VectorPlan`), made
+    # on the first step of an `assign` and reused by the next
+    plans: dict[tuple[int, int], _VectorPlan] = field(default_factory=dict)
+    biases: dict[tuple[str, torch.dtype], Tensor | None] = field(default_factory=dict)
     prepared: dict[str, binary.Operands] = field(default_factory=dict)  # by weight name
     positions: dict[int, tuple[Tensor, list[int]]] = field(default_factory=dict)
 
@@ -273,6 +277,16 @@ class _Rows:
                     rows[self.order[self.starts[k] : self.starts[k + 1]]] = delta.decode()
             self.vectors[name] = rows
         return self.vectors[name]
+
+
+@dataclass
+class _VectorPlan:
+    """What the vector hook of one module does for an `assign`: nothing (no variant of the
+    batch changes its parameters), one run with the per-row parameters `params` broadcast
+    over the batch, or (`params` None) one run per variant."""
+
+    changed: bool
+    params: dict[str, Tensor] | None = None
 
 
 def _canonical_names(model: nn.Module) -> dict[int, str]:
@@ -380,10 +394,9 @@ class MixedModel:
                 rows.operands(weight),
                 starts,
             )
-            biases = None if bias is None else rows.row_deltas(bias, module.bias)
-            if biases is not None:  # (B, out), zero for base rows
-                shape = (rows.batch,) + (1,) * (output.ndim - 2) + (biases.shape[-1],)
-                output.add_(biases.view(shape).to(output.dtype))
+            biases = None if bias is None else _row_biases(rows, bias, module.bias, output)
+            if biases is not None:  # (B, 1, ..., out), zero for base rows
+                output.add_(biases)
             return output
 
         return hook
@@ -420,42 +433,60 @@ class MixedModel:
             rows = self._active(output.shape[0])
             if rows is None:
                 return None
-            changed = [
-                n
-                for n in own.values()
-                if any(n in v.vectors or n in v.packed for v in rows.variants)
-            ]
-            if not changed:
+            key = (id(module), args[0].ndim)
+            plan = rows.plans.get(key)
+            if plan is None:
+                plan = rows.plans[key] = self._vector_plan(module, own, rows, args[0])
+            if not plan.changed:
                 return None
-            if all(n not in v.packed for v in rows.variants for n in changed):
-                result = self._broadcast(module, own, rows, args)
+            if plan.params is not None:
+                result = self._broadcast(module, plan.params, args)
                 if result is not None and result.shape == output.shape:
                     return result
+                plan.params = None  # this forward does not broadcast them: per variant
             return self._per_variant(module, own, rows, args, output)
 
         return hook
 
-    def _call(self, module: nn.Module, params: dict[str, Tensor], args: tuple[Any, ...]) -> Any:
-        """`module` run with `params` in place of its own, without these hooks."""
-        self._inside = True
-        try:
-            return torch.func.functional_call(module, params, args)
-        finally:
-            self._inside = False
-
-    def _broadcast(
-        self, module: nn.Module, own: dict[str, str], rows: _Rows, args: tuple[Any, ...]
-    ) -> Tensor | None:
-        """One run with per-row vectors (B, 1, ..., *shape); None where the forward does not
-        broadcast them."""
-        x, params = args[0], {}
+    def _vector_plan(
+        self, module: nn.Module, own: dict[str, str], rows: _Rows, x: Tensor
+    ) -> _VectorPlan:
+        """The plan of a module's vector hook for this `assign` (`_VectorPlan`): its per-row
+        parameters (B, 1, ..., *shape), made once, where every changed one is a vector delta."""
+        changed = [
+            n for n in own.values() if any(n in v.vectors or n in v.packed for v in rows.variants)
+        ]
+        if not changed:
+            return _VectorPlan(False)
+        if any(n in v.packed for v in rows.variants for n in changed):
+            return _VectorPlan(True)
+        params = {}
         for attr, name in own.items():
             base = getattr(module, attr)
             deltas = rows.row_deltas(name, base)
-            if deltas is None:
-                continue
-            shape = (rows.batch,) + (1,) * (x.ndim - 1 - base.ndim) + tuple(base.shape)
-            params[attr] = base + deltas.view(shape).to(base.dtype)
+            if deltas is not None:
+                shape = (rows.batch,) + (1,) * (x.ndim - 1 - base.ndim) + tuple(base.shape)
+                params[attr] = base + deltas.view(shape).to(base.dtype)
+        return _VectorPlan(True, params)
+
+    def _call(self, module: nn.Module, params: dict[str, Tensor], args: tuple[Any, ...]) -> Any:
+        """`module` run with `params` in place of its own parameters of those names (put in
+        and taken out again around the call), without these hooks."""
+        own = module._parameters
+        saved = {name: own[name] for name in params}
+        self._inside = True
+        try:
+            own.update(params)  # type: ignore[arg-type]
+            return module(*args)
+        finally:
+            own.update(saved)
+            self._inside = False
+
+    def _broadcast(
+        self, module: nn.Module, params: dict[str, Tensor], args: tuple[Any, ...]
+    ) -> Tensor | None:
+        """One run with per-row vectors (B, 1, ..., *shape); None where the forward does not
+        broadcast them."""
         try:
             result = self._call(module, params, args)
         except RuntimeError:
@@ -483,6 +514,17 @@ class MixedModel:
                 picked = (args[0].index_select(0, mine), *args[1:])
                 output[mine] = self._call(module, params, picked)
         return output
+
+
+def _row_biases(rows: _Rows, name: str, base: Tensor, output: Tensor) -> Tensor | None:
+    """The bias deltas of `name` per row (B, 1, ..., out) in the output's dtype, made once per
+    `assign` and rank; None where no variant of the batch changes the bias."""
+    key = (f"{name}/{output.ndim}", output.dtype)
+    if key not in rows.biases:
+        deltas = rows.row_deltas(name, base)
+        shape = (rows.batch,) + (1,) * (output.ndim - 2) + (base.shape[-1],)
+        rows.biases[key] = None if deltas is None else deltas.view(shape).to(output.dtype)
+    return rows.biases[key]
 
 
 def attach(model: nn.Module, store: VariantStore | None = None) -> MixedModel:

@@ -194,3 +194,29 @@ def test_a_chunk_sum_off_the_cpu_is_the_float64_sum(weights: list[float]) -> Non
         chunk[rows[: len(weights)]], [(j, w) for j, w in enumerate(weights)], whole
     )
     assert torch.equal(whole, out)
+
+
+def _rss_kib(field: str) -> int:
+    with open("/proc/self/status") as status:
+        line = next(row for row in status if row.startswith(field + ":"))
+    return int(line.split()[1])
+
+
+@pytest.mark.parametrize("weights", [[0.125] * 8, [0.5, 0.25, 0.0625, 0.0625] + [0.03125] * 4])
+def test_a_chunk_sum_off_the_cpu_holds_one_span_in_float64_not_the_chunk(
+    weights: list[float], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # 512 MiB of rows summed with spans of 8 MiB: the float64 copy of the whole chunk that a
+    # sum with dtype=float64 makes would take 1 GiB (the heap keeps some freed spans: the
+    # peak is a few spans, not one)
+    monkeypatch.setattr(_core, "_SUM_SPAN_ACCELERATOR", 8 << 20)
+    chunk = torch.ones(8, 1 << 24)
+    out = torch.zeros(1 << 24)  # its pages in before the peak is reset
+    pairs = list(enumerate(weights))
+    with open("/proc/self/clear_refs", "w") as refs:
+        refs.write("5")  # the peak resident set starts again from here
+    before = _rss_kib("VmRSS")
+    _core._sum_accelerator(chunk, pairs, out)
+    extra_mib = (_rss_kib("VmHWM") - before) / 1024
+    assert extra_mib < 256, extra_mib
+    assert torch.equal(out, torch.full_like(out, sum(weights)))

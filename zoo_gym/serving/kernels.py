@@ -307,13 +307,7 @@ def accumulate(
     addresses = table(weights) if addresses is None else addresses
     bounds, most = _bounds(tuple(starts), x.device)
     if row_groups and most <= GEMV_ROWS:
-        grid = (len(weights), triton.cdiv(out_features, GEMV_BLOCK_N), most)
-        _gemv_kernel[grid](
-            *(x, out, rows.to(torch.int64), bounds, addresses[0], addresses[1], first.scales),
-            *(out_features, in_features, first.group, x.stride(0), out.stride(0)),
-            BLOCK_N=GEMV_BLOCK_N,
-            BLOCK_B=WIDE_K // 8,
-        )
+        _gemv(out, x, rows, first, addresses, bounds, most)
         return
     grid = (
         len(weights),
@@ -338,6 +332,26 @@ def accumulate(
         BLOCK_M=BLOCK_M,
         BLOCK_N=BLOCK_N,
         BLOCK_K=WIDE_K if row_groups else NARROW_K,
+    )
+
+
+def _gemv(
+    out: Tensor,
+    x: Tensor,
+    rows: Tensor,
+    first: PackedTensor,
+    addresses: Tensor,
+    bounds: Tensor,
+    most: int,
+) -> None:
+    """`accumulate` through `_gemv_kernel`: a program per variant, block of outputs and row."""
+    out_features, in_features = first.shape
+    grid = (len(bounds) - 1, triton.cdiv(out_features, GEMV_BLOCK_N), most)
+    _gemv_kernel[grid](
+        *(x, out, rows.to(torch.int64), bounds, addresses[0], addresses[1], first.scales),
+        *(out_features, in_features, first.group, x.stride(0), out.stride(0)),
+        BLOCK_N=GEMV_BLOCK_N,
+        BLOCK_B=WIDE_K // 8,
     )
 
 

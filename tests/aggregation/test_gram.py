@@ -162,7 +162,7 @@ def test_a_product_cut_into_slices_equals_the_whole_product(slices: int, add: bo
     a = scratch[:, :1_013]
     start = torch.randint(-5, 6, (9, 9), generator=g).float()
     out = start.clone()
-    _core.sliced_product(a, a.T, out, add, slices)
+    _core._sliced_product(a, a.T, out, add, slices)
     whole = a.to(torch.int64) @ a.T.to(torch.int64)
     assert torch.equal(out.to(torch.int64), whole + start.to(torch.int64) if add else whole)
 

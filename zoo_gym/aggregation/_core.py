@@ -212,8 +212,9 @@ def chunk_width(
     A source without a budget (the in-memory tensor): 1% of the input, clamped to [1 MiB,
     `max_budget`] (32 MiB by default). A source with one: its budget shared among
     `parallel` chunks at a time, each also holding the chunk the source returns (and, off
-    the CPU, what decoding it takes), and that chunk (on the CPU) at most 32 MiB and, when wider than 1024 columns, a multiple
-    of 1024 (so that ranges decoded from packed payloads start on whole bytes and groups).
+    the CPU, what decoding it takes), and that chunk (on the CPU) at most 32 MiB and, when
+    wider than 1024 columns, a multiple of 1024 (so that ranges decoded from packed payloads
+    start on whole bytes and groups).
     """
     n, d = source.n, source.d
     itemsize = torch.finfo(source.dtype).bits // 8
@@ -469,7 +470,7 @@ def _product(a: Tensor, b: Tensor, out: Tensor, add: bool) -> None:
     dimension cut into slices multiplied in one batched GEMM and their products summed in
     the working dtype (see `_GRAM_SLICES`)."""
     slices = 1 if a.device.type == "cpu" else _slices(a.shape[0], a.shape[1], b.shape[1])
-    sliced_product(a, b, out, add, slices)
+    _sliced_product(a, b, out, add, slices)
 
 
 def _slices(m: int, k: int, n: int) -> int:
@@ -477,7 +478,7 @@ def _slices(m: int, k: int, n: int) -> int:
     return min(_GRAM_SLICES, k // _GRAM_SLICE_MIN, _GRAM_SLICE_BYTES // (4 * m * n))
 
 
-def sliced_product(a: Tensor, b: Tensor, out: Tensor, add: bool, slices: int) -> None:
+def _sliced_product(a: Tensor, b: Tensor, out: Tensor, add: bool, slices: int) -> None:
     """`_product` with the inner dimension cut into `slices` slices (one GEMM below 2)."""
     k = a.shape[1]
     if slices < 2:
@@ -648,9 +649,9 @@ def combine(
     z's sum is accumulated in float64 (on the CPU over the rows in order), rounded to
     float32, then the `base` `(d,)` term added in float32; each span's distances are formed
     in float64 from the updates and the finished span of z, so iterative rules (geometric
-    median, centered clipping) read the updates once per step. On CPU the column ranges are shared out among
-    `torch.get_num_threads()` threads (see `_rows_pass`); elsewhere a few kernels per
-    chunk.
+    median, centered clipping) read the updates once per step. On CPU the column ranges
+    are shared out among `torch.get_num_threads()` threads (see `_rows_pass`); elsewhere a
+    few kernels per chunk.
     """
     w = weights.detach().to("cpu", torch.float64).reshape(-1).tolist()
     pairs = [(i, wi) for i, wi in enumerate(w) if wi != 0.0]

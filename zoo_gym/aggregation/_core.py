@@ -553,8 +553,9 @@ def reads_sign_bits(n: int) -> bool:
     payloads with float16 scales) from their sign bits and scales: distances, sums and order
     statistics without decoding a value. Then a rule over such a source is faster than
     decoding the updates first and running it on the tensor (n = 50, d = 10M, every rule but
-    Bulyan: 0.14 to 0.18 s against 1 to 2 s of decoding and 0.2 to 0.6 s of rule). True where the compiled passes
-    are built and in use, the sign-bit paths on and n at most `_signs.MAX_ROWS`."""
+    Bulyan: 0.14 to 0.18 s against 1 to 2 s of decoding and 0.2 to 0.6 s of rule). True
+    where the compiled passes are built and in use, the sign-bit paths on and n at most
+    `_signs.MAX_ROWS`."""
     return _PASSES.enabled and _signs.is_enabled() and n <= _signs.MAX_ROWS
 
 

@@ -45,7 +45,7 @@ random variants, one row each (group 128, float16 scales), on one thread and on 
 gigabytes of sign bits read per second, against numpy's sum (one thread) and torch's (torch's
 threads) over 2 GiB of float64 in the same run: how near the kernel runs to the memory's speed.
 With --device cuda it times the Triton kernels on bfloat16 rows instead (`triton.testing.
-do_bench`): the GEMV that a decode step's few rows per variant take and the tiled dot it
+do_bench`): the GEMV that a decode step's one row per variant takes and the tiled dot it
 replaced there, against a device-to-device copy of 2 GiB.
 """
 
@@ -359,7 +359,7 @@ def kernel(args: argparse.Namespace) -> None:
 
 def kernel_cuda(args: argparse.Namespace) -> None:
     """The Triton kernels alone on one (OUT, IN) layer of --variants distinct random variants,
-    one bfloat16 row each, on the GPU: the GEMV for a few rows per variant and the tiled dot
+    one bfloat16 row each, on the GPU: the GEMV for one row per variant and the tiled dot
     it replaces there, as gigabytes of sign bits read per second, against a device-to-device
     copy of 2 GiB (bytes read and written) in the same run (module docstring)."""
     import triton.testing

@@ -15,7 +15,7 @@ each program decodes a (BLOCK_N, BLOCK_K) tile of signs from the packed bytes in
   by the block's group scales, the reference's ``sum_g scale_g * sum_{i in g} sign * x``.
 - Elsewhere (groups that start mid-row) each weight is ``where(bit, scale, -scale)`` and the dot
   runs in float32 (IEEE, no TF32).
-- A decode step gives each variant a row or a few (at most `GEMV_ROWS`): there, where rows hold
+- A decode step gives each variant a row (at most `GEMV_ROWS`): there, where rows hold
   whole groups, `_gemv_kernel` runs instead, one program per row and block of outputs, each bit
   selecting +x or -x, summed per group in float32 and scaled, with no 16-row tile of which one
   row is real. On an H200 with 100 variants of one row it read signs at 163 to 185 GB/s against
@@ -51,8 +51,10 @@ NARROW_K = 32  # inputs per step elsewhere
 ROWS_BLOCK = 256  # values of an embedding row per program
 MAX_SPLIT = 128  # programs that share one variant's rows (a prompt's positions) per block
 # at most this many rows per variant (a decode step's one token each) take `_gemv_kernel`;
-# 0 sends every product through `_accumulate_kernel`
-GEMV_ROWS = 4
+# 0 sends every product through `_accumulate_kernel`. The GEMV decodes a variant's signs
+# once per row, the tiled dot once per 16 rows, and on an H200 one GEMV pass ran only 1.1 to
+# 1.2 times as fast as one tiled pass: from two rows the tiled dot does less
+GEMV_ROWS = 1
 GEMV_BLOCK_N = 64  # outputs per program of `_gemv_kernel`
 
 
@@ -156,11 +158,11 @@ def _gemv_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_B: tl.constexpr,
 ):
-    """A few rows per variant, whole groups of a multiple of 8 * BLOCK_B inputs per row:
+    """Rows of variants with whole groups of a multiple of 8 * BLOCK_B inputs per row:
     each program takes one row of its variant and BLOCK_N outputs. Per step of BLOCK_B bytes
     of signs (8 * BLOCK_B inputs, inside one group) each bit selects +x or -x, the step is
-    summed in float32 and multiplied by the group's scale. No tile goes through the tensor
-    cores, so the signs stay in the layout they were loaded in."""
+    summed in float32 and multiplied by the group's scale; no tile goes through the tensor
+    cores."""
     v = tl.program_id(0)
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = rn < N

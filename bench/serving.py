@@ -393,7 +393,7 @@ def kernel_cuda(args: argparse.Namespace) -> None:
     target = torch.empty_like(source)
 
     def launch(gemv_rows: int) -> Callable[[], object]:
-        def run() -> None:
+        def run() -> None:  # one row per variant: 1 takes the GEMV, 0 the tiled dot
             triton_kernels.GEMV_ROWS = gemv_rows
             triton_kernels.accumulate(out, x, rows, weights, starts, table)
 
@@ -402,16 +402,17 @@ def kernel_cuda(args: argparse.Namespace) -> None:
     sign_bytes = n * out_features * in_features / 8
     runs = {
         "device-to-device copy (read + write)": (partial(target.copy_, source), 2 * source.nbytes),
-        "GEMV kernel": (launch(triton_kernels.GEMV_ROWS), sign_bytes),
+        "GEMV kernel": (launch(1), sign_bytes),
         "tiled dot kernel": (launch(0), sign_bytes),
     }
-    default = triton_kernels.GEMV_ROWS
-    seconds = {}
-    for name, (run, _) in runs.items():
-        run()  # compiles
-        torch.cuda.synchronize()
-        seconds[name] = triton.testing.do_bench(run, warmup=5, rep=50) / 1e3
-    triton_kernels.GEMV_ROWS = default
+    default, seconds = triton_kernels.GEMV_ROWS, {}
+    try:
+        for name, (run, _) in runs.items():
+            run()  # compiles
+            torch.cuda.synchronize()
+            seconds[name] = triton.testing.do_bench(run, warmup=5, rep=50) / 1e3
+    finally:
+        triton_kernels.GEMV_ROWS = default
     print(
         f"{out_features}x{in_features} layer, {n} variants x 1 bfloat16 row, "
         f"{torch.cuda.get_device_name(device)}: {sign_bytes / 1e6:.1f} MB of sign bits"

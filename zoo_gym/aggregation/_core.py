@@ -46,7 +46,7 @@ _BUDGET_SHARE = 100  # 1% of the input
 # allocations afresh each time, and faulting in fresh pages costs more than decoding them
 # (about 7 ns per value for 400 MiB chunks of n = 1000 BitDelta rows against 2.5 ns for
 # 32 MiB). A GPU's caching allocator reuses its blocks, so there a chunk takes the budget:
-# chunks of 32 MiB cost Multi-Krum 27 s at n = 1,000, d = 22M on an H200, in launches
+# with chunks of 32 MiB (2,686 at n = 1,000, d = 22M) Multi-Krum took 27 s on an H200
 _SOURCE_CHUNK = 32 << 20
 _SOURCE_ALIGN = 1024  # columns; wider chunks from a source are a multiple of it
 # bytes per value that decoding a chunk on a GPU holds beside it (the sign bytes of its rows

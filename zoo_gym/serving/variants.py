@@ -245,7 +245,7 @@ class _Rows:
     # per module (by id) and input rank: what its vector hook does (`_VectorPlan`), made
     # on the first step of an `assign` and reused by the next
     plans: dict[tuple[int, int], _VectorPlan] = field(default_factory=dict)
-    biases: dict[tuple[str, torch.dtype], Tensor | None] = field(default_factory=dict)
+    biases: dict[tuple[str, int, torch.dtype], Tensor | None] = field(default_factory=dict)
     prepared: dict[str, binary.Operands] = field(default_factory=dict)  # by weight name
     positions: dict[int, tuple[Tensor, list[int]]] = field(default_factory=dict)
 
@@ -519,7 +519,7 @@ class MixedModel:
 def _row_biases(rows: _Rows, name: str, base: Tensor, output: Tensor) -> Tensor | None:
     """The bias deltas of `name` per row (B, 1, ..., out) in the output's dtype, made once per
     `assign` and rank; None where no variant of the batch changes the bias."""
-    key = (f"{name}/{output.ndim}", output.dtype)
+    key = (name, output.ndim, output.dtype)
     if key not in rows.biases:
         deltas = rows.row_deltas(name, base)
         shape = (rows.batch,) + (1,) * (output.ndim - 2) + (base.shape[-1],)

@@ -12,9 +12,32 @@ does), and the distances and sums of BitDelta rows from their sign bits; without
 torch's GEMM run instead on decoded values; the same flags.
 `zoo_gym.serving._binary_gemm` computes the 1-bit products of BitDelta variants with a batch's
 rows on the CPU; without it `zoo_gym.serving.binary` decodes each variant's weights in torch.
+It runs its threads as an OpenMP team where the compiler has OpenMP (the team of torch's own
+libgomp once torch is loaded), POSIX threads of its own otherwise.
 """
 
 from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
+
+OPENMP = ["-fopenmp"]
+
+
+class BuildExt(build_ext):
+    """Builds each extension asking for OpenMP once more without it where the compiler
+    lacks it (Apple's clang)."""
+
+    def build_extension(self, ext: Extension) -> None:
+        if "-fopenmp" not in ext.extra_compile_args:
+            super().build_extension(ext)
+            return
+        try:
+            super().build_extension(ext)
+        except Exception as exc:  # CompileError, LinkError
+            self.warn(f"{ext.name} without OpenMP: {exc}")
+            ext.extra_compile_args = [a for a in ext.extra_compile_args if a not in OPENMP]
+            ext.extra_link_args = [a for a in ext.extra_link_args if a not in OPENMP]
+            super().build_extension(ext)
+
 
 setup(
     ext_modules=[
@@ -42,8 +65,10 @@ setup(
             "zoo_gym.serving._binary_gemm",
             sources=["zoo_gym/serving/_binary_gemm.c"],
             depends=["zoo_gym/core/_floats.h"],
-            extra_compile_args=["-O3"],
+            extra_compile_args=["-O3", *OPENMP],
+            extra_link_args=OPENMP,
             optional=True,
         ),
-    ]
+    ],
+    cmdclass={"build_ext": BuildExt},
 )

@@ -335,7 +335,8 @@ def kernel(args: argparse.Namespace) -> None:
         bits = np.random.default_rng(k).bytes(out_features * in_features // 8)
         scales = 0.01 * torch.rand(out_features * in_features // 128, generator=gen) + 1e-3
         packed = torch.frombuffer(bytearray(bits), dtype=torch.uint8)
-        weights.append(PackedTensor((out_features, in_features), packed, scales.half(), 128))
+        weight = PackedTensor((out_features, in_features), packed, scales.half(), 128)
+        weights.append(binary.kernel_layout(weight))  # as `gym-serve` loads it
     x, out = torch.randn(n, in_features, generator=gen), torch.zeros(n, out_features)
     prepared, rows, starts = binary.operands(weights), torch.arange(n), list(range(n + 1))
     array = np.ones(2**30 // 4)  # 2 GiB of float64

@@ -90,6 +90,7 @@ def test_decoded_rows_are_those_of_the_whole_delta() -> None:
 
 
 @pytest.mark.parametrize("compiled", [True, False])
+@pytest.mark.parametrize("layout", ["rows", "kernel"])
 @pytest.mark.parametrize(
     ("out", "inn", "group", "dtype"),
     [
@@ -97,19 +98,21 @@ def test_decoded_rows_are_those_of_the_whole_delta() -> None:
         (52, 256, 128, torch.float16),  # blocks of 16 and 8 outputs and single ones
         (76, 640, 128, torch.float16),  # 32 + 4 + 2 outputs; 64 of 80 bytes transposed
         (36, 96, 32, torch.bfloat16),
+        (100, 128, 64, torch.float16),  # threads split at 32: 32 and 64 + 4 outputs
         (20, 40, 16, torch.float32),  # groups start mid-row
     ],
 )
 def test_accumulate_adds_each_variants_product_into_its_rows_of_the_output(
-    compiled: bool, out: int, inn: int, group: int, dtype: torch.dtype
+    compiled: bool, layout: str, out: int, inn: int, group: int, dtype: torch.dtype
 ) -> None:
-    weights = [_packed(out, inn, group, seed, dtype) for seed in range(3)]
+    packed = [_packed(out, inn, group, seed, dtype) for seed in range(3)]
+    weights = [binary.kernel_layout(w) for w in packed] if layout == "kernel" else packed
     rows = torch.tensor([5, 0, 6, 2, 3])  # variant 0: rows 5 and 0, 1: none, 2: 6, 2, 3
     starts = [0, 2, 2, 5]
     gen = torch.Generator().manual_seed(3)
     x, base = torch.randn(7, inn, generator=gen), torch.randn(7, out, generator=gen)
     expected = base.clone()
-    for k, w in enumerate(weights):
+    for k, w in enumerate(packed):
         mine = rows[starts[k] : starts[k + 1]]
         expected[mine] += binary.product_reference(x[mine], [w], [0, len(mine)])
     previous = binary.use_compiled(compiled)
@@ -121,6 +124,45 @@ def test_accumulate_adds_each_variants_product_into_its_rows_of_the_output(
 
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(got[[1, 4]], base[[1, 4]], rtol=0, atol=0)  # rows of no variant
+
+
+def test_interleaved_signs_lie_16_rows_side_by_side_and_decode_the_same() -> None:
+    packed = _packed(37, 96, 32, 5, torch.float16)  # 2 whole blocks of 16 rows and 5 more
+    lanes = packed.interleaved()
+    row_bytes = 96 // 8
+
+    assert lanes.lanes and binary.reads_lanes(packed)
+    for block, lane, word in [(0, 0, 0), (0, 15, 2), (1, 7, 1)]:
+        at = block * 16 * row_bytes + 64 * word + 4 * lane
+        row = (16 * block + lane) * row_bytes + 4 * word
+        assert torch.equal(lanes.bits[at : at + 4], packed.bits[row : row + 4])
+    assert torch.equal(lanes.bits[32 * row_bytes :], packed.bits[32 * row_bytes :])  # the rest
+    assert torch.equal(lanes.row_bits(), packed.bits)
+    assert lanes.to("cpu").lanes and lanes.interleaved() is lanes
+    torch.testing.assert_close(lanes.decode(), _dense(packed), rtol=0, atol=0)
+    index = torch.tensor([[0, 15], [16, 36], [31, 32]])
+    torch.testing.assert_close(
+        lanes.decode_rows(index), _dense(packed)[index.reshape(-1)], rtol=0, atol=0
+    )
+
+
+def test_only_matrices_of_whole_words_a_row_are_interleaved() -> None:
+    odd = _packed(32, 40, 8, 0, torch.float16)  # rows of 5 bytes
+
+    assert odd.interleaved() is odd and not binary.reads_lanes(odd)
+    assert not binary.reads_lanes(_packed(32, 64, 128, 0, torch.float16))  # groups span rows
+
+
+def test_the_kernel_refuses_interleaved_bits_it_cannot_read_so() -> None:
+    module = binary._COMPILED.module
+    assert module is not None
+    weight = _packed(32, 64, 16, 0, torch.float16).interleaved()  # groups of 16: masked adds
+    x, out = torch.randn(1, 64), torch.zeros(1, 32)
+    scales = [weight.scales.view(torch.int16).numpy()]
+    args = (x.numpy(), out.numpy(), torch.zeros(1, dtype=torch.int64).numpy(), [0, 1])
+
+    with pytest.raises(ValueError, match="interleaved by lanes need the AVX-512 kernel"):
+        module.accumulate(*args, [weight.bits.numpy()], scales, 64, 16, 0, 1, True)
 
 
 def test_the_kernel_refuses_rows_outside_the_output() -> None:

@@ -18,7 +18,8 @@
  * run at once, one per lane, by nibble tables (the LUT-GEMM of [Park et al., 2024]): for each
  * 4 inputs of a row of x the 16 sums sum_k (bit 3 - k of p ? x_k : -x_k) are one register,
  * and a permute picks, for each of 16 outputs, the entry its 4 sign bits select (the rows'
- * bits transposed 64 bytes at a time), so one permute, one shift and one add cover 64 weights;
+ * bits interleaved by dwords when the variant was loaded, `lanes`, or transposed here 64 bytes
+ * at a time), so one permute, one shift and one add cover 64 weights;
  * each group's 16 sums are then scaled by their rows' scales (32 outputs share each load of a
  * table). The other outputs are 2 * (sum of x over set bits) - (sum of x) per
  * group: one masked add per 16 weights, eight or four outputs sharing each load of x.
@@ -66,6 +67,7 @@ typedef struct {
     double *prefix;  /* (in / 8 + 1,) */
     float *scales;   /* (in,): 32 outputs' scales, at most in / 32 groups each */
     int nibbles;     /* build the 16-entry tables of each 4 inputs (AVX-512) */
+    int lanes;       /* the bits of each whole block of 16 rows interleaved by dwords */
 } row_t;
 
 typedef void (*prepare_fn)(const float *x, Py_ssize_t in, row_t *row);
@@ -307,8 +309,9 @@ nibbles8(const __m512i *v, const float *t, __m512 (*a)[4], const int blocks)
 
 /* Adds outputs o0 .. o1 (16 x `blocks` at a time, as many as fit; returns where it stopped) to
  * y where each row holds `per_row` whole groups of a multiple of 32 weights: lane l of block h
- * is output o + 16h + l, a dword of packed bits of each of its 16 rows (64 bytes of each
- * transposed at once, gathered where fewer are left) and each of its 8 nibbles selects the sum
+ * is output o + 16h + l, a dword of packed bits of each of its 16 rows (one load where the
+ * blocks' bits are interleaved, `row->lanes`; otherwise 64 bytes of each row transposed at
+ * once, gathered where fewer are left) and each of its 8 nibbles selects the sum
  * of its 4 signed inputs from that nibble's table (the LUT-GEMM of [Park et al., 2024] on 16
  * rows at once); each group's sums are scaled by the rows' scales, gathered from their
  * converted run. */
@@ -333,10 +336,16 @@ rows_lut(row_t *row, const unsigned char *bits, Py_ssize_t o0, Py_ssize_t o1, Py
         }
         for (Py_ssize_t d = 0; d < row_bytes / 4; d++) {
             const int whole = 4 * (d - d % 16 + 16) <= row_bytes; /* 64 bytes left of the row */
-            for (int h = 0; h < blocks; h++) /* the blocks' bytes, PREFETCH ahead of their use */
-                _mm_prefetch((const char *)b + 64 * (d * blocks + h) + PREFETCH, _MM_HINT_T0);
+            for (int h = 0; h < blocks; h++) { /* the blocks' bytes, PREFETCH ahead of use */
+                const Py_ssize_t at = row->lanes ? 16 * h * row_bytes + 64 * d : 64 * (d * blocks + h);
+                _mm_prefetch((const char *)b + at + PREFETCH, _MM_HINT_T0);
+            }
             for (int h = 0; h < blocks; h++) {
                 const unsigned char *mine = b + 16 * h * row_bytes;
+                if (row->lanes) {
+                    now[h] = _mm512_loadu_si512(mine + 64 * d);
+                    continue;
+                }
                 if (d % 16 == 0 && whole) {
                     for (int l = 0; l < 16; l++)
                         chunk[l] = _mm512_loadu_si512(mine + l * row_bytes + 4 * d);
@@ -578,7 +587,7 @@ static int get_buffer(PyObject *obj, Py_buffer *view, int writable, Py_ssize_t n
 
 typedef struct {
     Py_ssize_t x_rows, n_rows, in, out_features, group;
-    int scale_kind, threads;
+    int scale_kind, threads, lanes;
 } shape_t;
 
 /* Check and hold the buffers of every variant; returns how many were taken (-1 on error). */
@@ -626,12 +635,25 @@ static size_t row_floats(Py_ssize_t in)
            (size_t)in;
 }
 
+/* Where thread t of `threads` starts among `out` outputs: on a block of 32 (whole blocks of 16
+ * interleaved rows stay with one thread), the last thread ending at out. */
+static Py_ssize_t split(Py_ssize_t out, int t, int threads)
+{
+    return t == threads ? out : out * t / threads / 32 * 32;
+}
+
 static int compute(const Py_buffer *x, Py_buffer *out, const int64_t *rows,
                    const variant_t *variants, Py_ssize_t n, const shape_t *s)
 {
     const int threads = s->threads;
     const size_t per_thread = row_floats(s->in);
     const int nibbles = best_kernel->block != NULL && s->in % s->group == 0 && s->group % 32 == 0;
+    if (s->lanes && !nibbles) {
+        PyErr_SetString(PyExc_ValueError,
+                        "bits interleaved by lanes need the AVX-512 kernel and rows of whole "
+                        "groups of a multiple of 32 weights; pass them row by row");
+        return -1;
+    }
     float *buffers = PyMem_RawMalloc(sizeof(float) * (size_t)threads * per_thread);
     job_t *jobs = PyMem_RawMalloc(sizeof(job_t) * (size_t)threads);
     if (buffers == NULL || jobs == NULL) {
@@ -645,9 +667,19 @@ static int compute(const Py_buffer *x, Py_buffer *out, const int64_t *rows,
         float *reversed = mine + (size_t)TABLE * (size_t)(s->in / 8);
         double *prefix = (double *)(void *)(reversed + s->in + 8); /* 8 floats of padding */
         float *scales = (float *)(void *)(prefix + s->in / 8 + 1);
-        jobs[t] = (job_t){x->buf, out->buf, rows, variants, n, s->in, s->out_features, s->group,
-                          s->out_features * t / threads, s->out_features * (t + 1) / threads,
-                          s->scale_kind, best_kernel, {mine, reversed, prefix, scales, nibbles}};
+        jobs[t] = (job_t){x->buf,
+                          out->buf,
+                          rows,
+                          variants,
+                          n,
+                          s->in,
+                          s->out_features,
+                          s->group,
+                          split(s->out_features, t, threads),
+                          split(s->out_features, t + 1, threads),
+                          s->scale_kind,
+                          best_kernel,
+                          {mine, reversed, prefix, scales, nibbles, s->lanes}};
     }
     int failed;
     Py_BEGIN_ALLOW_THREADS
@@ -727,8 +759,9 @@ static PyObject *gemm_accumulate(PyObject *self, PyObject *args)
 {
     PyObject *x_obj, *out_obj, *rows_obj, *starts, *bits, *scales;
     shape_t s;
-    if (!PyArg_ParseTuple(args, "OOOOOOnnii:accumulate", &x_obj, &out_obj, &rows_obj, &starts,
-                          &bits, &scales, &s.in, &s.group, &s.scale_kind, &s.threads))
+    s.lanes = 0;
+    if (!PyArg_ParseTuple(args, "OOOOOOnnii|p:accumulate", &x_obj, &out_obj, &rows_obj, &starts,
+                          &bits, &scales, &s.in, &s.group, &s.scale_kind, &s.threads, &s.lanes))
         return NULL;
     if (check_shape(&s, starts, bits, scales) < 0)
         return NULL;
@@ -752,12 +785,13 @@ static PyObject *gemm_accumulate(PyObject *self, PyObject *args)
 
 PyDoc_STRVAR(accumulate_doc,
              "accumulate(x, out, rows, starts, bits, scales, in_features, group, scale_kind,\n"
-             "           threads)\n"
+             "           threads, lanes=False)\n"
              "--\n\n"
              "Add the 1-bit product of each variant k (packed sign bytes bits[k], group\n"
              "scales scales[k]: float16, bfloat16 or float32 for scale_kind 0, 1, 2) with the\n"
              "rows rows[starts[k]] .. rows[starts[k + 1] - 1] of x (X, in) float32 to the same\n"
-             "rows of out (X, out) float32, on `threads` threads.");
+             "rows of out (X, out) float32, on `threads` threads. `lanes`: each whole block of\n"
+             "16 rows of the bits is interleaved by dwords (zoo_gym.serving.packed).");
 
 static PyMethodDef gemm_methods[] = {
     {"accumulate", gemm_accumulate, METH_VARARGS, accumulate_doc},

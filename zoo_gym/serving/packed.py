@@ -10,16 +10,25 @@ from torch import Tensor
 
 from zoo_gym.compression import bitdelta
 
+LANES = 16  # rows of a block whose signs `PackedTensor.interleaved` lays side by side
+
 
 @dataclass(frozen=True)
 class PackedTensor:
     """One tensor of a variant: packed signs (ceil(n / 8),) uint8 and group scales (G,) in the
-    envelope's scale dtype (float16, bfloat16 or float32), never unpacked floats."""
+    envelope's scale dtype (float16, bfloat16 or float32), never unpacked floats.
+
+    `lanes`: the signs of each whole block of `LANES` rows of a (rows, cols) weight lie
+    interleaved by 4 bytes, as the CPU kernel reads 16 rows at once: bytes 4d .. 4d + 3 of the
+    block's row l are at 64 d + 4 l of the block's bytes. The block keeps its place (rows
+    16b .. 16b + 15 take the same bytes either way) and the rows after the last whole block
+    stay row by row (see `interleaved`)."""
 
     shape: tuple[int, ...]
     bits: Tensor
     scales: Tensor
     group: int
+    lanes: bool = False
 
     @property
     def numel(self) -> int:
@@ -30,29 +39,73 @@ class PackedTensor:
         return self.bits.numel() + self.scales.numel() * self.scales.element_size()
 
     def to(self, device: torch.device | str) -> PackedTensor:
-        return PackedTensor(self.shape, self.bits.to(device), self.scales.to(device), self.group)
+        """On `device`; off the CPU row by row (the GPU kernels read rows)."""
+        bits = self.row_bits() if torch.device(device).type != "cpu" else self.bits
+        lanes = self.lanes and bits is self.bits
+        return PackedTensor(self.shape, bits.to(device), self.scales.to(device), self.group, lanes)
+
+    def interleaved(self) -> PackedTensor:
+        """This weight with `lanes`, where it is a matrix whose rows are whole 4-byte words
+        (cols % 32 == 0); itself otherwise."""
+        if self.lanes or len(self.shape) != 2 or self.shape[1] % 32:
+            return self
+        bits = _relaid(self.bits, self.shape, to_lanes=True)
+        return PackedTensor(self.shape, bits, self.scales, self.group, lanes=True)
+
+    def row_bits(self) -> Tensor:
+        """The signs row by row (a new tensor where they are interleaved)."""
+        return _relaid(self.bits, self.shape, to_lanes=False) if self.lanes else self.bits
 
     def decode(self, out: Tensor | None = None) -> Tensor:
         """The delta as float32 of `shape`, written into `out` (n,) float32 when given."""
         flat = torch.empty(self.numel, device=self.bits.device) if out is None else out
-        bitdelta.unpack(self.bits, self.scales.float(), self.group, flat[: self.numel])
+        bitdelta.unpack(self.row_bits(), self.scales.float(), self.group, flat[: self.numel])
         return flat[: self.numel].view(self.shape)
 
     def decode_rows(self, index: Tensor) -> Tensor:
         """Rows `index` (k,) of a 2-D delta (rows, cols) as float32 (k, cols): only the signs
         and scales of those rows are read (an embedding's looked-up tokens)."""
         cols = self.shape[1]
-        flat = index.reshape(-1, 1).long() * cols + torch.arange(cols, device=index.device)
-        byte = self.bits[flat // 8].to(torch.int32)
-        positive = (byte >> (7 - flat % 8)) & 1
+        row = index.reshape(-1, 1).long()
+        col = torch.arange(cols, device=index.device)
+        flat = row * cols + col
+        if self.lanes:  # rows of whole blocks: their 4-byte words side by side (cols % 32 == 0)
+            whole = row < self.shape[0] - self.shape[0] % LANES
+            row_bytes = cols // 8
+            start = torch.where(
+                whole, row // LANES * LANES * row_bytes + row % LANES * 4, row * row_bytes
+            )
+            byte = start + torch.where(whole, col // 32 * 4 * LANES + col % 32 // 8, col // 8)
+        else:
+            byte = flat // 8
+        positive = (self.bits[byte].to(torch.int32) >> (7 - flat % 8)) & 1
         scale = self.scales[flat // self.group].float()
         return torch.where(positive.bool(), scale, -scale)
 
 
+def _relaid(bits: Tensor, shape: tuple[int, ...], *, to_lanes: bool) -> Tensor:
+    """`bits` of a (rows, cols) weight with each whole block of `LANES` rows interleaved by
+    4-byte words (`to_lanes`) or back to rows; the rows after the last block as they are."""
+    rows, words = shape[0], shape[1] // 32
+    blocks = rows // LANES
+    head = blocks * LANES * words * 4
+    out = bits.clone()
+    if to_lanes:
+        block = bits[:head].view(blocks, LANES, words, 4)
+    else:
+        block = bits[:head].view(blocks, words, LANES, 4)
+    out[:head].view_as(block.transpose(1, 2)).copy_(block.transpose(1, 2))
+    return out
+
+
 def alike(weights: Sequence[PackedTensor]) -> bool:
-    """Whether `weights` share one group size and scale dtype (one kernel call takes them)."""
+    """Whether `weights` share one group size, scale dtype and layout (one kernel call takes
+    them)."""
     first = weights[0]
-    return all(w.group == first.group and w.scales.dtype == first.scales.dtype for w in weights)
+    return all(
+        w.group == first.group and w.scales.dtype == first.scales.dtype and w.lanes == first.lanes
+        for w in weights
+    )
 
 
 def _numel(shape: tuple[int, ...]) -> int:

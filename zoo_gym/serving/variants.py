@@ -5,7 +5,8 @@ BitDelta envelope of V - P over every tensor, with a JSON record beside it (form
 parent, codec, group size, sha256, size). `load_variant` checks the record against the served
 base P and the envelope against the record, and keeps each weight matrix as packed signs and
 group scales (`PackedTensor`, 1.125 bits per value with float16 scales of 128 values: about
-1/14 of the bf16 model), vectors (norms, biases) as well. `VariantStore` loads variants on
+1/14 of the bf16 model; on the CPU in the layout its kernel reads, `binary.kernel_layout`),
+vectors (norms, biases) as well. `VariantStore` loads variants on
 demand and evicts the least recently used beyond a memory budget.
 
 `attach(model)` hooks a Hugging Face causal LM so that one batch mixes rows of several variants
@@ -143,7 +144,7 @@ def load_variant(
         packed, vectors, shapes = _unpack_envelope(payload, envelope)
     except EnvelopeError as exc:
         raise VariantError(f"{envelope}: {exc}") from None
-    packed = {name: p.to(device) for name, p in packed.items()}
+    packed = {name: binary.kernel_layout(p.to(device)) for name, p in packed.items()}
     vectors = {name: p.to(device) for name, p in vectors.items()}
     return PackedVariant(version, base, packed, vectors, shapes)
 

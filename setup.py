@@ -18,6 +18,7 @@ libgomp once torch is loaded), POSIX threads of its own otherwise.
 
 from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
+from setuptools.errors import CompileError, LinkError
 
 OPENMP = ["-fopenmp"]
 
@@ -27,12 +28,12 @@ class BuildExt(build_ext):
     lacks it (Apple's clang)."""
 
     def build_extension(self, ext: Extension) -> None:
-        if "-fopenmp" not in ext.extra_compile_args:
+        if not set(OPENMP) & set(ext.extra_compile_args):
             super().build_extension(ext)
             return
         try:
             super().build_extension(ext)
-        except Exception as exc:  # CompileError, LinkError
+        except (CompileError, LinkError) as exc:
             self.warn(f"{ext.name} without OpenMP: {exc}")
             ext.extra_compile_args = [a for a in ext.extra_compile_args if a not in OPENMP]
             ext.extra_link_args = [a for a in ext.extra_link_args if a not in OPENMP]

@@ -337,7 +337,8 @@ rows_lut(row_t *row, const unsigned char *bits, Py_ssize_t o0, Py_ssize_t o1, Py
         for (Py_ssize_t d = 0; d < row_bytes / 4; d++) {
             const int whole = 4 * (d - d % 16 + 16) <= row_bytes; /* 64 bytes left of the row */
             for (int h = 0; h < blocks; h++) { /* the blocks' bytes, PREFETCH ahead of use */
-                const Py_ssize_t at = row->lanes ? 16 * h * row_bytes + 64 * d : 64 * (d * blocks + h);
+                const Py_ssize_t at =
+                    row->lanes ? 16 * h * row_bytes + 64 * d : 64 * (d * blocks + h);
                 _mm_prefetch((const char *)b + at + PREFETCH, _MM_HINT_T0);
             }
             for (int h = 0; h < blocks; h++) {

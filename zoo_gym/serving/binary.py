@@ -89,8 +89,8 @@ def reads_lanes(packed: PackedTensor) -> bool:
     """Whether the compiled kernel reads `packed` 16 rows at a time from bits interleaved
     by `PackedTensor.interleaved`: built with its AVX-512 kernel, for a CPU weight whose rows
     hold whole groups of a multiple of 32 weights. Read so, it skips transposing 64 bytes of
-    each of 16 rows: one thread took 5.0 GB/s of signs from memory transposing and 5.8 with
-    them interleaved (a 151936 x 896 layer)."""
+    each of 16 rows: a C copy of its loop on one thread read 5.0 GB/s of signs from memory
+    transposing and 5.8 with them interleaved (a 151936 x 896 layer)."""
     module = _COMPILED.module if _COMPILED.available else None
     return (
         module is not None
@@ -132,7 +132,8 @@ def operands(weights: Sequence[PackedTensor]) -> Operands:
         from zoo_gym.serving import kernels as triton_kernels
 
         return Operands(ready, [], [], -1, triton_kernels.table(ready) if same else None)
-    if not (same and compiled_for(first, first.bits.device)):
+    readable = not first.lanes or reads_lanes(first)  # interleaved bits it can read so
+    if not (same and readable and compiled_for(first, first.bits.device)):
         return Operands(ready, [], [], -1)
     kind = SCALE_KINDS[first.scales.dtype]
     scales = [w.scales.view(torch.int16) if kind < 2 else w.scales for w in ready]
@@ -144,7 +145,6 @@ def _compiled_takes(out: Tensor, x: Tensor, prepared: Operands) -> bool:
     return (
         prepared.kind >= 0
         and _COMPILED.enabled
-        and (not prepared.weights[0].lanes or reads_lanes(prepared.weights[0]))
         and out.dtype == torch.float32
         and out.is_contiguous()
         and out.device.type == "cpu"

@@ -40,9 +40,11 @@ class PackedTensor:
 
     def to(self, device: torch.device | str) -> PackedTensor:
         """On `device`; off the CPU row by row (the GPU kernels read rows)."""
-        bits = self.row_bits() if torch.device(device).type != "cpu" else self.bits
-        lanes = self.lanes and bits is self.bits
-        return PackedTensor(self.shape, bits.to(device), self.scales.to(device), self.group, lanes)
+        cpu = torch.device(device).type == "cpu"
+        bits = (self.bits if cpu else self.row_bits()).to(device)
+        return PackedTensor(
+            self.shape, bits, self.scales.to(device), self.group, self.lanes and cpu
+        )
 
     def interleaved(self) -> PackedTensor:
         """This weight with `lanes`, where it is a matrix whose rows are whole 4-byte words
@@ -89,7 +91,8 @@ def _relaid(bits: Tensor, shape: tuple[int, ...], *, to_lanes: bool) -> Tensor:
     rows, words = shape[0], shape[1] // 32
     blocks = rows // LANES
     head = blocks * LANES * words * 4
-    out = bits.clone()
+    out = torch.empty_like(bits)
+    out[head:] = bits[head:]
     if to_lanes:
         block = bits[:head].view(blocks, LANES, words, 4)
     else:

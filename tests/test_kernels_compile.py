@@ -39,8 +39,9 @@ ROWS = dict(
 )
 GEMV = dict(
     x_ptr="*X", out_ptr="*X", rows_ptr="*i64", starts_ptr="*i64", bits_table="*i64",
-    scales_table="*i64", scale_like="*S", N="i32", K="i32", group="i32", stride_x="i32",
-    stride_out="i32", BLOCK_N="constexpr", BLOCK_B="constexpr",
+    scales_table="*i64", scale_like="*S", N="i32", group="i32", stride_x="i32",
+    stride_out="i32", bias_ptr="*X", per_row="i32", ROW_WORDS="constexpr", BLOCK_N="constexpr",
+    STEP="constexpr", HAS_BIAS="constexpr",
 )
 EXACT = {"enable_fp_fusion": False}
 cases = []
@@ -54,8 +55,9 @@ for x, s in (("bf16", "fp16"), ("fp16", "bf16"), ("fp32", "fp32")):  # model, sc
     sig = {k: v.replace("X", x).replace("S", s) for k, v in ROWS.items()}
     cases.append((serving._rows_kernel, sig, dict(BLOCK=serving.ROWS_BLOCK), {}))
     sig = {k: v.replace("X", x).replace("S", s) for k, v in GEMV.items()}
-    consts = dict(BLOCK_N=serving.GEMV_BLOCK_N, BLOCK_B=serving.WIDE_K // 8)
-    cases.append((serving._gemv_kernel, sig, consts, {}))
+    for bias, (block, warps) in zip((True, False), serving.GEMV_SHAPES):
+        consts = dict(ROW_WORDS=28, BLOCK_N=block, STEP=serving.WIDE_K // 32, HAS_BIAS=bias)
+        cases.append((serving._gemv_kernel, sig, consts, dict(num_warps=warps)))
 for group in (8, 136):
     sig = dict(x_ptr="*fp32", bits_ptr="*u8", scale_ptr="*fp32", n="i64", n_groups="i64",
                GROUP="constexpr", ROWS="constexpr")
@@ -88,5 +90,5 @@ def test_every_kernel_compiles_for_hopper_and_ampere() -> None:
     )
     assert done.returncode == 0, done.stderr[-3000:]
     compiled = json.loads(done.stdout.strip().splitlines()[-1])
-    assert len(compiled) == 2 * (3 * 4 + 2 + 2 + 3)
+    assert len(compiled) == 2 * (3 * 5 + 2 + 2 + 3)
     assert any("_accumulate_kernel" in c and "('ROW_GROUPS', True)" in c for c in compiled)

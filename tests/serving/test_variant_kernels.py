@@ -29,6 +29,7 @@ def test_the_kernel_can_run_here() -> None:
         ((1,), 64, 96, 8),
         ((2, 1, 3), 70, 256, 128),  # whole groups per row: the +-1 tiles, scaled per block
         ((1, 16, 17), 64, 384, 128),  # a variant with more rows than one block
+        ((1, 2), 1100, 128, 128),  # more outputs than `GEMV_FEW`: the GEMV's wide programs
     ],
 )
 @pytest.mark.parametrize("scale_dtype", [torch.float16, torch.bfloat16, torch.float32])
@@ -93,6 +94,57 @@ def test_accumulate_adds_into_the_rows_of_each_variant_in_one_launch(
     tolerance = {"rtol": 1e-5, "atol": 1e-4} if dtype == torch.float32 else {}
     torch.testing.assert_close(out.cpu(), expected.to(dtype), **tolerance)
     assert torch.equal(out[2].cpu(), before[2])
+
+
+@pytest.mark.parametrize("per_row", [1, 2])  # a decode step; two positions of each row
+def test_the_gemv_adds_each_rows_bias_delta_in_the_same_pass(
+    per_row: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Batch rows 0, 2 and 3 of variants 0, 1, 1 (row 1 the base's): the output's rows of
+    those get their product and their batch row's bias delta, the base's rows neither."""
+    monkeypatch.setattr(serving_kernels, "GEMV_ROWS", 2 * per_row)
+    gen = torch.Generator().manual_seed(per_row)
+    weights = [w.to(DEVICE) for w in _variants(gen, 2, 70, 256, 128)]
+    batch = [0, 2, 3]
+    rows = torch.tensor([b * per_row + p for b in batch for p in range(per_row)])
+    starts = [0, per_row, 3 * per_row]
+    x = torch.randn(4 * per_row, 256, generator=gen)
+    before = torch.randn(4 * per_row, 70, generator=gen)
+    bias = torch.randn(4, 70, generator=gen)
+    bias[1] = 7.0  # the base row's entry: never read
+    out = before.clone().to(DEVICE)
+
+    added = serving_kernels.accumulate(
+        out, x.to(DEVICE), rows.to(DEVICE), weights, starts, bias=bias.to(DEVICE)
+    )
+
+    assert added
+    expected = before.clone()
+    delta = binary.product_reference(
+        x.index_select(0, rows), [w.to("cpu") for w in weights], starts
+    )
+    expected.index_add_(0, rows, delta + bias[rows // per_row])
+    torch.testing.assert_close(out.cpu(), expected, rtol=1e-5, atol=1e-4)
+
+
+def test_signs_off_a_16_byte_boundary_take_the_tiled_dot_and_leave_the_bias() -> None:
+    gen = torch.Generator().manual_seed(9)
+    (whole,) = _variants(gen, 1, 64, 128, 128)
+    shifted = torch.empty(whole.bits.numel() + 1, dtype=torch.uint8, device=DEVICE)
+    shifted[1:] = whole.bits.to(DEVICE)
+    scales = whole.scales.to(DEVICE)
+    odd = PackedTensor(whole.shape, shifted[1:], scales, whole.group)  # 1 byte off
+    x = torch.randn(1, 128, generator=gen)
+    out = torch.zeros(1, 64, device=DEVICE)
+    table = serving_kernels.table([odd])
+    one_row = torch.tensor([0], device=DEVICE)
+    bias = torch.ones(1, 64, device=DEVICE)
+
+    added = serving_kernels.accumulate(out, x.to(DEVICE), one_row, [odd], [0, 1], table, bias)
+
+    assert not table.aligned and not added
+    expected = binary.product_reference(x, [whole], [0, 1])
+    torch.testing.assert_close(out.cpu(), expected, rtol=1e-5, atol=1e-4)
 
 
 def test_variants_of_different_group_sizes_in_one_batch() -> None:

@@ -187,3 +187,59 @@ def test_the_store_evicts_the_least_recently_used_within_its_budget(models: Path
 
     with pytest.raises(VariantError, match="more than the budget"):
         VariantStore(models, "v0000", budget_bytes=size // 2).get("v0001")
+
+
+def _count_runs(module: torch.nn.Module, runs: list[int]) -> None:
+    forward = module.forward
+
+    def counted(*args: object, **kwargs: object) -> object:
+        runs.append(1)
+        return forward(*args, **kwargs)
+
+    module.forward = counted  # type: ignore[method-assign]
+
+
+def test_a_norm_runs_once_with_per_row_weights_after_the_first_step(models: Path) -> None:
+    """The first forward of an `assign` runs a changed norm twice (its own weights, then the
+    per-row ones, to learn that they broadcast); every later forward puts the per-row
+    weights in ahead of the one run, and the module gets its own weights back after it."""
+    rows = ["v0001", None, "v0002"]
+    ids = torch.randint(4, 300, (3, 5), generator=torch.Generator().manual_seed(2))
+    mixed = attach(_model(models / "v0000"), VariantStore(models, "v0000", 10**8))
+    norm = mixed.model.model.norm
+    own = norm.weight
+    runs: list[int] = []
+    _count_runs(norm, runs)
+
+    with torch.no_grad(), mixed.assign(rows):
+        first = mixed.model(ids).logits
+        assert len(runs) == 2
+        second = mixed.model(ids).logits
+        assert len(runs) == 3
+        assert norm.weight is own
+
+    torch.testing.assert_close(second, first)
+    reference = _merged(models, "v0002")(ids[2:3]).logits[0]
+    torch.testing.assert_close(second[2], reference, rtol=1e-4, atol=1e-4)
+
+
+def test_a_forward_that_fails_leaves_no_per_row_weights_behind(models: Path) -> None:
+    rows = ["v0001", "v0002"]
+    ids = torch.randint(4, 300, (2, 4), generator=torch.Generator().manual_seed(4))
+    mixed = attach(_model(models / "v0000"), VariantStore(models, "v0000", 10**8))
+    norms = [m for m in mixed.model.modules() if type(m).__name__.endswith("RMSNorm")]
+    owns = [m.weight for m in norms]
+
+    def fail(module: torch.nn.Module, args: object) -> None:
+        raise RuntimeError("stopped inside the model")
+
+    with torch.no_grad(), mixed.assign(rows):
+        mixed.model(ids)  # the plans are made: later forwards swap weights in ahead
+        last = mixed.model.model.layers[-1].post_attention_layernorm
+        handle = last.register_forward_pre_hook(fail)  # after the per-row weights went in
+        with pytest.raises(RuntimeError, match="stopped inside"):
+            mixed.model(ids)
+        handle.remove()
+    assert all(m.weight is own for m, own in zip(norms, owns, strict=True))
+    with torch.no_grad():
+        torch.testing.assert_close(mixed.model(ids).logits, _model(models / "v0000")(ids).logits)

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
@@ -41,6 +41,9 @@ from torch import Tensor
 from zoo_gym.compression import kernels
 from zoo_gym.core.extension import Extension
 from zoo_gym.serving.packed import PackedTensor, alike
+
+if TYPE_CHECKING:
+    from zoo_gym.serving.kernels import Table
 
 _COMPILED = Extension("zoo_gym.serving._binary_gemm")
 # weights x rows below which the CPU kernel runs on one thread: a second thread cost more than
@@ -119,7 +122,7 @@ class Operands:
     bits: list[Any]  # numpy uint8 (out * in / 8,) per variant; empty where not compiled
     scales: list[Any]  # numpy int16 (float16 or bfloat16 bits) or float32 (G,) per variant
     kind: int  # SCALE_KINDS of the scales; -1 where the compiled kernel does not take them
-    addresses: Tensor | None = None  # on CUDA, where one launch takes them: the kernel's table
+    addresses: Table | None = None  # on CUDA, where one launch takes them: the kernel's table
 
 
 def operands(weights: Sequence[PackedTensor]) -> Operands:
@@ -164,20 +167,24 @@ def accumulate(
     starts: Sequence[int],
     *,
     threads: int = 0,
-) -> None:
+    bias: Tensor | None = None,
+) -> bool:
     """``out[rows[j]] += x[rows[j]] @ D_k^T`` for the entries j in starts[k] .. starts[k + 1]
     of `rows` (R,) int64 and each variant k of `prepared`: x (X, in), out (X, out). On CUDA the
     Triton kernel adds in place (any float dtype); on the CPU the compiled kernel does where out
     is float32 and contiguous; elsewhere `product` runs on the picked rows and `index_add_` adds
-    them. `threads` as for `product`."""
+    them. `threads` as for `product`. Returns whether `bias` (B, out), a bias delta per batch
+    row, was added too, in the same pass (see `kernels.accumulate`); the caller adds it where
+    not."""
     if not prepared.weights or len(rows) == 0:
-        return
+        return False
     first = prepared.weights[0]
     if on_gpu(out):
         from zoo_gym.serving import kernels as triton_kernels
 
-        triton_kernels.accumulate(out, x, rows, prepared.weights, starts, prepared.addresses)
-        return
+        return triton_kernels.accumulate(
+            out, x, rows, prepared.weights, starts, prepared.addresses, bias
+        )
     if _compiled_takes(out, x, prepared):
         assert _COMPILED.module is not None
         _COMPILED.module.accumulate(
@@ -193,10 +200,11 @@ def accumulate(
             _threads(len(rows), first, threads),
             first.lanes,
         )
-        return
+        return False
     picked = x.index_select(0, rows).float()
     delta = product(picked, prepared.weights, starts, threads=threads)
     out.index_add_(0, rows, delta.to(out.dtype))
+    return False
 
 
 def on_gpu(out: Tensor) -> bool:

@@ -16,12 +16,11 @@ each program decodes a (BLOCK_N, BLOCK_K) tile of signs from the packed bytes in
 - Elsewhere (groups that start mid-row) each weight is ``where(bit, scale, -scale)`` and the dot
   runs in float32 (IEEE, no TF32).
 - A decode step gives each variant a row (at most `GEMV_ROWS`): there, where rows hold
-  whole groups, `_gemv_kernel` runs instead, one program per row and block of outputs, each bit
-  selecting +x or -x, summed per group in float32 and scaled, with no 16-row tile of which one
-  row is real. On an H200 with 100 variants of one row it read signs at 163 to 185 GB/s against
-  the tiled dot's 146 to 157 (which took 41 of the 48.6 ms of GPU kernel time in a decode
-  step of Qwen2.5-0.5B): both are bound by the instructions per weight, far from the
-  memory's speed.
+  whole groups, `_gemv_kernel` runs instead, one program per row and block of outputs, a
+  thread per output reading its signs as 32-bit words, each bit flipping the sign of +-x_i by
+  one xor (three instructions a weight as compiled for sm_90), summed per group in float32 and
+  scaled, with no 16-row tile of which one row is real. On an H200 with 100 variants of one
+  row it read signs at 400 to 700 GB/s against the tiled dot's 130 to 157 (`bench/README.md`).
 
 Products are added into the output in place (float32 sums, rounded once to the output's dtype);
 each row of the output belongs to one variant. Bit layout and groups as `zoo_gym.serving.binary`
@@ -37,6 +36,7 @@ from __future__ import annotations
 import functools
 import itertools
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -53,10 +53,16 @@ ROWS_BLOCK = 256  # values of an embedding row per program
 MAX_SPLIT = 128  # programs that share one variant's rows (a prompt's positions) per block
 # at most this many rows per variant (a decode step's one token each) take `_gemv_kernel`;
 # 0 sends every product through `_accumulate_kernel`. The GEMV decodes a variant's signs
-# once per row, the tiled dot once per 16 rows, and on an H200 one GEMV pass ran only 1.1 to
-# 1.2 times as fast as one tiled pass: from two rows the tiled dot does less
-GEMV_ROWS = 1
-GEMV_BLOCK_N = 64  # outputs per program of `_gemv_kernel`
+# once per row, the tiled dot once per 16 rows: on an H200, 100 variants of a 4864 x 896
+# layer took 0.34 ms with two rows each in the GEMV against 0.36 in the tiled dot, and 0.68
+# against 0.37 with four
+GEMV_ROWS = 2
+# (outputs per program, warps) of `_gemv_kernel`: up to `GEMV_FEW` outputs, one warp of 128
+# (more programs to fill the GPU), else four warps of 256. On an H200 with 100 variants of one
+# row: 896 x 896 0.028 ms against 0.034, 896 x 4864 0.136 against 0.153; 4864 x 896 0.125
+# against 0.106, and the LM head (151936 x 896) 4.30 against 2.45
+GEMV_FEW = 1024
+GEMV_SHAPES = ((128, 1), (256, 4))
 
 
 @triton.jit
@@ -152,43 +158,52 @@ def _gemv_kernel(
     scales_table,
     scale_like,
     N,
-    K,
     group,
     stride_x,
     stride_out,
+    bias_ptr,
+    per_row,
+    ROW_WORDS: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    BLOCK_B: tl.constexpr,
+    STEP: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
 ):
-    """Rows of variants with whole groups of a multiple of 8 * BLOCK_B inputs per row:
-    each program takes one row of its variant and BLOCK_N outputs. Per step of BLOCK_B bytes
-    of signs (8 * BLOCK_B inputs, inside one group) each bit selects +x or -x, the step is
-    summed in float32 and multiplied by the group's scale; no tile goes through the tensor
-    cores."""
+    """Rows of variants whose weights' rows are whole groups of a multiple of 32 * STEP inputs
+    (signs 4-byte aligned): each program takes one row of its variant and BLOCK_N outputs, a
+    thread its outputs' 32-bit words of signs. Input i of a word is the word's bit
+    8 * (i // 8) + 7 - i % 8 (bytes in memory order, each from its top bit); shifted to the
+    top, that bit turns -x_i into +x_i by one xor of the float's sign, so each weight costs a
+    shift, a mask-and-xor and an add, with no layout of bits across threads. Sums are float32
+    per step of 32 * STEP inputs (inside one group), then scaled. With HAS_BIAS, row r also
+    gets row r // per_row of the (B, N) `bias_ptr` (a bias delta per batch row) in the same
+    pass."""
     v = tl.program_id(0)
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = rn < N
     first = tl.load(starts_ptr + v)
     stop = tl.load(starts_ptr + v + 1)
-    bits_ptr = tl.load(bits_table + v).to(tl.pointer_type(tl.uint8))
+    words_ptr = tl.load(bits_table + v).to(tl.pointer_type(tl.uint32))
     scale_ptr = tl.load(scales_table + v).to(tl.pointer_type(scale_like.dtype.element_ty))
-    row_bytes = K // 8
-    shift = 7 - tl.arange(0, 8)
-    lanes = tl.arange(0, 8)
+    row_at = rn.to(tl.int64) * ROW_WORDS
+    row_group = rn.to(tl.int64) * (ROW_WORDS * 32 // group)  # each row's first group
     for j in range(first + tl.program_id(2), stop, tl.num_programs(2)):
         rid = tl.load(rows_ptr + j).to(tl.int64)
+        x_row = x_ptr + rid * stride_x
         acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-        for b0 in range(0, row_bytes, BLOCK_B):
-            rb = b0 + tl.arange(0, BLOCK_B)
-            at = rn[:, None].to(tl.int64) * row_bytes + rb[None, :]
-            byte = tl.load(bits_ptr + at, mask=n_mask[:, None], other=0).to(tl.int32)
-            x = tl.load(x_ptr + rid * stride_x + rb[:, None] * 8 + lanes[None, :])
-            x = x.to(tl.float32)  # (BLOCK_B, 8)
-            bit = (byte[:, :, None] >> shift[None, None, :]) & 1  # (BLOCK_N, BLOCK_B, 8)
-            signed = tl.where(bit != 0, x[None, :, :], -x[None, :, :])
-            part = tl.sum(tl.sum(signed, axis=2), axis=1)
-            g = (rn.to(tl.int64) * K + b0 * 8) // group
-            scale = tl.load(scale_ptr + g, mask=n_mask, other=0.0).to(tl.float32)
-            acc += part * scale
+        if HAS_BIAS:
+            acc = tl.load(bias_ptr + rid // per_row * N + rn, mask=n_mask, other=0.0)
+            acc = acc.to(tl.float32)
+        for s in range(0, ROW_WORDS, STEP):
+            part = tl.zeros((BLOCK_N,), dtype=tl.float32)
+            for w in tl.static_range(STEP):
+                word = tl.load(words_ptr + row_at + s + w, mask=n_mask, other=0)
+                for i in tl.static_range(32):
+                    x = tl.load(x_row + (s + w) * 32 + i).to(tl.float32)
+                    top = (word << (31 - (i // 8 * 8 + 7 - i % 8))) & 0x80000000
+                    signed = x.to(tl.uint32, bitcast=True) ^ top ^ 0x80000000
+                    part += signed.to(tl.float32, bitcast=True)
+            scale = tl.load(scale_ptr + row_group + s * 32 // group, mask=n_mask, other=0.0)
+            acc += part * scale.to(tl.float32)
         at_out = out_ptr + rid * stride_out + rn
         current = tl.load(at_out, mask=n_mask, other=0.0).to(tl.float32)
         tl.store(at_out, (current + acc).to(out_ptr.dtype.element_ty), mask=n_mask)
@@ -229,7 +244,7 @@ def add_rows(
     rows: Tensor,
     weights: Sequence[PackedTensor],
     starts: Sequence[int],
-    addresses: Tensor | None = None,
+    addresses: Table | None = None,
 ) -> None:
     """``out[rows[j]] += D_k[ids[rows[j]]]`` for the entries j in starts[k] .. starts[k + 1]
     of `rows` and each variant k of `weights` (each (V, cols), one group size and scale dtype,
@@ -254,8 +269,8 @@ def add_rows(
         ids,
         rows,
         bounds,
-        addresses[0],
-        addresses[1],
+        addresses.bits,
+        addresses.scales,
         first.scales,
         cols,
         first.group,
@@ -272,11 +287,28 @@ def _bounds(starts: tuple[int, ...], device: torch.device) -> tuple[Tensor, int]
     return torch.tensor(starts, dtype=torch.int64, device=device), most
 
 
-def table(weights: Sequence[PackedTensor]) -> Tensor:
-    """(2, V) int64 on the weights' device: each variant's address of its signs and of its
-    scales, what `accumulate` hands the kernel (the weights must stay alive while it is used)."""
-    addresses = [[w.bits.data_ptr() for w in weights], [w.scales.data_ptr() for w in weights]]
-    return torch.tensor(addresses, dtype=torch.int64, device=weights[0].bits.device)
+@dataclass(frozen=True)
+class Table:
+    """Where a batch's variants of one layer keep their signs and scales, as the kernels read
+    them: (V,) int64 addresses on the weights' device (the weights must stay alive while it is
+    used), and whether every variant's signs start on a 16-byte boundary (`_gemv_kernel` reads
+    them as 32-bit words)."""
+
+    bits: Tensor
+    scales: Tensor
+    aligned: bool
+
+
+def table(weights: Sequence[PackedTensor]) -> Table:
+    """The `Table` of `weights`, made once per batch and handed to every `accumulate`."""
+    device = weights[0].bits.device
+    bits = [w.bits.data_ptr() for w in weights]
+    scales = [w.scales.data_ptr() for w in weights]
+    return Table(
+        torch.tensor(bits, dtype=torch.int64, device=device),
+        torch.tensor(scales, dtype=torch.int64, device=device),
+        all(address % 16 == 0 for address in bits),
+    )
 
 
 def accumulate(
@@ -285,23 +317,28 @@ def accumulate(
     rows: Tensor,
     weights: Sequence[PackedTensor],
     starts: Sequence[int],
-    addresses: Tensor | None = None,
-) -> None:
+    addresses: Table | None = None,
+    bias: Tensor | None = None,
+) -> bool:
     """``out[rows[j]] += x[rows[j]] @ D_k^T`` for the entries j in starts[k] .. starts[k + 1]
     of `rows` (R,) and each variant k of `weights` (each (out, in), on `x`'s device), in one
     launch where they share one group size and scale dtype (else one per variant): x (X, in)
     and out (X, out, unit stride along a row) of any float dtype. `addresses` is
-    `table(weights)` where the caller keeps it (and has checked that they are `alike`)."""
+    `table(weights)` where the caller keeps it (and has checked that they are `alike`).
+
+    `bias` (B, out), contiguous, a bias delta per batch row where `out` holds B * P rows: the
+    GEMV adds row r // P of it to each row r of `rows` in the same pass, and this returns
+    True; elsewhere it is not added, and this returns False."""
     if not weights or len(rows) == 0:
-        return
+        return False
     first = weights[0]
     if addresses is None and not alike(weights):
         for k, packed in enumerate(weights):  # one launch needs one group size and scale dtype
             accumulate(
                 out, x, rows[starts[k] : starts[k + 1]], [packed], [0, starts[k + 1] - starts[k]]
             )
-        return
-    out_features, in_features = first.shape
+        return False
+    in_features = first.shape[1]
     if out.stride(-1) != 1:
         raise ValueError("accumulate adds in place into rows of unit stride; pass a contiguous out")
     x = x if x.stride(-1) == 1 else x.contiguous()
@@ -310,27 +347,30 @@ def accumulate(
     row_groups = in_features % first.group == 0 and first.group % WIDE_K == 0
     addresses = table(weights) if addresses is None else addresses
     bounds, most = _bounds(tuple(starts), x.device)
-    if row_groups and most <= GEMV_ROWS:
-        _gemv(out, x, rows, first, addresses, bounds, most)
-        return
-    grid = (
-        len(weights),
-        triton.cdiv(out_features, BLOCK_N),
-        min(triton.cdiv(most, BLOCK_M), MAX_SPLIT),
-    )
-    _accumulate_kernel[grid](
-        x,
-        out,
-        rows.to(torch.int64),
-        bounds,
-        addresses[0],
-        addresses[1],
-        first.scales,
-        out_features,
-        in_features,
-        first.group,
-        x.stride(0),
-        out.stride(0),
+    if row_groups and most <= GEMV_ROWS and addresses.aligned:
+        _gemv(out, x, rows, first, addresses, bounds, most, bias)
+        return bias is not None
+    _tiled(out, x, rows, first, addresses, bounds, most, row_groups)
+    return False
+
+
+def _tiled(
+    out: Tensor,
+    x: Tensor,
+    rows: Tensor,
+    first: PackedTensor,
+    addresses: Table,
+    bounds: Tensor,
+    most: int,
+    row_groups: bool,
+) -> None:
+    """`accumulate` through `_accumulate_kernel`: a program per variant, block of outputs and
+    share of the variant's blocks of rows."""
+    out_features, in_features = first.shape
+    split = min(triton.cdiv(most, BLOCK_M), MAX_SPLIT)
+    _accumulate_kernel[(len(bounds) - 1, triton.cdiv(out_features, BLOCK_N), split)](
+        *(x, out, rows.to(torch.int64), bounds, addresses.bits, addresses.scales, first.scales),
+        *(out_features, in_features, first.group, x.stride(0), out.stride(0)),
         ROW_GROUPS=row_groups,
         IEEE=x.dtype == torch.float32,
         BLOCK_M=BLOCK_M,
@@ -344,18 +384,25 @@ def _gemv(
     x: Tensor,
     rows: Tensor,
     first: PackedTensor,
-    addresses: Tensor,
+    addresses: Table,
     bounds: Tensor,
     most: int,
+    bias: Tensor | None,
 ) -> None:
     """`accumulate` through `_gemv_kernel`: a program per variant, block of outputs and row."""
     out_features, in_features = first.shape
-    grid = (len(bounds) - 1, triton.cdiv(out_features, GEMV_BLOCK_N), most)
+    block, warps = GEMV_SHAPES[out_features > GEMV_FEW]
+    grid = (len(bounds) - 1, triton.cdiv(out_features, block), most)
+    per_row = 1 if bias is None else out.shape[0] // bias.shape[0]
     _gemv_kernel[grid](
-        *(x, out, rows.to(torch.int64), bounds, addresses[0], addresses[1], first.scales),
-        *(out_features, in_features, first.group, x.stride(0), out.stride(0)),
-        BLOCK_N=GEMV_BLOCK_N,
-        BLOCK_B=WIDE_K // 8,
+        *(x, out, rows.to(torch.int64), bounds, addresses.bits, addresses.scales, first.scales),
+        *(out_features, first.group, x.stride(0), out.stride(0), out if bias is None else bias),
+        per_row,
+        ROW_WORDS=in_features // 32,
+        BLOCK_N=block,
+        STEP=WIDE_K // 32,
+        HAS_BIAS=bias is not None,
+        num_warps=warps,
     )
 
 

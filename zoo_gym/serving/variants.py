@@ -249,6 +249,19 @@ class _Rows:
     biases: dict[tuple[str, int, torch.dtype], Tensor | None] = field(default_factory=dict)
     prepared: dict[str, binary.Operands] = field(default_factory=dict)  # by weight name
     positions: dict[int, tuple[Tensor, list[int]]] = field(default_factory=dict)
+    # modules running with per-row parameters put in by their pre-hook, innermost last, with
+    # their own parameters to put back
+    swapped: list[tuple[nn.Module, dict[str, Any]]] = field(default_factory=list)
+
+    def restore_last(self) -> None:
+        """Give the innermost module running with per-row parameters its own back."""
+        module, saved = self.swapped.pop()
+        module._parameters.update(saved)
+
+    def restore(self) -> None:
+        """Give every module still running with per-row parameters its own back."""
+        while self.swapped:
+            self.restore_last()
 
     def operands(self, name: str) -> binary.Operands:
         """The variants' packed weights `name`, prepared for the kernel once per `assign`."""
@@ -288,6 +301,7 @@ class _VectorPlan:
 
     changed: bool
     params: dict[str, Tensor] | None = None
+    broadcasts: bool = False  # a run with `params` gave the output's shape: swap them in ahead
 
 
 def _canonical_names(model: nn.Module) -> dict[int, str]:
@@ -320,6 +334,8 @@ class MixedModel:
                 hook = self._embedding_hook(own["weight"])
             else:
                 hook = self._vector_hook(own)
+                pre = module.register_forward_pre_hook(self._vector_pre_hook)
+                self._handles.append(pre)
             self._handles.append(module.register_forward_hook(hook))
 
     def detach(self) -> None:
@@ -334,10 +350,11 @@ class MixedModel:
         up in the store) or None for the base."""
         if self._rows is not None:
             raise RuntimeError("assign is already active on this model; nest no assignments")
-        self._rows = self._plan(rows)
+        self._rows = plan = self._plan(rows)
         try:
             yield self
         finally:
+            plan.restore()  # a forward that raised left them in
             self._rows = None
 
     def _resolve(self, row: PackedVariant | str) -> PackedVariant:
@@ -388,15 +405,16 @@ class MixedModel:
             x = args[0]
             output = output.contiguous()
             flat, starts = rows.flat(x[0].numel() // x.shape[-1])  # rows x positions
-            binary.accumulate(
+            biases = None if bias is None else _row_biases(rows, bias, module.bias, output)
+            added = binary.accumulate(
                 output.view(-1, output.shape[-1]),
                 x.reshape(-1, x.shape[-1]),
                 flat,
                 rows.operands(weight),
                 starts,
+                bias=None if biases is None else biases.view(rows.batch, -1),
             )
-            biases = None if bias is None else _row_biases(rows, bias, module.bias, output)
-            if biases is not None:  # (B, 1, ..., out), zero for base rows
+            if biases is not None and not added:  # (B, 1, ..., out), zero for base rows
                 output.add_(biases)
             return output
 
@@ -427,8 +445,25 @@ class MixedModel:
 
         return hook
 
+    def _vector_pre_hook(self, module: nn.Module, args: tuple[Any, ...]) -> None:
+        """Where a run of `module` with this assign's per-row parameters broadcast (see
+        `_vector_hook`), put them in place of its own for this run: it then runs once."""
+        if not args or not isinstance(args[0], Tensor):
+            return
+        rows = self._active(args[0].shape[0])
+        plan = None if rows is None else rows.plans.get((id(module), args[0].ndim))
+        if rows is None or plan is None or not plan.broadcasts or plan.params is None:
+            return
+        own = module._parameters
+        rows.swapped.append((module, {name: own[name] for name in plan.params}))
+        own.update(plan.params)  # type: ignore[arg-type]
+
     def _vector_hook(self, own: dict[str, str]) -> Any:
         def hook(module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
+            rows = self._rows
+            if rows is not None and rows.swapped and rows.swapped[-1][0] is module:
+                rows.restore_last()  # it ran with the per-row parameters: output is final
+                return None
             if not isinstance(output, Tensor) or not args or not isinstance(args[0], Tensor):
                 return None
             rows = self._active(output.shape[0])
@@ -443,6 +478,7 @@ class MixedModel:
             if plan.params is not None:
                 result = self._broadcast(module, plan.params, args)
                 if result is not None and result.shape == output.shape:
+                    plan.broadcasts = True  # from the next run on, put in ahead of it
                     return result
                 plan.params = None  # this forward does not broadcast them: per variant
             return self._per_variant(module, own, rows, args, output)

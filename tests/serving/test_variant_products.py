@@ -171,3 +171,44 @@ def test_the_kernel_refuses_rows_outside_the_output() -> None:
 
     with pytest.raises(ValueError, match="rows must index rows of x and out"):
         binary.accumulate(out, x, torch.tensor([2]), binary.operands(weights), [0, 1])
+
+
+@pytest.mark.parametrize("compiled", [True, False])
+@pytest.mark.parametrize("layout", ["rows", "kernel"])
+@pytest.mark.parametrize(
+    ("cols", "group", "dtype"),
+    [(96, 32, torch.float16), (64, 128, torch.bfloat16), (40, 8, torch.float32)],
+)
+def test_add_rows_adds_each_positions_delta_row_of_its_variant(
+    compiled: bool, layout: str, cols: int, group: int, dtype: torch.dtype
+) -> None:
+    """An embedding of 37 rows (two whole blocks of 16 and 5 more), three variants: each
+    position's output row gets its token's delta row of its variant, the others keep theirs."""
+    packed = [_packed(37, cols, group, seed, dtype) for seed in range(3)]
+    weights = [binary.kernel_layout(w) for w in packed] if layout == "kernel" else packed
+    ids = torch.tensor([15, 7, 36, 16, 8, 31, 32])  # a token per position (row of out)
+    rows, starts = torch.tensor([6, 2, 0, 5, 3]), [0, 2, 2, 5]  # positions 1 and 4: the base
+    base = torch.randn(7, cols, generator=torch.Generator().manual_seed(1))
+    expected = base.clone()
+    for k, w in enumerate(packed):
+        for r in rows[starts[k] : starts[k + 1]]:
+            expected[r] += _dense(w)[ids[r]]
+    previous = binary.use_compiled(compiled)
+    try:
+        got = base.clone()
+        binary.add_rows(got, ids, rows, binary.operands(weights), starts)
+    finally:
+        binary.use_compiled(previous)
+
+    torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(got[[1, 4]], base[[1, 4]], rtol=0, atol=0)
+
+
+def test_add_rows_refuses_a_token_outside_the_embedding() -> None:
+    weights = [_packed(8, 16, 8, 0, torch.float16)]
+    out = torch.zeros(2, 16)
+
+    with pytest.raises(ValueError, match="their ids rows of the weights"):
+        binary.add_rows(
+            out, torch.tensor([0, 8]), torch.tensor([1]), binary.operands(weights), [0, 1]
+        )

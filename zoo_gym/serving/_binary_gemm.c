@@ -784,6 +784,105 @@ static PyObject *gemm_accumulate(PyObject *self, PyObject *args)
     return result;
 }
 
+/* The byte of value (t, c) of a (V, cols) weight whose sign bits are row by row or, with
+ * `lanes`, interleaved by dwords within each whole block of 16 rows. */
+static Py_ssize_t row_byte(Py_ssize_t t, Py_ssize_t c, Py_ssize_t cols, Py_ssize_t whole,
+                           int lanes)
+{
+    if (!lanes || t >= whole)
+        return (t * cols + c) / 8;
+    const Py_ssize_t row_bytes = cols / 8;
+    return t / 16 * 16 * row_bytes + t % 16 * 4 + c / 32 * 64 + c % 32 / 8;
+}
+
+/* out[r] += D_k[ids[r]] for r = rows[i], i in variant k's entries. */
+static void add_variant_rows(float *out, const int64_t *ids, const int64_t *rows,
+                             const variant_t *v, const shape_t *s, Py_ssize_t whole)
+{
+    const Py_ssize_t cols = s->in;
+    for (Py_ssize_t i = v->first; i < v->last; i++) {
+        const Py_ssize_t r = rows[i], t = ids[r];
+        float *y = out + r * cols;
+        for (Py_ssize_t c = 0; c < cols; c += 8) {
+            const unsigned byte = v->bits[row_byte(t, c, cols, whole, s->lanes)];
+            const float scale = scale_at(v->scales, s->scale_kind, (t * cols + c) / s->group);
+            for (int b = 0; b < 8; b++)
+                y[c + b] += (byte >> (7 - b)) & 1 ? scale : -scale;
+        }
+    }
+}
+
+/* out (X, cols) float32, ids (X,) int64 rows of the (V, cols) weights, rows (R,) int64 within
+ * [0, X): checked, then every variant's rows added. */
+static PyObject *run_rows(Py_buffer *out, const Py_buffer *ids, const Py_buffer *rows,
+                          PyObject *starts, PyObject *bits, PyObject *scales, shape_t *s)
+{
+    const Py_ssize_t cols = s->in, vocab = s->out_features;
+    s->x_rows = ids->len / 8;
+    s->n_rows = rows->len / 8;
+    if (ids->len != 8 * s->x_rows || out->len != 4 * cols * s->x_rows ||
+        rows->len != 8 * s->n_rows) {
+        PyErr_SetString(PyExc_ValueError, "out must be (X, cols) float32, ids (X,) and rows (R,) "
+                                          "int64");
+        return NULL;
+    }
+    const int64_t *index = rows->buf, *token = ids->buf;
+    for (Py_ssize_t i = 0; i < s->n_rows; i++)
+        if (index[i] < 0 || index[i] >= s->x_rows || token[index[i]] < 0 ||
+            token[index[i]] >= vocab) {
+            PyErr_SetString(PyExc_ValueError,
+                            "rows must index rows of out, and their ids rows of the weights");
+            return NULL;
+        }
+    const Py_ssize_t n = PyList_GET_SIZE(bits);
+    variant_t *variants = PyMem_Malloc(sizeof(variant_t) * (size_t)(n + 1));
+    Py_buffer *views = PyMem_Malloc(sizeof(Py_buffer) * (size_t)(2 * n + 1));
+    PyObject *result = NULL;
+    if (variants == NULL || views == NULL) {
+        PyErr_NoMemory();
+    } else if (take_variants(starts, bits, scales, s, variants, views) == n) {
+        for (Py_ssize_t k = 0; k < n; k++) {
+            add_variant_rows(out->buf, token, index, &variants[k], s, vocab - vocab % 16);
+            PyBuffer_Release(&views[2 * k]);
+            PyBuffer_Release(&views[2 * k + 1]);
+        }
+        result = Py_NewRef(Py_None);
+    }
+    PyMem_Free(variants);
+    PyMem_Free(views);
+    return result;
+}
+
+static PyObject *gemm_add_rows(PyObject *self, PyObject *args)
+{
+    PyObject *out_obj, *ids_obj, *rows_obj, *starts, *bits, *scales;
+    shape_t s = {0};
+    if (!PyArg_ParseTuple(args, "OOOOOOnnnip:add_rows", &out_obj, &ids_obj, &rows_obj, &starts,
+                          &bits, &scales, &s.out_features, &s.in, &s.group, &s.scale_kind,
+                          &s.lanes))
+        return NULL;
+    s.threads = 1;
+    if (check_shape(&s, starts, bits, scales) < 0)
+        return NULL;
+    if (s.lanes && s.in % 32) {
+        PyErr_SetString(PyExc_ValueError, "bits interleaved by lanes need rows of whole dwords");
+        return NULL;
+    }
+    Py_buffer out, ids, rows;
+    if (get_buffer(out_obj, &out, 1, 0, "out") < 0)
+        return NULL;
+    PyObject *result = NULL;
+    if (get_buffer(ids_obj, &ids, 0, 0, "ids") == 0) {
+        if (get_buffer(rows_obj, &rows, 0, 0, "rows") == 0) {
+            result = run_rows(&out, &ids, &rows, starts, bits, scales, &s);
+            PyBuffer_Release(&rows);
+        }
+        PyBuffer_Release(&ids);
+    }
+    PyBuffer_Release(&out);
+    return result;
+}
+
 PyDoc_STRVAR(accumulate_doc,
              "accumulate(x, out, rows, starts, bits, scales, in_features, group, scale_kind,\n"
              "           threads, lanes=False)\n"
@@ -794,8 +893,17 @@ PyDoc_STRVAR(accumulate_doc,
              "rows of out (X, out) float32, on `threads` threads. `lanes`: each whole block of\n"
              "16 rows of the bits is interleaved by dwords (zoo_gym.serving.packed).");
 
+PyDoc_STRVAR(add_rows_doc,
+             "add_rows(out, ids, rows, starts, bits, scales, vocab, cols, group, scale_kind,\n"
+             "         lanes)\n"
+             "--\n\n"
+             "Add row ids[r] of each variant k's (vocab, cols) delta (bits[k], scales[k] as for\n"
+             "accumulate, interleaved where `lanes`) to row r of out (X, cols) float32, for\n"
+             "r = rows[starts[k]] .. rows[starts[k + 1] - 1]: an embedding's looked-up rows.");
+
 static PyMethodDef gemm_methods[] = {
     {"accumulate", gemm_accumulate, METH_VARARGS, accumulate_doc},
+    {"add_rows", gemm_add_rows, METH_VARARGS, add_rows_doc},
     {NULL, NULL, 0, NULL},
 };
 

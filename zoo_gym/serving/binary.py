@@ -10,9 +10,11 @@ value and one scale per group of `group` consecutive values of the row-major fla
 `accumulate` adds it for several variants at once to the rows of a layer's output (each
 variant's rows listed in one index), `product` returns it (rows grouped by variant):
 
-- on CUDA tensors, the Triton binary GEMM (`zoo_gym.serving.kernels`): one launch per layer for
-  all the variants of a batch, each tile of signs decoded in registers and multiplied on the
-  tensor cores, the products added into the output's rows in place;
+- on CUDA tensors, the Triton kernels (`zoo_gym.serving.kernels`): one launch per layer for
+  all the variants of a batch, the products added into the output's rows in place; a decode
+  step's one row per variant by a GEMV that reads 32-bit words of signs (adding each row's
+  bias delta in the same pass), several rows by a binary GEMM whose tiles of signs are
+  decoded in registers and multiplied on the tensor cores;
 - on the CPU, the compiled kernel (`zoo_gym/serving/_binary_gemm.c`, built where a C compiler
   was present) for ``in % 8 == 0`` and ``group % 8 == 0``, reading the packed bits directly and
   adding into the output's rows in place: with AVX-512, 16 outputs at once by nibble tables
@@ -24,6 +26,9 @@ variant's rows listed in one index), `product` returns it (rows grouped by varia
   variants for it once (per batch), so that a call hands over prepared lists;
 - otherwise `product_reference`, the torch reference: each variant's delta is decoded into one
   reused float32 buffer and multiplied (correct for every shape, slow).
+
+`add_rows` adds an embedding's looked-up delta rows the same three ways: one Triton launch,
+one call of the compiled kernel, or torch per variant.
 
 Bit layout as `zoo_gym.compression.bitdelta`: value ``8i + j`` is bit ``7 - j`` of byte ``i``,
 1 for a positive sign.
@@ -216,11 +221,34 @@ def add_rows(
     out: Tensor, ids: Tensor, rows: Tensor, prepared: Operands, starts: Sequence[int]
 ) -> None:
     """``out[rows[j]] += D_k[ids[rows[j]]]`` for the entries j in starts[k] .. starts[k + 1]
-    of `rows` and each variant k of `prepared` (an embedding's (V, cols) weights): the rows
-    each position looks up, every variant in one launch. CUDA tensors only (`on_gpu`)."""
-    from zoo_gym.serving import kernels as triton_kernels
+    of `rows` and each variant k of `prepared` (an embedding's (V, cols) weights), out
+    (X, cols) and ids (X,): the rows each position looks up. On CUDA every variant in one
+    Triton launch; on the CPU one call of the compiled kernel where out is float32 and
+    contiguous; elsewhere each variant's rows decoded by torch (`PackedTensor.decode_rows`)."""
+    if not prepared.weights or len(rows) == 0:
+        return
+    if on_gpu(out):
+        from zoo_gym.serving import kernels as triton_kernels
 
-    triton_kernels.add_rows(out, ids, rows, prepared.weights, starts, prepared.addresses)
+        triton_kernels.add_rows(out, ids, rows, prepared.weights, starts, prepared.addresses)
+        return
+    first = prepared.weights[0]
+    if _compiled_takes(out, out, prepared):
+        assert _COMPILED.module is not None
+        _COMPILED.module.add_rows(
+            out.numpy(),
+            ids.to(torch.int64).contiguous().numpy(),
+            rows.to(torch.int64).contiguous().numpy(),
+            list(starts),
+            prepared.bits,
+            prepared.scales,
+            *(first.shape[0], first.shape[1], first.group, prepared.kind, first.lanes),
+        )
+        return
+    for k, packed in enumerate(prepared.weights):
+        mine = rows[starts[k] : starts[k + 1]]
+        delta = packed.decode_rows(ids.index_select(0, mine))
+        out.index_add_(0, mine, delta.to(out.dtype))
 
 
 def product(

@@ -18,12 +18,14 @@ row of input_ids) makes the following forward passes, `generate` included, compu
   into those rows of the output in place (`zoo_gym.serving.binary.accumulate`, with each
   layer's operands prepared once per `assign`), and v's bias delta;
 - every `nn.Embedding` once, plus for each row of v the delta rows of its looked-up tokens,
-  decoded from those rows' signs and scales only;
+  decoded from those rows' signs and scales only (`zoo_gym.serving.binary.add_rows`: one call
+  for every variant of the batch);
 - every other module whose own parameters a variant changes (RMSNorm, LayerNorm: vectors of
   the hidden size) with each row's own parameters: the variant keeps those deltas packed too,
   decoded once per `assign`, and the module runs once with per-row weights (B, 1, ..., h)
-  broadcast over the batch, or, where its forward does not broadcast them, once per variant on
-  its rows.
+  broadcast over the batch (put in place of its own by a pre-hook once the first step has
+  shown that its forward broadcasts them), or, where it does not, once per variant on its
+  rows.
 
 Row r then computes exactly what the merged model P + decode(variant) computes, up to float
 rounding (sums in another order). Beam search reorders rows and is not supported; sampling
@@ -425,22 +427,15 @@ class MixedModel:
             rows = self._active(output.shape[0])
             if rows is None:
                 return None
-            if binary.on_gpu(output):  # every variant's looked-up rows in one launch
-                flat, starts = rows.flat(args[0][0].numel())  # rows x positions
-                output = output.contiguous()
-                binary.add_rows(
-                    output.view(-1, output.shape[-1]),
-                    args[0].reshape(-1),
-                    flat,
-                    rows.operands(weight),
-                    starts,
-                )
-                return output
-            for k, variant in enumerate(rows.variants):
-                mine = rows.order[rows.starts[k] : rows.starts[k + 1]]
-                ids = args[0].index_select(0, mine)
-                delta = variant.packed[weight].decode_rows(ids).view(*ids.shape, -1)
-                output.index_put_((mine,), delta.to(output.dtype), accumulate=True)
+            flat, starts = rows.flat(args[0][0].numel())  # rows x positions
+            output = output.contiguous()
+            binary.add_rows(
+                output.view(-1, output.shape[-1]),
+                args[0].reshape(-1),
+                flat,
+                rows.operands(weight),
+                starts,
+            )
             return output
 
         return hook

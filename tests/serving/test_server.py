@@ -352,6 +352,9 @@ def test_a_variant_and_its_parent_share_one_forward_pass(server: Server) -> None
     # answered as it does alone
     assert batches_of_four > 0
     assert together == alone
+    variants = server.stats()["variants"]["v0000"]  # read once at the start, then kept
+    assert (variants["loaded"], variants["loads"], variants["evictions"]) == (1, 1, 0)
+    assert variants["hits"] > 0 and 0 < variants["bytes"] <= variants["budget_bytes"]
 
 
 # --- refusals -----------------------------------------------------------------------------------

@@ -2,7 +2,11 @@
 
 import json
 import shutil
+import time
+from collections.abc import Sequence
+from contextlib import AbstractContextManager
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -11,6 +15,8 @@ from transformers import AutoModelForCausalLM
 from zoo_gym.coordinator.registry import ModelRegistry
 from zoo_gym.coordinator.variants import apply_variant, write_variant
 from zoo_gym.core.identity import Identity
+from zoo_gym.serving.engine import Delta, Done, Engine, EngineLimits, Event, Sampling
+from zoo_gym.serving.engine_models import load_models
 from zoo_gym.serving.variants import (
     VariantError,
     VariantStore,
@@ -182,6 +188,8 @@ def test_the_store_evicts_the_least_recently_used_within_its_budget(models: Path
     assert (store.hits, store.loads, store.evictions) == (1, 3, 1)
     assert "v0001" in store and "v0003" in store and "v0002" not in store
     assert store.nbytes == 2 * size <= store.budget_bytes
+    assert store.fits(["v0001", "v0002"]) and store.fits(["v0004"])  # v0004: as large as any
+    assert not store.fits(["v0001", "v0002", "v0003"]) and not store.fits(["v0004"] * 3)
     store.get("v0002")
     assert store.loads == 4 and "v0001" not in store
 
@@ -243,3 +251,46 @@ def test_a_forward_that_fails_leaves_no_per_row_weights_behind(models: Path) -> 
     assert all(m.weight is own for m, own in zip(norms, owns, strict=True))
     with torch.no_grad():
         torch.testing.assert_close(mixed.model(ids).logits, _model(models / "v0000")(ids).logits)
+
+
+def test_a_batch_holds_no_more_variants_than_the_memory_budget(models: Path) -> None:
+    """Three requests for three variants at once, memory for two: the third waits for a row
+    of the others to end instead of joining the batch, so no forward pass holds three
+    variants and none is read again while its rows run; every request is answered."""
+    size = load_variant(models, "v0001", base="v0000").nbytes
+    served = load_models(models, variant_memory=2 * size + size // 2)
+    base = served["v0000"]
+    store = base.weights.store
+    assert store is not None
+    held: list[set[str]] = []
+    assign = base.weights.assign
+
+    def recording(rows: Sequence[str | None]) -> AbstractContextManager[Any]:
+        held.append({r for r in rows if r is not None})
+        return assign(rows)
+
+    base.weights.assign = recording
+    engine = Engine(served, EngineLimits(max_batch=8, batch_wait_s=0.5))  # all three at once
+    loads = store.loads  # each variant was read and checked once at the start
+    names = [f"{v}-from-v0000" for v in VERSIONS]
+    ids = base.tokenizer("12 + 7 =")["input_ids"]
+    ends: dict[str, list[Event]] = {name: [] for name in names}
+    engine.start()
+    try:
+        for name in names:
+            sampling = Sampling(max_tokens=6, temperature=0.0)
+            engine.submit(served[name], ids, sampling, ends[name].append)
+        deadline = time.monotonic() + 60
+        while not all(e and not isinstance(e[-1], Delta) for e in ends.values()):
+            assert time.monotonic() < deadline, "the requests were not answered"
+            time.sleep(0.05)
+    finally:
+        engine.stop()
+
+    assert max(len(h) for h in held) == 2
+    assert set().union(*held) == {v for v in VERSIONS}
+    assert store.loads - loads <= 3  # each read at most once since the start
+    assert store.nbytes <= store.budget_bytes
+    assert all(isinstance(ends[name][-1], Done) for name in names)
+    figures = engine.snapshot()["variants"]["v0000"]  # type: ignore[index]
+    assert (figures["loaded"], figures["loads"]) == (2, store.loads)

@@ -1,9 +1,12 @@
 """Generation for many requests at once: one scheduler thread, continuous batching, a KV cache.
 
 Requests wait in a bounded queue. Between two decode steps the scheduler admits waiting
-requests into the running batch (up to `max_batch` rows over all models): their prompts are
-prefilled together, left-padded, and their KV cache is joined to the running one, left-padded
-to a common width. Every row keeps its own count of real tokens, which gives its position ids
+requests into the running batch (up to `max_batch` rows over all models) in the order they
+came: their prompts are prefilled together, left-padded, and their KV cache is joined to the
+running one, left-padded to a common width. A request for a variant waits, and those behind it
+with it, while its variant and the variants the batch runs on the same weights do not fit in
+those weights' variant memory together (`VariantStore.fits`): the batch never reads a variant
+again while it runs. Every row keeps its own count of real tokens, which gives its position ids
 and attention mask, so rows that started at different times decode in one forward pass. A row
 leaves the batch when its request ends (EOS, a stop string, `max_tokens`, or its client went
 away); the padding columns no row needs any more are dropped.
@@ -386,7 +389,10 @@ class Engine:
         with self._cond:
             waiting = len(self._waiting)
         running = sum(len(lane.rows) for lane in self._lanes.values())
-        return self.stats.snapshot(running=running, waiting=waiting)
+        figures = self.stats.snapshot(running=running, waiting=waiting)
+        stores = [lane.weights.store for lane in self._lanes.values()]
+        figures["variants"] = {s.base: s.snapshot() for s in stores if s is not None}
+        return figures
 
     # --- the scheduler thread -----------------------------------------------------------------
 
@@ -428,11 +434,22 @@ class Engine:
                         break
                     self._cond.wait(left)
             admitted: list[Generation] = []
+            held = self._variants_held()
             while self._waiting and len(admitted) < room:
-                gen = self._waiting.popleft()
+                gen = self._waiting[0]
+                if not gen.cancelled and not _joins(gen, held):
+                    break  # first come, first served: it waits for rows of others to end
+                self._waiting.popleft()
                 if not gen.cancelled:
                     admitted.append(gen)
             return admitted
+
+    def _variants_held(self) -> dict[int, set[str]]:
+        """The distinct variants the running rows use, by their weights' id."""
+        held: dict[int, set[str]] = {}
+        for key, lane in self._lanes.items():
+            held[key] = {r.gen.model.variant for r in lane.rows if r.gen.model.variant}
+        return held
 
     def _loop(self) -> None:
         with torch.inference_mode():
@@ -461,6 +478,20 @@ class Engine:
             for group in _by_pad(gens):
                 self._lanes[key].admit(group)
             self._lanes[key].drop_finished()
+
+
+def _joins(gen: Generation, held: dict[int, set[str]]) -> bool:
+    """Whether `gen` can join the batch beside the variants `held` on its weights (and then
+    counts its own among them). One that no variant runs beside always can: a variant too
+    large for the memory on its own is refused in one line when it is read."""
+    store, variant = gen.model.weights.store, gen.model.variant
+    mine = held.setdefault(id(gen.model.weights), set())
+    if store is None or variant is None or variant in mine:
+        return True
+    if mine and not store.fits(mine | {variant}):
+        return False
+    mine.add(variant)
+    return True
 
 
 def _by_pad(gens: list[Generation]) -> list[list[Generation]]:

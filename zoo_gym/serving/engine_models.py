@@ -12,7 +12,8 @@ A variant runs on its parent's weights, never merged: the parent's model is hook
 base's forward pass, so one batch mixes the parent's rows and rows of any of its variants. The
 variants are read on demand into an LRU `VariantStore` per parent (record, size and SHA-256
 checked on every load) within `variant_memory` bytes; a variant that fails its check is refused
-in one line when a request first asks for it.
+in one line when a request first asks for it. A batch runs only as many distinct variants as
+fit in those bytes together: a request for one more waits until rows of the others end.
 """
 
 from __future__ import annotations
@@ -59,12 +60,14 @@ class Weights:
     """One set of weights on one device; every row of a forward pass runs on it.
 
     `assign(rows)` is entered around each forward pass with one entry per batch row: the
-    variant that row uses, or None for these weights as they are.
+    variant that row uses, or None for these weights as they are; `store` holds those
+    variants (None: the weights run none).
     """
 
     model: nn.Module
     device: torch.device
     assign: Assign = _no_variants
+    store: VariantStore | None = None
 
 
 @dataclass(frozen=True)
@@ -209,6 +212,7 @@ def _mix_variants(base: ServedModel, root: Path, memory: int) -> VariantStore:
     returns the store they are read into."""
     store = VariantStore(root, base.id, memory, device=base.weights.device)
     base.weights.assign = attach(base.weights.model, store).assign
+    base.weights.store = store
     return store
 
 

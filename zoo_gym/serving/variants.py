@@ -38,7 +38,7 @@ import json
 import logging
 import threading
 from collections import OrderedDict
-from collections.abc import Iterator, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -187,7 +187,8 @@ class VariantStore:
     evicting the least recently used. Thread-safe; `hits`, `loads` and `evictions` count.
 
     A batch keeps the variants it was given alive until it ends, so an evicted variant's
-    memory returns once no batch uses it.
+    memory returns once no batch uses it; a batch whose variants do not fit together (`fits`)
+    would read them again on every step, so the serving engine admits none.
     """
 
     def __init__(
@@ -203,6 +204,7 @@ class VariantStore:
         self.models_root, self.base, self.budget_bytes = models_root, base, budget_bytes
         self.device = device
         self._cache: OrderedDict[str, PackedVariant] = OrderedDict()
+        self._sizes: dict[str, int] = {}  # bytes of every variant loaded once
         self._lock = threading.Lock()
         self.nbytes = self.hits = self.loads = self.evictions = 0
 
@@ -211,6 +213,24 @@ class VariantStore:
 
     def __contains__(self, version: object) -> bool:
         return version in self._cache
+
+    def snapshot(self) -> dict[str, int]:
+        with self._lock:
+            return {
+                "loaded": len(self._cache),
+                "bytes": self.nbytes,
+                "budget_bytes": self.budget_bytes,
+                "hits": self.hits,
+                "loads": self.loads,
+                "evictions": self.evictions,
+            }
+
+    def fits(self, versions: Collection[str]) -> bool:
+        """Whether `versions` fit in the budget together; one never loaded is taken to be as
+        large as the largest loaded (the variants of one base hold the same tensors)."""
+        with self._lock:
+            largest = max(self._sizes.values(), default=0)
+            return sum(self._sizes.get(v, largest) for v in versions) <= self.budget_bytes
 
     def get(self, version: str) -> PackedVariant:
         """The variant `version`, from memory or loaded (evicting others to fit the budget)."""
@@ -228,6 +248,7 @@ class VariantStore:
                 )
             self.loads += 1
             self._cache[version] = variant
+            self._sizes[version] = variant.nbytes
             self.nbytes += variant.nbytes
             while self.nbytes > self.budget_bytes:
                 _, evicted = self._cache.popitem(last=False)

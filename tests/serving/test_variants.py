@@ -15,8 +15,8 @@ from transformers import AutoModelForCausalLM
 from zoo_gym.coordinator.registry import ModelRegistry
 from zoo_gym.coordinator.variants import apply_variant, write_variant
 from zoo_gym.core.identity import Identity
-from zoo_gym.serving.engine import Delta, Done, Engine, EngineLimits, Event, Sampling
-from zoo_gym.serving.engine_models import load_models
+from zoo_gym.serving.engine import Delta, Done, Engine, EngineLimits, Event, Failed, Sampling
+from zoo_gym.serving.engine_models import ServedModel, load_models
 from zoo_gym.serving.variants import (
     VariantError,
     VariantStore,
@@ -253,6 +253,25 @@ def test_a_forward_that_fails_leaves_no_per_row_weights_behind(models: Path) -> 
         torch.testing.assert_close(mixed.model(ids).logits, _model(models / "v0000")(ids).logits)
 
 
+def _answer(engine: Engine, models: list[ServedModel], max_tokens: int) -> dict[str, list[Event]]:
+    """The events of one greedy request to each of `models`, submitted in order to `engine`,
+    which is started here and stopped once all are answered."""
+    ids = models[0].tokenizer("12 + 7 =")["input_ids"]
+    ends: dict[str, list[Event]] = {model.id: [] for model in models}
+    engine.start()
+    try:
+        for model in models:
+            sampling = Sampling(max_tokens=max_tokens, temperature=0.0)
+            engine.submit(model, ids, sampling, ends[model.id].append)
+        deadline = time.monotonic() + 60
+        while not all(e and not isinstance(e[-1], Delta) for e in ends.values()):
+            assert time.monotonic() < deadline, "the requests were not answered"
+            time.sleep(0.05)
+    finally:
+        engine.stop()
+    return ends
+
+
 def test_a_batch_holds_no_more_variants_than_the_memory_budget(models: Path) -> None:
     """Three requests for three variants at once, memory for two: the third waits for a row
     of the others to end instead of joining the batch, so no forward pass holds three
@@ -273,19 +292,7 @@ def test_a_batch_holds_no_more_variants_than_the_memory_budget(models: Path) -> 
     engine = Engine(served, EngineLimits(max_batch=8, batch_wait_s=0.5))  # all three at once
     loads = store.loads  # each variant was read and checked once at the start
     names = [f"{v}-from-v0000" for v in VERSIONS]
-    ids = base.tokenizer("12 + 7 =")["input_ids"]
-    ends: dict[str, list[Event]] = {name: [] for name in names}
-    engine.start()
-    try:
-        for name in names:
-            sampling = Sampling(max_tokens=6, temperature=0.0)
-            engine.submit(served[name], ids, sampling, ends[name].append)
-        deadline = time.monotonic() + 60
-        while not all(e and not isinstance(e[-1], Delta) for e in ends.values()):
-            assert time.monotonic() < deadline, "the requests were not answered"
-            time.sleep(0.05)
-    finally:
-        engine.stop()
+    ends = _answer(engine, [served[name] for name in names], max_tokens=6)
 
     assert max(len(h) for h in held) == 2
     assert set().union(*held) == {v for v in VERSIONS}
@@ -294,3 +301,28 @@ def test_a_batch_holds_no_more_variants_than_the_memory_budget(models: Path) -> 
     assert all(isinstance(ends[name][-1], Done) for name in names)
     figures = engine.snapshot()["variants"]["v0000"]  # type: ignore[index]
     assert (figures["loaded"], figures["loads"]) == (2, store.loads)
+
+
+def test_a_variant_that_cannot_be_read_fails_its_request_alone(
+    models: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """v0001 is evicted at the start (memory for one variant) and its file then damaged: a
+    request for it fails with one line naming no path, and the request running beside it on
+    the base, and one for another variant after it, are answered."""
+    root = tmp_path / "models"
+    shutil.copytree(models, root)
+    size = load_variant(root, "v0001", base="v0000").nbytes
+    served = load_models(root, variant_memory=size + size // 2)
+    envelope = variant_files(root, "v0001", "v0000")[0]
+    envelope.write_bytes(envelope.read_bytes()[:-1] + b"\0")
+    engine = Engine(served, EngineLimits(max_batch=8))
+    names = ("v0000", "v0001-from-v0000", "v0003-from-v0000")
+    ends = _answer(engine, [served[name] for name in names], max_tokens=24)
+
+    failed = ends["v0001-from-v0000"][-1]
+    assert isinstance(failed, Failed)
+    assert failed.message == (
+        "the variant v0001-from-v0000 cannot be read on this server now; its log says why"
+    )
+    assert isinstance(ends["v0000"][-1], Done) and isinstance(ends["v0003-from-v0000"][-1], Done)
+    assert "does not match its record" in caplog.text and str(envelope) in caplog.text

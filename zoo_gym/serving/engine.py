@@ -6,7 +6,8 @@ came: their prompts are prefilled together, left-padded, and their KV cache is j
 running one, left-padded to a common width. A request for a variant waits, and those behind it
 with it, while its variant and the variants the batch runs on the same weights do not fit in
 those weights' variant memory together (`VariantStore.fits`): the batch never reads a variant
-again while it runs. Every row keeps its own count of real tokens, which gives its position ids
+again while it runs. A variant is read when its request is admitted; one that cannot be read
+fails that request alone. Every row keeps its own count of real tokens, which gives its position ids
 and attention mask, so rows that started at different times decode in one forward pass. A row
 leaves the batch when its request ends (EOS, a stop string, `max_tokens`, or its client went
 away); the padding columns no row needs any more are dropped.
@@ -37,6 +38,7 @@ from transformers import DynamicCache
 from zoo_gym.core.chat import left_pad, pad_id_of
 from zoo_gym.serving.engine_models import ServedModel, Weights
 from zoo_gym.serving.engine_text import TextStream, new_generator, next_token
+from zoo_gym.serving.variants import VariantError
 
 log = logging.getLogger(__name__)
 
@@ -473,7 +475,8 @@ class Engine:
                 lane.drop_finished()
         by_lane: dict[int, list[Generation]] = {}
         for gen in admitted:
-            by_lane.setdefault(id(gen.model.weights), []).append(gen)
+            if _variant_read(gen):
+                by_lane.setdefault(id(gen.model.weights), []).append(gen)
         for key, gens in by_lane.items():
             for group in _by_pad(gens):
                 self._lanes[key].admit(group)
@@ -491,6 +494,26 @@ def _joins(gen: Generation, held: dict[int, set[str]]) -> bool:
     if mine and not store.fits(mine | {variant}):
         return False
     mine.add(variant)
+    return True
+
+
+def _variant_read(gen: Generation) -> bool:
+    """Read `gen`'s variant into its store ahead of its prefill. One that cannot be read fails
+    its own request (the log says why; the client is not told the server's paths), not the
+    batch it would have joined."""
+    store, variant = gen.model.weights.store, gen.model.variant
+    if store is None or variant is None:
+        return True
+    try:
+        store.get(variant)
+    except VariantError as exc:
+        log.warning("request for %s refused: %s", gen.model.id, exc)
+        gen.emit(
+            Failed(
+                f"the variant {gen.model.id} cannot be read on this server now; its log says why"
+            )
+        )
+        return False
     return True
 
 

@@ -16,7 +16,7 @@ from zoo_gym.coordinator.registry import ModelRegistry
 from zoo_gym.coordinator.variants import apply_variant, write_variant
 from zoo_gym.core.identity import Identity
 from zoo_gym.serving.engine import Delta, Done, Engine, EngineLimits, Event, Failed, Sampling
-from zoo_gym.serving.engine_models import ServedModel, load_models
+from zoo_gym.serving.engine_models import ServedModel, ServingError, load_models
 from zoo_gym.serving.variants import (
     VariantError,
     VariantStore,
@@ -290,13 +290,13 @@ def test_a_batch_holds_no_more_variants_than_the_memory_budget(models: Path) -> 
 
     base.weights.assign = recording
     engine = Engine(served, EngineLimits(max_batch=8, batch_wait_s=0.5))  # all three at once
-    loads = store.loads  # each variant was read and checked once at the start
+    assert store.loads == 0  # the start reads none
     names = [f"{v}-from-v0000" for v in VERSIONS]
     ends = _answer(engine, [served[name] for name in names], max_tokens=6)
 
     assert max(len(h) for h in held) == 2
     assert set().union(*held) == {v for v in VERSIONS}
-    assert store.loads - loads <= 3  # each read at most once since the start
+    assert store.loads == 3  # each read once
     assert store.nbytes <= store.budget_bytes
     assert all(isinstance(ends[name][-1], Done) for name in names)
     figures = engine.snapshot()["variants"]["v0000"]  # type: ignore[index]
@@ -306,9 +306,9 @@ def test_a_batch_holds_no_more_variants_than_the_memory_budget(models: Path) -> 
 def test_a_variant_that_cannot_be_read_fails_its_request_alone(
     models: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """v0001 is evicted at the start (memory for one variant) and its file then damaged: a
-    request for it fails with one line naming no path, and the request running beside it on
-    the base, and one for another variant after it, are answered."""
+    """v0001's file is damaged after the server started (memory for one variant): a request
+    for it fails with one line naming no path, and the request running beside it on the
+    base, and one for another variant after it, are answered."""
     root = tmp_path / "models"
     shutil.copytree(models, root)
     size = load_variant(root, "v0001", base="v0000").nbytes
@@ -326,3 +326,21 @@ def test_a_variant_that_cannot_be_read_fails_its_request_alone(
     )
     assert isinstance(ends["v0000"][-1], Done) and isinstance(ends["v0003-from-v0000"][-1], Done)
     assert "does not match its record" in caplog.text and str(envelope) in caplog.text
+
+
+def test_the_server_starts_without_reading_a_variant_and_refuses_a_truncated_one(
+    models: Path, tmp_path: Path
+) -> None:
+    root = tmp_path / "models"
+    shutil.copytree(models, root)
+    served = load_models(root)
+    store = served["v0000"].weights.store
+    assert store is not None and (store.loads, len(store)) == (0, 0)
+    size = json.loads(variant_files(root, "v0001", "v0000")[1].read_text())["size"]
+    most = store.budget_bytes // size  # unread variants are taken at their records' sizes
+    assert store.fits(["v0001"] * most) and not store.fits(["v0001"] * (most + 1))
+
+    envelope = variant_files(root, "v0002", "v0000")[0]
+    envelope.write_bytes(envelope.read_bytes()[:-1])
+    with pytest.raises(ServingError, match=r"v0002-from-v0000.zgde is \d+ bytes; its record says"):
+        load_models(root)

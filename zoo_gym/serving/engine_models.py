@@ -10,9 +10,10 @@ before any weight is read. Model ids are the version names; a variant's id is it
 A variant runs on its parent's weights, never merged: the parent's model is hooked once
 (`zoo_gym.serving.variants.attach`) and each variant's rows add their 1-bit products to the
 base's forward pass, so one batch mixes the parent's rows and rows of any of its variants. The
-variants are read on demand into an LRU `VariantStore` per parent (record, size and SHA-256
-checked on every load) within `variant_memory` bytes; a variant that fails its check is refused
-in one line when a request first asks for it. A batch runs only as many distinct variants as
+variants are read when a request first asks for them, into an LRU `VariantStore` per parent
+(record, size and SHA-256 checked on every read) within `variant_memory` bytes: the server
+starts without reading any (it checks each envelope's size against its record), and a variant
+that fails its check fails the request that asked for it, in one line. A batch runs only as many distinct variants as
 fit in those bytes together: a request for one more waits until rows of the others end.
 """
 
@@ -34,9 +35,9 @@ from zoo_gym.core.manifest import MANIFEST, ManifestError, ModelManifest, read_v
 from zoo_gym.serving.variants import (
     DIRECTORY,
     RECORD_FORMAT,
-    VariantError,
     VariantStore,
     attach,
+    variant_files,
 )
 
 log = logging.getLogger(__name__)
@@ -240,11 +241,21 @@ def load_models(
         if base.id not in stores:
             stores[base.id] = _mix_variants(base, root, variant_memory)
         served[name] = variant = variant_of(name, record, base)
-        try:  # read and checked once at the start; kept in memory while it fits
-            stores[base.id].get(str(variant.variant))
-        except VariantError as exc:
-            raise ServingError(str(exc)) from None
+        _check_size(variant_files(root, str(variant.variant), base.id)[0], record)
+        stores[base.id].expect(str(variant.variant), int(record["size"]))
     return served
+
+
+def _check_size(envelope: Path, record: dict[str, Any]) -> None:
+    """`envelope` is there, of its record's size (its SHA-256 is checked when it is first
+    read)."""
+    size = envelope.stat().st_size if envelope.is_file() else None
+    if not isinstance(record.get("size"), int) or size != record["size"]:
+        found = "missing" if size is None else f"{size} bytes"
+        raise ServingError(
+            f"{envelope} is {found}; its record says {record.get('size')} bytes: "
+            "write the variant again or remove its record"
+        )
 
 
 __all__ = [

@@ -225,9 +225,15 @@ class VariantStore:
                 "evictions": self.evictions,
             }
 
+    def expect(self, version: str, nbytes: int) -> None:
+        """Take `nbytes` as `version`'s size until it is read (its record's size)."""
+        with self._lock:
+            self._sizes.setdefault(version, nbytes)
+
     def fits(self, versions: Collection[str]) -> bool:
-        """Whether `versions` fit in the budget together; one never loaded is taken to be as
-        large as the largest loaded (the variants of one base hold the same tensors)."""
+        """Whether `versions` fit in the budget together; one neither read nor `expect`ed is
+        taken to be as large as the largest known (the variants of one base hold the same
+        tensors)."""
         with self._lock:
             largest = max(self._sizes.values(), default=0)
             return sum(self._sizes.get(v, largest) for v in versions) <= self.budget_bytes

@@ -7,10 +7,12 @@ running one, left-padded to a common width. A request for a variant waits, and t
 with it, while its variant and the variants the batch runs on the same weights do not fit in
 those weights' variant memory together (`VariantStore.fits`): the batch never reads a variant
 again while it runs. A variant is read when its request is admitted; one that cannot be read
-fails that request alone. Every row keeps its own count of real tokens, which gives its position ids
-and attention mask, so rows that started at different times decode in one forward pass. A row
-leaves the batch when its request ends (EOS, a stop string, `max_tokens`, or its client went
-away); the padding columns no row needs any more are dropped.
+fails that request alone.
+
+Every row keeps its own count of real tokens, which gives its position ids and attention mask,
+so rows that started at different times decode in one forward pass. A row leaves the batch when
+its request ends (EOS, a stop string, `max_tokens`, or its client went away); the padding
+columns no row needs any more are dropped.
 
 Rows of models that share `Weights` run in the same forward pass; `Weights.assign` receives
 each row's variant around it (`engine_models`). Rows on different weights run one forward

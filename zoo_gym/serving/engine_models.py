@@ -13,8 +13,9 @@ base's forward pass, so one batch mixes the parent's rows and rows of any of its
 variants are read when a request first asks for them, into an LRU `VariantStore` per parent
 (record, size and SHA-256 checked on every read) within `variant_memory` bytes: the server
 starts without reading any (it checks each envelope's size against its record), and a variant
-that fails its check fails the request that asked for it, in one line. A batch runs only as many distinct variants as
-fit in those bytes together: a request for one more waits until rows of the others end.
+that fails its check fails the request that asked for it, in one line. A batch runs only as
+many distinct variants as fit in those bytes together: a request for one more waits until rows
+of the others end.
 """
 
 from __future__ import annotations

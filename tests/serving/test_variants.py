@@ -18,6 +18,7 @@ from zoo_gym.core.identity import Identity
 from zoo_gym.serving.engine import Delta, Done, Engine, EngineLimits, Event, Failed, Sampling
 from zoo_gym.serving.engine_models import ServedModel, ServingError, load_models
 from zoo_gym.serving.variants import (
+    MixedModel,
     VariantError,
     VariantStore,
     attach,
@@ -207,17 +208,24 @@ def _count_runs(module: torch.nn.Module, runs: list[int]) -> None:
     module.forward = counted  # type: ignore[method-assign]
 
 
+def _counted_norm(models: Path) -> tuple[MixedModel, torch.nn.Module, list[int]]:
+    """The base with its store attached, its final norm, and a list that grows by one each
+    time that norm's forward runs."""
+    mixed = attach(_model(models / "v0000"), VariantStore(models, "v0000", 10**8))
+    norm = mixed.model.model.norm
+    runs: list[int] = []
+    _count_runs(norm, runs)
+    return mixed, norm, runs
+
+
 def test_a_norm_runs_once_with_per_row_weights_after_the_first_step(models: Path) -> None:
     """The first forward of an `assign` runs a changed norm twice (its own weights, then the
     per-row ones, to learn that they broadcast); every later forward puts the per-row
     weights in ahead of the one run, and the module gets its own weights back after it."""
     rows = ["v0001", None, "v0002"]
     ids = torch.randint(4, 300, (3, 5), generator=torch.Generator().manual_seed(2))
-    mixed = attach(_model(models / "v0000"), VariantStore(models, "v0000", 10**8))
-    norm = mixed.model.model.norm
+    mixed, norm, runs = _counted_norm(models)
     own = norm.weight
-    runs: list[int] = []
-    _count_runs(norm, runs)
 
     with torch.no_grad(), mixed.assign(rows):
         first = mixed.model(ids).logits
@@ -229,6 +237,27 @@ def test_a_norm_runs_once_with_per_row_weights_after_the_first_step(models: Path
     torch.testing.assert_close(second, first)
     reference = _merged(models, "v0002")(ids[2:3]).logits[0]
     torch.testing.assert_close(second[2], reference, rtol=1e-4, atol=1e-4)
+
+
+def test_a_norm_runs_once_in_every_later_assign(models: Path) -> None:
+    """The serving engine enters an `assign` around each forward pass: what the first one
+    learned (the norm's forward broadcasts per-row weights) holds in the next, whose first
+    forward runs the norm once, for other rows and variants, and gives the merged logits."""
+    ids = torch.randint(4, 300, (3, 5), generator=torch.Generator().manual_seed(2))
+    mixed, norm, runs = _counted_norm(models)
+    own = norm.weight
+
+    with torch.no_grad():
+        with mixed.assign(["v0001", None, "v0002"]):
+            mixed.model(ids)
+        assert len(runs) == 2
+        with mixed.assign(["v0003", "v0001", None]):
+            logits = mixed.model(ids).logits
+        assert len(runs) == 3 and norm.weight is own
+
+    reference = _merged(models, "v0003")(ids[0:1]).logits[0]
+    torch.testing.assert_close(logits[0], reference, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(logits[2], _model(models / "v0000")(ids[2:3]).logits[0])
 
 
 def test_a_forward_that_fails_leaves_no_per_row_weights_behind(models: Path) -> None:

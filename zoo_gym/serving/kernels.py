@@ -169,7 +169,7 @@ def _gemv_kernel(
     HAS_BIAS: tl.constexpr,
 ):
     """Rows of variants whose weights' rows are whole groups of a multiple of 32 * STEP inputs
-    (signs 4-byte aligned): each program takes one row of its variant and BLOCK_N outputs, a
+    (signs aligned as `Table.aligned` checks): each program takes one row of its variant and BLOCK_N outputs, a
     thread its outputs' 32-bit words of signs. Input i of a word is the word's bit
     8 * (i // 8) + 7 - i % 8 (bytes in memory order, each from its top bit); shifted to the
     top, that bit turns -x_i into +x_i by one xor of the float's sign, so each weight costs a

@@ -23,9 +23,9 @@ row of input_ids) makes the following forward passes, `generate` included, compu
 - every other module whose own parameters a variant changes (RMSNorm, LayerNorm: vectors of
   the hidden size) with each row's own parameters: the variant keeps those deltas packed too,
   decoded once per `assign`, and the module runs once with per-row weights (B, 1, ..., h)
-  broadcast over the batch (put in place of its own by a pre-hook once the first step has
-  shown that its forward broadcasts them), or, where it does not, once per variant on its
-  rows.
+  broadcast over the batch (put in place of its own by a pre-hook, in every `assign`, once a
+  first run has shown that its forward broadcasts them), or, where it does not, once per
+  variant on its rows.
 
 Row r then computes exactly what the merged model P + decode(variant) computes, up to float
 rounding (sums in another order). Beam search reorders rows and is not supported; sampling
@@ -188,7 +188,8 @@ class VariantStore:
 
     A batch keeps the variants it was given alive until it ends, so an evicted variant's
     memory returns once no batch uses it; a batch whose variants do not fit together (`fits`)
-    would read them again on every step, so the serving engine admits none.
+    would read them again on every step, so the serving engine admits no request that would
+    make one.
     """
 
     def __init__(
@@ -204,7 +205,7 @@ class VariantStore:
         self.models_root, self.base, self.budget_bytes = models_root, base, budget_bytes
         self.device = device
         self._cache: OrderedDict[str, PackedVariant] = OrderedDict()
-        self._sizes: dict[str, int] = {}  # bytes of every variant loaded once
+        self._sizes: dict[str, int] = {}  # bytes of each variant read, or expected until then
         self._lock = threading.Lock()
         self.nbytes = self.hits = self.loads = self.evictions = 0
 
@@ -330,7 +331,6 @@ class _VectorPlan:
 
     changed: bool
     params: dict[str, Tensor] | None = None
-    broadcasts: bool = False  # a run with `params` gave the output's shape: swap them in ahead
 
 
 def _canonical_names(model: nn.Module) -> dict[int, str]:
@@ -352,6 +352,9 @@ class MixedModel:
         self.shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
         self._rows: _Rows | None = None
         self._inside = False  # a module re-run with per-row parameters: hooks stand aside
+        # (id(module), input ndim) whose forward has given the output's shape with per-row
+        # parameters broadcast: from then on, in any `assign`, they are put in ahead of its run
+        self._broadcasting: set[tuple[int, int]] = set()
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
         for module in model.modules():
             own = {attr: names[id(p)] for attr, p in module.named_parameters(recurse=False)}
@@ -363,7 +366,7 @@ class MixedModel:
                 hook = self._embedding_hook(own["weight"])
             else:
                 hook = self._vector_hook(own)
-                pre = module.register_forward_pre_hook(self._vector_pre_hook)
+                pre = module.register_forward_pre_hook(self._vector_pre_hook(own))
                 self._handles.append(pre)
             self._handles.append(module.register_forward_hook(hook))
 
@@ -467,18 +470,26 @@ class MixedModel:
 
         return hook
 
-    def _vector_pre_hook(self, module: nn.Module, args: tuple[Any, ...]) -> None:
-        """Where a run of `module` with this assign's per-row parameters broadcast (see
-        `_vector_hook`), put them in place of its own for this run: it then runs once."""
-        if not args or not isinstance(args[0], Tensor):
-            return
-        rows = self._active(args[0].shape[0])
-        plan = None if rows is None else rows.plans.get((id(module), args[0].ndim))
-        if rows is None or plan is None or not plan.broadcasts or plan.params is None:
-            return
-        own = module._parameters
-        rows.swapped.append((module, {name: own[name] for name in plan.params}))
-        own.update(plan.params)  # type: ignore[arg-type]
+    def _vector_pre_hook(self, own: dict[str, str]) -> Any:
+        def pre_hook(module: nn.Module, args: tuple[Any, ...]) -> None:
+            """Where `module`'s forward broadcasts per-row parameters (learned by
+            `_vector_hook`), put this assign's in place of its own for this run: it runs once."""
+            if not args or not isinstance(args[0], Tensor):
+                return
+            key = (id(module), args[0].ndim)
+            rows = self._active(args[0].shape[0])
+            if rows is None or key not in self._broadcasting:
+                return
+            plan = rows.plans.get(key)
+            if plan is None:
+                plan = rows.plans[key] = self._vector_plan(module, own, rows, args[0])
+            if plan.params is None:  # unchanged, or changed by matrices: the hook sees to it
+                return
+            mine = module._parameters
+            rows.swapped.append((module, {name: mine[name] for name in plan.params}))
+            mine.update(plan.params)  # type: ignore[arg-type]
+
+        return pre_hook
 
     def _vector_hook(self, own: dict[str, str]) -> Any:
         def hook(module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
@@ -500,7 +511,7 @@ class MixedModel:
             if plan.params is not None:
                 result = self._broadcast(module, plan.params, args)
                 if result is not None and result.shape == output.shape:
-                    plan.broadcasts = True  # from the next run on, put in ahead of it
+                    self._broadcasting.add(key)  # from the next run on, put in ahead of it
                     return result
                 plan.params = None  # this forward does not broadcast them: per variant
             return self._per_variant(module, own, rows, args, output)

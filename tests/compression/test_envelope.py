@@ -191,6 +191,21 @@ def test_inspect_reports_header() -> None:
     assert header.total_nbytes == len(payload)
 
 
+def test_inspect_checks_the_whole_payloads_sha256_when_given_one() -> None:
+    """An envelope that is sound in itself but not the one a record names is refused."""
+    payload = encode(SMALL, CodecSpec("bitdelta", group_size=4))
+    other = encode({k: -v for k, v in SMALL.items()}, CodecSpec("bitdelta", group_size=4))
+
+    whole = hashlib.sha256(payload).hexdigest()
+    assert inspect_envelope(payload, max_elements=11, sha256=whole).total_nbytes == len(payload)
+    inspect_envelope(other, max_elements=11)  # valid on its own
+    with pytest.raises(EnvelopeError, match="not the one expected: it is corrupted or was"):
+        inspect_envelope(other, max_elements=11, sha256=whole)
+    damaged = payload[:-1] + bytes([payload[-1] ^ 1])  # its own digest, so the whole's too
+    with pytest.raises(EnvelopeError, match="not the one expected"):
+        inspect_envelope(damaged, max_elements=11, sha256=whole)
+
+
 @pytest.mark.parametrize(
     ("mutate", "message"),
     [

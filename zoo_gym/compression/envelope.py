@@ -321,7 +321,7 @@ def _codec_spec(codec_id: int, gran_id: int, group_size: int, scale_id: int) -> 
         raise EnvelopeError(f"invalid codec parameters: {exc}") from exc
 
 
-def _parse_spec(payload: bytes) -> tuple[int, CodecSpec, int]:
+def _parse_spec(payload: bytes, sha256: str | None = None) -> tuple[int, CodecSpec, int]:
     if len(payload) < _HEAD.size + _DIGEST:
         raise EnvelopeError(f"truncated envelope: {len(payload)} bytes is shorter than a header")
     magic, version, codec_id, gran_id, group_size, scale_id, count = _HEAD.unpack_from(payload)
@@ -334,8 +334,15 @@ def _parse_spec(payload: bytes) -> tuple[int, CodecSpec, int]:
     if payload[_HEAD.size - 7 : _HEAD.size - 4] != b"\0\0\0":
         raise EnvelopeError("reserved header bytes are not zero")
     spec = _codec_spec(codec_id, gran_id, group_size, scale_id)
-    digest = hashlib.sha256(memoryview(payload)[:-_DIGEST]).digest()
-    if digest != payload[-_DIGEST:]:
+    hashed = hashlib.sha256(memoryview(payload)[:-_DIGEST])
+    if sha256 is not None:  # the whole payload's: the same pass, carried over the digest
+        whole = hashed.copy()
+        whole.update(memoryview(payload)[-_DIGEST:])
+        if whole.hexdigest() != sha256:
+            raise EnvelopeError(
+                "SHA-256 of the envelope is not the one expected: it is corrupted or was replaced"
+            )
+    if hashed.digest() != payload[-_DIGEST:]:
         raise EnvelopeError("SHA-256 mismatch: the envelope is corrupted or was modified")
     return version, spec, count
 
@@ -408,17 +415,20 @@ def _parse_entry(payload: bytes, offset: int, end: int) -> tuple[TensorSpec, int
     return TensorSpec(name, tuple(shape), _DTYPE_NAMES[dtype_id]), offset + 8 * ndim
 
 
-def inspect_envelope(payload: bytes, *, max_elements: int) -> EnvelopeHeader:
-    """Validate an envelope's header, hash and sizes without decoding any values.
+def inspect_envelope(
+    payload: bytes, *, max_elements: int, sha256: str | None = None
+) -> EnvelopeHeader:
+    """Validate an envelope's header, hash and sizes without decoding any values; with
+    `sha256` (hex), the whole payload must have that SHA-256 too (one a record gives).
 
     Raises `EnvelopeError` (one line) for bad magic, an unknown version or codec, a hash
     mismatch, a truncated or oversized payload, or more than `max_elements` values in total.
-    Cost: one SHA-256 pass over the payload and a walk of the tensor table.
+    Cost: one SHA-256 pass over the payload (both hashes) and a walk of the tensor table.
     """
     if not isinstance(payload, bytes | bytearray | memoryview):
         raise EnvelopeError(f"payload must be bytes, got {type(payload).__name__}")
     payload = bytes(payload)
-    version, spec, count = _parse_spec(payload)
+    version, spec, count = _parse_spec(payload, sha256)
     end = len(payload) - _DIGEST
     if version == 1:
         layout, specs, offset = _parse_table(payload, count, end)

@@ -1,7 +1,9 @@
 """Variants of a served base in one batch, against the merged models P + decode(variant)."""
 
 import json
+import os
 import shutil
+import threading
 import time
 from collections.abc import Sequence
 from contextlib import AbstractContextManager
@@ -152,6 +154,13 @@ def test_missing_corrupt_and_foreign_variants_are_refused_with_one_line(
     payload = bytearray(envelope.read_bytes())
     payload[100] ^= 1
     envelope.write_bytes(bytes(payload))
+    replaced = "not the one expected: it is corrupted or was replaced; write the variant again"
+    with pytest.raises(VariantError, match=replaced):
+        load_variant(root, "v0001", base="v0000")
+    shutil.copy(variant_files(root, "v0003", "v0000")[0], envelope)  # sound, but another's
+    with pytest.raises(VariantError, match=replaced):
+        load_variant(root, "v0001", base="v0000")
+    envelope.write_bytes(bytes(payload[:-1]))
     with pytest.raises(VariantError, match="does not match its record"):
         load_variant(root, "v0001", base="v0000")
 
@@ -196,6 +205,28 @@ def test_the_store_evicts_the_least_recently_used_within_its_budget(models: Path
 
     with pytest.raises(VariantError, match="more than the budget"):
         VariantStore(models, "v0000", budget_bytes=size // 2).get("v0001")
+
+
+def test_a_pinned_variant_stays_and_a_reservation_waits_for_room(models: Path) -> None:
+    """Memory for two variants: pins beyond it are refused until one is released, and a read
+    evicts the least recently used variant that is not pinned, not the one that is."""
+    size = load_variant(models, "v0001", base="v0000").nbytes
+    store = VariantStore(models, "v0000", budget_bytes=2 * size + size // 2)
+    for version in VERSIONS:
+        store.expect(version, size)  # as the server does from their records
+
+    assert store.reserve("v0002") and store.reserve("v0001") and store.reserve("v0001")
+    assert not store.reserve("v0003")  # a third does not fit beside the two pinned
+    store.release("v0001")
+    assert not store.reserve("v0003")  # v0001 is still pinned once
+    store.release("v0001")
+    assert store.reserve("v0003") and store.snapshot()["pinned"] == 2
+
+    store.get("v0002")
+    store.get("v0001")  # v0002 is now the least recently used, but pinned
+    store.get("v0003")
+    assert "v0002" in store and "v0003" in store and "v0001" not in store
+    assert (store.loads, store.evictions, store.nbytes) == (3, 1, 2 * size)
 
 
 def _count_runs(module: torch.nn.Module, runs: list[int]) -> None:
@@ -329,7 +360,7 @@ def test_a_batch_holds_no_more_variants_than_the_memory_budget(models: Path) -> 
     assert store.nbytes <= store.budget_bytes
     assert all(isinstance(ends[name][-1], Done) for name in names)
     figures = engine.snapshot()["variants"]["v0000"]  # type: ignore[index]
-    assert (figures["loaded"], figures["loads"]) == (2, store.loads)
+    assert (figures["loaded"], figures["loads"], figures["pinned"]) == (2, store.loads, 0)
 
 
 def test_a_variant_that_cannot_be_read_fails_its_request_alone(
@@ -354,7 +385,9 @@ def test_a_variant_that_cannot_be_read_fails_its_request_alone(
         "the variant v0001-from-v0000 cannot be read on this server now; its log says why"
     )
     assert isinstance(ends["v0000"][-1], Done) and isinstance(ends["v0003-from-v0000"][-1], Done)
-    assert "does not match its record" in caplog.text and str(envelope) in caplog.text
+    assert "not the one expected" in caplog.text and str(envelope) in caplog.text
+    store = served["v0000"].weights.store
+    assert store is not None and store.snapshot()["pinned"] == 0  # the failed one's too
 
 
 def test_the_server_starts_without_reading_a_variant_and_refuses_a_truncated_one(
@@ -373,3 +406,99 @@ def test_the_server_starts_without_reading_a_variant_and_refuses_a_truncated_one
     envelope.write_bytes(envelope.read_bytes()[:-1])
     with pytest.raises(ServingError, match=r"v0002-from-v0000.zgde is \d+ bytes; its record says"):
         load_models(root)
+
+
+def _greedy_text(model: torch.nn.Module, tokenizer: Any, ids: list[int], n: int) -> str:
+    with torch.no_grad():
+        out = model.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=n, pad_token_id=0)
+    return str(tokenizer.decode(out[0, len(ids) :], skip_special_tokens=True))
+
+
+def _until(events: list[Event], seconds: float) -> bool:
+    """Whether `events` ended (a `Done` or `Failed`) within `seconds`."""
+    deadline = time.monotonic() + seconds
+    while not (events and not isinstance(events[-1], Delta)):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
+def _piped(models: Path, tmp_path: Path) -> tuple[dict[str, ServedModel], threading.Thread]:
+    """The variants of `models`, served after v0001's file became a pipe that nobody writes
+    to yet (its read waits), and the thread that writes its bytes into it once started."""
+    root = tmp_path / "models"
+    shutil.copytree(models, root)
+    served = load_models(root)
+    envelope = variant_files(root, "v0001", "v0000")[0]
+    payload = envelope.read_bytes()
+    envelope.unlink()
+    os.mkfifo(envelope)
+    return served, threading.Thread(target=envelope.write_bytes, args=(payload,), daemon=True)
+
+
+def test_the_batch_decodes_while_a_variant_is_read(models: Path, tmp_path: Path) -> None:
+    """A variant whose file is slow to read (a pipe nobody writes to yet) holds up no one: a
+    request for the base sent after it is answered in full meanwhile, and the variant's
+    request is answered as its merged model once the bytes arrive."""
+    served, writer = _piped(models, tmp_path)
+    base, variant = served["v0000"], served["v0001-from-v0000"]
+    ids = base.tokenizer("12 + 7 =")["input_ids"]
+    answers: dict[str, list[Event]] = {"variant": [], "base": []}
+    engine = Engine(served, EngineLimits(max_batch=8))
+    engine.start()
+    try:
+        engine.submit(
+            variant, ids, Sampling(max_tokens=6, temperature=0.0), answers["variant"].append
+        )
+        engine.submit(base, ids, Sampling(max_tokens=6, temperature=0.0), answers["base"].append)
+        base_answered = _until(answers["base"], 30)
+        variant_before = list(answers["variant"])
+        writer.start()
+        variant_answered = _until(answers["variant"], 30)
+    finally:
+        if writer.ident is None:
+            writer.start()  # the read ends, and the reader with it
+        engine.stop()
+
+    assert base_answered and isinstance(answers["base"][-1], Done)
+    assert variant_before == []  # nothing of it while its bytes were missing
+    assert variant_answered and isinstance(answers["variant"][-1], Done)
+    text = "".join(e.text for e in answers["variant"] if isinstance(e, Delta))
+    assert text == _greedy_text(_merged(models, "v0001"), base.tokenizer, ids, 6)
+    assert base.weights.store is not None and base.weights.store.snapshot()["pinned"] == 0
+
+
+def test_a_request_cancelled_or_stopped_during_its_variants_read_unpins_it(
+    models: Path, tmp_path: Path
+) -> None:
+    """One request's client goes away while its variant is read, another's server stops: the
+    first hears nothing, the second that the server stopped before it started, and the
+    stop does not wait for the read; neither leaves its variant pinned."""
+    served, writer = _piped(models, tmp_path)
+    variant = served["v0001-from-v0000"]
+    store = variant.weights.store
+    assert store is not None
+    ids = variant.tokenizer("12 + 7 =")["input_ids"]
+    gone: list[Event] = []
+    stopped: list[Event] = []
+    engine = Engine(served, EngineLimits(max_batch=8))
+    engine.start()
+    try:
+        first = engine.submit(variant, ids, Sampling(max_tokens=4, temperature=0.0), gone.append)
+        engine.submit(variant, ids, Sampling(max_tokens=4, temperature=0.0), stopped.append)
+        deadline = time.monotonic() + 30
+        while engine.snapshot()["reading_variants"] != 2:
+            assert time.monotonic() < deadline, "the requests were not admitted"
+            time.sleep(0.02)
+        first.cancel()
+        assert store.snapshot()["pinned"] == 1  # one variant, for both requests
+        began = time.monotonic()
+        engine.stop()
+        took = time.monotonic() - began
+    finally:
+        writer.start()  # the read ends, and the reader with it
+
+    assert took < 5
+    assert gone == [] and stopped == [Failed("the server stopped before this request started")]
+    assert store.snapshot()["pinned"] == 0

@@ -4,10 +4,13 @@ Requests wait in a bounded queue. Between two decode steps the scheduler admits 
 requests into the running batch (up to `max_batch` rows over all models) in the order they
 came: their prompts are prefilled together, left-padded, and their KV cache is joined to the
 running one, left-padded to a common width. A request for a variant waits, and those behind it
-with it, while its variant and the variants the batch runs on the same weights do not fit in
-those weights' variant memory together (`VariantStore.fits`): the batch never reads a variant
-again while it runs. A variant is read when its request is admitted; one that cannot be read
-fails that request alone.
+with it, while its variant and the variants pinned on the same weights (those of the running
+rows and of the requests admitted before it) do not fit in those weights' variant memory
+together (`VariantStore.reserve`): the batch never reads a variant again while it runs. A
+variant that is not in memory is read on a thread of its own once its request is admitted;
+the running rows decode meanwhile (on the CPU more slowly: the read takes a core from the
+forward's threads), and the request joins the batch at the first step after the read. One that
+cannot be read fails that request alone.
 
 Every row keeps its own count of real tokens, which gives its position ids and attention mask,
 so rows that started at different times decode in one forward pass. A row leaves the batch when
@@ -19,7 +22,8 @@ each row's variant around it (`engine_models`). Rows on different weights run on
 pass per weights per step.
 
 Each request has a sink, called on the scheduler thread with `Delta` (text that is final),
-then one `Done` (finish reason and token counts) or `Failed`.
+then one `Done` (finish reason and token counts) or `Failed` (and only `Failed`, from any thread
+that stops the engine, for a request that had not started).
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from __future__ import annotations
 import inspect
 import itertools
 import logging
+import queue
 import threading
 import time
 from collections import Counter, deque
@@ -112,17 +117,43 @@ class Generation:
     sink: Callable[[Event], None]
     cancelled: bool = False
     ended: bool = False
+    pinned: bool = False  # its variant is pinned in its weights' store for it
+    unreadable: Failed | None = None  # why its variant could not be read
 
     def cancel(self) -> None:
         """Stop generating (the client went away); the row leaves at the next step."""
         self.cancelled = True
 
     def emit(self, event: Event) -> None:
-        """Pass `event` to the sink; nothing after the first `Done` or `Failed`."""
+        """Pass `event` to the sink; nothing after the first `Done` or `Failed`, which unpins
+        the request's variant."""
         if self.ended:
             return
         self.ended = not isinstance(event, Delta)
+        if self.ended:
+            self.release()
         self.sink(event)
+
+    def reserve(self) -> bool:
+        """Pin this request's variant in its store (`VariantStore.reserve`), if it has one;
+        False when it does not fit beside the variants pinned there now."""
+        store, variant = self.model.weights.store, self.model.variant
+        if store is None or variant is None or self.pinned:
+            return True
+        self.pinned = store.reserve(variant)
+        return self.pinned
+
+    def release(self) -> None:
+        """Unpin this request's variant (once)."""
+        store, variant = self.model.weights.store, self.model.variant
+        if self.pinned and store is not None and variant is not None:
+            self.pinned = False
+            store.release(variant)
+
+    def needs_read(self) -> bool:
+        """Whether its variant has yet to be read into memory."""
+        store, variant = self.model.weights.store, self.model.variant
+        return store is not None and variant is not None and variant not in store
 
 
 @dataclass(eq=False)
@@ -275,6 +306,9 @@ class Lane:
         keep = [i for i, r in enumerate(self.rows) if not (r.done or r.gen.cancelled)]
         if len(keep) == len(self.rows):
             return
+        for row in self.rows:
+            if row.done or row.gen.cancelled:
+                row.gen.release()
         self.rows = [self.rows[i] for i in keep]
         if not self.rows or self.cache is None:
             self.rows, self.cache, self.width = [], None, 0
@@ -291,6 +325,7 @@ class Lane:
     def fail(self, message: str) -> None:
         for row in self.rows:
             row.gen.emit(Failed(message))
+            row.gen.release()  # a cancelled row ends without its event
         self.rows, self.cache, self.width = [], None, 0
 
 
@@ -328,10 +363,15 @@ class Engine:
         for m in models.values():
             self._lanes.setdefault(id(m.weights), Lane(m.weights, self.stats))
         self._waiting: deque[Generation] = deque()
+        # admitted requests whose variant is read meanwhile; those read go to `_read` too
+        self._reading: set[Generation] = set()
+        self._read: list[Generation] = []
+        self._reads: queue.SimpleQueue[Generation | None] = queue.SimpleQueue()
         self._cond = threading.Condition()
         self._ids = itertools.count(1)
         self._running = False
         self._thread: threading.Thread | None = None
+        self._reader: threading.Thread | None = None
 
     # --- the callers' side (any thread) -------------------------------------------------------
 
@@ -391,9 +431,10 @@ class Engine:
 
     def snapshot(self) -> dict[str, object]:
         with self._cond:
-            waiting = len(self._waiting)
+            waiting, reading = len(self._waiting), len(self._reading)
         running = sum(len(lane.rows) for lane in self._lanes.values())
         figures = self.stats.snapshot(running=running, waiting=waiting)
+        figures["reading_variants"] = reading
         stores = [lane.weights.store for lane in self._lanes.values()]
         figures["variants"] = {s.base: s.snapshot() for s in stores if s is not None}
         return figures
@@ -404,18 +445,30 @@ class Engine:
         with self._cond:
             self._running = True
         self._thread = threading.Thread(target=self._loop, name="serving-engine", daemon=True)
+        self._reads = queue.SimpleQueue()  # its own: a reader of an earlier start may go on
+        self._reader = threading.Thread(
+            target=self._read_variants, args=(self._reads,), name="serving-variants", daemon=True
+        )
         self._thread.start()
+        self._reader.start()
 
     def stop(self) -> None:
         """Stop after the current step; waiting and running requests fail with one line."""
         with self._cond:
             self._running = False
             self._cond.notify()
+        self._reads.put(None)  # the reader ends after the read it is in, unwaited for
         if self._thread is not None:
             self._thread.join(timeout=30)
-        for gen in self._waiting:
-            gen.emit(Failed("the server stopped before this request started"))
-        self._waiting.clear()
+        with self._cond:
+            unstarted = [*self._waiting, *self._reading]
+            self._waiting.clear()
+            self._reading.clear()
+            self._read.clear()
+        for gen in unstarted:
+            if not gen.cancelled:
+                gen.emit(Failed("the server stopped before this request started"))
+            gen.release()
         for lane in self._lanes.values():
             lane.fail("the server stopped during this request")
 
@@ -423,37 +476,64 @@ class Engine:
         return sum(len(lane.rows) for lane in self._lanes.values())
 
     def _next_admitted(self) -> list[Generation] | None:
-        """Wait for work; the requests to admit now (None: the engine stops)."""
+        """Wait for work; the requests to prefill now, those whose variant could not be read
+        among them (None: the engine stops)."""
         with self._cond:
-            while self._running and not self._waiting and not self._running_rows():
-                self._cond.wait()
-            if not self._running:
-                return None
-            room = self.limits.max_batch - self._running_rows()
-            if self.limits.batch_wait_s > 0 and not self._running_rows():
-                deadline = time.monotonic() + self.limits.batch_wait_s
-                while self._running and len(self._waiting) < room:
-                    left = deadline - time.monotonic()
-                    if left <= 0:
-                        break
-                    self._cond.wait(left)
-            admitted: list[Generation] = []
-            held = self._variants_held()
-            while self._waiting and len(admitted) < room:
-                gen = self._waiting[0]
-                if not gen.cancelled and not _joins(gen, held):
-                    break  # first come, first served: it waits for rows of others to end
-                self._waiting.popleft()
-                if not gen.cancelled:
-                    admitted.append(gen)
-            return admitted
+            while self._running:
+                idle = not self._running_rows() and not self._reading
+                if idle and self._waiting and self.limits.batch_wait_s > 0:
+                    self._wait_for_batch()
+                admitted = self._take_read() + self._admit_waiting()
+                if admitted or self._running_rows():
+                    return admitted
+                self._cond.wait()  # for a request, or a variant's read to end
+            return None
 
-    def _variants_held(self) -> dict[int, set[str]]:
-        """The distinct variants the running rows use, by their weights' id."""
-        held: dict[int, set[str]] = {}
-        for key, lane in self._lanes.items():
-            held[key] = {r.gen.model.variant for r in lane.rows if r.gen.model.variant}
-        return held
+    def _wait_for_batch(self) -> None:
+        """An idle engine waits up to `batch_wait_s` for a batch's worth of requests."""
+        room = self.limits.max_batch
+        deadline = time.monotonic() + self.limits.batch_wait_s
+        while self._running and len(self._waiting) < room:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            self._cond.wait(left)
+
+    def _take_read(self) -> list[Generation]:
+        """The admitted requests whose variant's read has ended."""
+        read, self._read = self._read, []
+        self._reading.difference_update(read)
+        return read
+
+    def _admit_waiting(self) -> list[Generation]:
+        """Waiting requests in the order they came, while there is room in the batch and each
+        one's variant fits beside those pinned; one whose variant is not in memory is handed
+        to the reader, and joins once it is read."""
+        room = self.limits.max_batch - self._running_rows() - len(self._reading)
+        admitted: list[Generation] = []
+        while self._waiting and room > 0:
+            gen = self._waiting[0]
+            if not gen.cancelled and not gen.reserve():
+                break  # first come, first served: it waits for rows of others to end
+            self._waiting.popleft()
+            if gen.cancelled:
+                continue
+            room -= 1
+            if gen.needs_read():
+                self._reading.add(gen)
+                self._reads.put(gen)
+            else:
+                admitted.append(gen)
+        return admitted
+
+    def _read_variants(self, reads: queue.SimpleQueue[Generation | None]) -> None:
+        """The reader thread: reads the variants of admitted requests, one at a time."""
+        while (gen := reads.get()) is not None:
+            gen.unreadable = _variant_read(gen)
+            with self._cond:
+                if gen in self._reading:
+                    self._read.append(gen)
+                    self._cond.notify()
 
     def _loop(self) -> None:
         with torch.inference_mode():
@@ -477,7 +557,11 @@ class Engine:
                 lane.drop_finished()
         by_lane: dict[int, list[Generation]] = {}
         for gen in admitted:
-            if _variant_read(gen):
+            if gen.unreadable is not None:
+                gen.emit(gen.unreadable)
+            elif gen.cancelled:
+                gen.release()
+            else:
                 by_lane.setdefault(id(gen.model.weights), []).append(gen)
         for key, gens in by_lane.items():
             for group in _by_pad(gens):
@@ -485,38 +569,24 @@ class Engine:
             self._lanes[key].drop_finished()
 
 
-def _joins(gen: Generation, held: dict[int, set[str]]) -> bool:
-    """Whether `gen` can join the batch beside the variants `held` on its weights (and then
-    counts its own among them). One that no variant runs beside always can: a variant too
-    large for the memory on its own is refused in one line when it is read."""
-    store, variant = gen.model.weights.store, gen.model.variant
-    mine = held.setdefault(id(gen.model.weights), set())
-    if store is None or variant is None or variant in mine:
-        return True
-    if mine and not store.fits(mine | {variant}):
-        return False
-    mine.add(variant)
-    return True
-
-
-def _variant_read(gen: Generation) -> bool:
-    """Read `gen`'s variant into its store ahead of its prefill. One that cannot be read fails
-    its own request (the log says why; the client is not told the server's paths), not the
-    batch it would have joined."""
+def _variant_read(gen: Generation) -> Failed | None:
+    """Read `gen`'s variant into its store ahead of its prefill; what its request fails with
+    where it cannot be read (the log says why; the client is not told the server's paths):
+    that request alone fails, not the batch it would have joined."""
     store, variant = gen.model.weights.store, gen.model.variant
     if store is None or variant is None:
-        return True
+        return None
     try:
         store.get(variant)
     except VariantError as exc:
         log.warning("request for %s refused: %s", gen.model.id, exc)
-        gen.emit(
-            Failed(
-                f"the variant {gen.model.id} cannot be read on this server now; its log says why"
-            )
+        return Failed(
+            f"the variant {gen.model.id} cannot be read on this server now; its log says why"
         )
-        return False
-    return True
+    except Exception:  # the reader thread goes on for the other requests
+        log.exception("reading the variant of %s failed", gen.model.id)
+        return Failed("the server failed on this request; its log says why")
+    return None
 
 
 def _by_pad(gens: list[Generation]) -> list[list[Generation]]:

@@ -37,7 +37,7 @@ from __future__ import annotations
 import json
 import logging
 import threading
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Collection, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -49,7 +49,6 @@ from torch import Tensor, nn
 
 from zoo_gym.compression import EnvelopeError, inspect_envelope
 from zoo_gym.compression.envelope import bitdelta_parts, unpacks_together
-from zoo_gym.core.hashing import sha256_bytes
 from zoo_gym.serving import binary
 from zoo_gym.serving.packed import PackedTensor
 
@@ -137,26 +136,27 @@ def load_variant(
         payload = envelope.read_bytes()
     except OSError as exc:
         raise VariantError(f"cannot read {envelope} ({exc}); write the variant again") from None
-    if len(payload) != record.get("size") or sha256_bytes(payload) != record.get("sha256"):
+    sha256 = record.get("sha256")
+    if len(payload) != record.get("size") or not isinstance(sha256, str):
         raise VariantError(
             f"{envelope} does not match its record (size or sha256): it is corrupt or was "
             "replaced; write the variant again"
         )
     try:
-        packed, vectors, shapes = _unpack_envelope(payload, envelope)
+        packed, vectors, shapes = _unpack_envelope(payload, envelope, sha256)
     except EnvelopeError as exc:
-        raise VariantError(f"{envelope}: {exc}") from None
+        raise VariantError(f"{envelope}: {exc}; write the variant again") from None
     packed = {name: binary.kernel_layout(p.to(device)) for name, p in packed.items()}
     vectors = {name: p.to(device) for name, p in vectors.items()}
     return PackedVariant(version, base, packed, vectors, shapes)
 
 
 def _unpack_envelope(
-    payload: bytes, path: Path
+    payload: bytes, path: Path, sha256: str
 ) -> tuple[dict[str, PackedTensor], dict[str, PackedTensor], dict[str, tuple[int, ...]]]:
     """Matrices and 1-D tensors as `PackedTensor` (own copies of signs and stored scales),
-    and every tensor's shape."""
-    header = inspect_envelope(payload, max_elements=8 * len(payload))
+    and every tensor's shape; the payload's SHA-256 must be `sha256` (its record's)."""
+    header = inspect_envelope(payload, max_elements=8 * len(payload), sha256=sha256)
     if not unpacks_together(header):
         raise VariantError(f"{path} is not a BitDelta envelope of one group size")
     signs, _ = bitdelta_parts(payload, header)  # validates scales and padding
@@ -186,10 +186,13 @@ class VariantStore:
     """Variants of one served base, loaded on demand and kept within `budget_bytes` by
     evicting the least recently used. Thread-safe; `hits`, `loads` and `evictions` count.
 
-    A batch keeps the variants it was given alive until it ends, so an evicted variant's
-    memory returns once no batch uses it; a batch whose variants do not fit together (`fits`)
-    would read them again on every step, so the serving engine admits no request that would
-    make one.
+    A variant is read outside the store's lock, so variants in memory are handed out while
+    another is read. `reserve` pins a variant for a request that will use it, if it fits in
+    the budget beside those pinned already; a pinned variant is never evicted (the serving
+    engine pins every variant its batch runs, so it never reads one again while its rows
+    run), and `release` unpins it. Without pins the store is a plain LRU cache: a batch keeps
+    the variants it was given alive until it ends, so an evicted variant's memory returns
+    once no batch uses it.
     """
 
     def __init__(
@@ -206,6 +209,7 @@ class VariantStore:
         self.device = device
         self._cache: OrderedDict[str, PackedVariant] = OrderedDict()
         self._sizes: dict[str, int] = {}  # bytes of each variant read, or expected until then
+        self._pins: Counter[str] = Counter()  # requests using each pinned variant
         self._lock = threading.Lock()
         self.nbytes = self.hits = self.loads = self.evictions = 0
 
@@ -219,6 +223,7 @@ class VariantStore:
         with self._lock:
             return {
                 "loaded": len(self._cache),
+                "pinned": len(self._pins),
                 "bytes": self.nbytes,
                 "budget_bytes": self.budget_bytes,
                 "hits": self.hits,
@@ -236,32 +241,63 @@ class VariantStore:
         taken to be as large as the largest known (the variants of one base hold the same
         tensors)."""
         with self._lock:
-            largest = max(self._sizes.values(), default=0)
-            return sum(self._sizes.get(v, largest) for v in versions) <= self.budget_bytes
+            return self._fits(versions)
+
+    def _fits(self, versions: Collection[str]) -> bool:
+        largest = max(self._sizes.values(), default=0)
+        return sum(self._sizes.get(v, largest) for v in versions) <= self.budget_bytes
+
+    def reserve(self, version: str) -> bool:
+        """Pin `version` for one more user if it is pinned already, if nothing is, or if it
+        fits in the budget beside the variants pinned (`fits`); False leaves nothing pinned.
+        One too large for the budget on its own is refused when it is read (`get`)."""
+        with self._lock:
+            crowded = self._pins and version not in self._pins
+            if crowded and not self._fits([*self._pins, version]):
+                return False
+            self._pins[version] += 1
+            return True
+
+    def release(self, version: str) -> None:
+        """Unpin `version` for one user (`reserve`); it stays in memory until evicted."""
+        with self._lock:
+            self._pins[version] -= 1
+            if self._pins[version] <= 0:
+                del self._pins[version]
 
     def get(self, version: str) -> PackedVariant:
-        """The variant `version`, from memory or loaded (evicting others to fit the budget)."""
+        """The variant `version`, from memory or read (evicting others to fit the budget)."""
         with self._lock:
             cached = self._cache.get(version)
             if cached is not None:
                 self._cache.move_to_end(version)
                 self.hits += 1
                 return cached
-            variant = load_variant(self.models_root, version, base=self.base, device=self.device)
-            if variant.nbytes > self.budget_bytes:
-                raise VariantError(
-                    f"variant {version} takes {variant.nbytes} bytes, more than the budget of "
-                    f"{self.budget_bytes}; raise the variant memory budget"
-                )
+        variant = load_variant(self.models_root, version, base=self.base, device=self.device)
+        if variant.nbytes > self.budget_bytes:
+            raise VariantError(
+                f"variant {version} takes {variant.nbytes} bytes, more than the budget of "
+                f"{self.budget_bytes}; raise the variant memory budget"
+            )
+        with self._lock:
+            cached = self._cache.get(version)
+            if cached is not None:  # read by another caller meanwhile: theirs is kept
+                self._cache.move_to_end(version)
+                return cached
             self.loads += 1
             self._cache[version] = variant
             self._sizes[version] = variant.nbytes
             self.nbytes += variant.nbytes
-            while self.nbytes > self.budget_bytes:
-                _, evicted = self._cache.popitem(last=False)
-                self.nbytes -= evicted.nbytes
-                self.evictions += 1
+            self._evict()
             return variant
+
+    def _evict(self) -> None:
+        """Drop the least recently used variants that are not pinned until the rest fit."""
+        for name in [n for n in self._cache if n not in self._pins]:
+            if self.nbytes <= self.budget_bytes:
+                return
+            self.nbytes -= self._cache.pop(name).nbytes
+            self.evictions += 1
 
 
 @dataclass

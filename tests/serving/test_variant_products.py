@@ -146,6 +146,19 @@ def test_interleaved_signs_lie_16_rows_side_by_side_and_decode_the_same() -> Non
     )
 
 
+def test_signs_that_start_off_a_word_boundary_interleave_the_same() -> None:
+    """Signs read from a file lie where its envelope puts them: an offset of one byte gives
+    the layout an aligned copy gives."""
+    packed = _packed(37, 96, 32, 5, torch.float16)
+    shifted = torch.empty(packed.bits.numel() + 1, dtype=torch.uint8)
+    shifted[1:] = packed.bits
+    unaligned = PackedTensor(packed.shape, shifted[1:], packed.scales, packed.group)
+
+    assert unaligned.bits.storage_offset() == 1
+    assert torch.equal(unaligned.interleaved().bits, packed.interleaved().bits)
+    assert torch.equal(unaligned.interleaved().row_bits(), packed.bits)
+
+
 def test_only_matrices_of_whole_words_a_row_are_interleaved() -> None:
     odd = _packed(32, 40, 8, 0, torch.float16)  # rows of 5 bytes
 

@@ -207,6 +207,34 @@ def test_the_store_evicts_the_least_recently_used_within_its_budget(models: Path
         VariantStore(models, "v0000", budget_bytes=size // 2).get("v0001")
 
 
+def test_a_variant_that_failed_its_read_is_not_read_again_until_its_files_change(
+    models: Path, tmp_path: Path
+) -> None:
+    """Asking again for a damaged variant answers from the failure (no second read of its
+    file) until its retry time; once the variant is written again it is read."""
+    root = tmp_path / "models"
+    shutil.copytree(models / "variants", root / "variants")
+    envelope = variant_files(root, "v0001", "v0000")[0]
+    payload = envelope.read_bytes()
+    envelope.write_bytes(payload[:100] + bytes([payload[100] ^ 1]) + payload[101:])
+    store = VariantStore(root, "v0000", budget_bytes=10**8)
+
+    for _ in range(3):
+        with pytest.raises(VariantError, match="not the one expected"):
+            store.get("v0001")
+    assert store.snapshot()["failed_reads"] == 1
+    store.retry_failed_s = 0.0
+    with pytest.raises(VariantError, match="not the one expected"):
+        store.get("v0001")  # the failure remembered ran out: read again (and kept again)
+    assert store.snapshot()["failed_reads"] == 2
+
+    staged = envelope.with_suffix(".part")
+    staged.write_bytes(payload)
+    staged.replace(envelope)  # as a writer replaces a file: another inode
+    assert store.get("v0001").version == "v0001"
+    assert (store.loads, store.snapshot()["failed_reads"]) == (1, 2)
+
+
 def test_a_pinned_variant_stays_and_a_reservation_waits_for_room(models: Path) -> None:
     """Memory for two variants: pins beyond it are refused until one is released, and a read
     evicts the least recently used variant that is not pinned, not the one that is."""

@@ -37,6 +37,7 @@ from __future__ import annotations
 import json
 import logging
 import threading
+import time
 from collections import Counter, OrderedDict
 from collections.abc import Collection, Iterator, Sequence
 from contextlib import contextmanager
@@ -182,6 +183,22 @@ def _owned(data: bytes) -> Tensor:
     return torch.frombuffer(bytearray(data), dtype=torch.uint8)
 
 
+_Stamp = tuple[tuple[int, int, int] | None, ...]
+
+
+def _stamp(paths: Sequence[Path]) -> _Stamp:
+    """(inode, size, modification time in ns) of each of `paths`, None for a missing one."""
+    stamps: list[tuple[int, int, int] | None] = []
+    for path in paths:
+        try:
+            st = path.stat()
+        except OSError:
+            stamps.append(None)
+        else:
+            stamps.append((st.st_ino, st.st_size, st.st_mtime_ns))
+    return tuple(stamps)
+
+
 class VariantStore:
     """Variants of one served base, loaded on demand and kept within `budget_bytes` by
     evicting the least recently used. Thread-safe; `hits`, `loads` and `evictions` count.
@@ -193,6 +210,11 @@ class VariantStore:
     run), and `release` unpins it. Without pins the store is a plain LRU cache: a batch keeps
     the variants it was given alive until it ends, so an evicted variant's memory returns
     once no batch uses it.
+
+    A variant whose read failed is refused again with the same line, without reading it, until
+    its envelope or record changes (another inode, size or modification time) or
+    `retry_failed_s` pass (a read error may pass): asking again and again for a damaged variant
+    costs a `stat`, not a read and a hash of its file.
     """
 
     def __init__(
@@ -202,16 +224,19 @@ class VariantStore:
         budget_bytes: int,
         *,
         device: torch.device | str = "cpu",
+        retry_failed_s: float = 60.0,
     ) -> None:
         if budget_bytes <= 0:
             raise ValueError(f"budget_bytes must be positive, not {budget_bytes}")
         self.models_root, self.base, self.budget_bytes = models_root, base, budget_bytes
-        self.device = device
+        self.device, self.retry_failed_s = device, retry_failed_s
         self._cache: OrderedDict[str, PackedVariant] = OrderedDict()
         self._sizes: dict[str, int] = {}  # bytes of each variant read, or expected until then
         self._pins: Counter[str] = Counter()  # requests using each pinned variant
+        # why each variant's last read failed, the state of its files then, and when
+        self._failed: dict[str, tuple[_Stamp, str, float]] = {}
         self._lock = threading.Lock()
-        self.nbytes = self.hits = self.loads = self.evictions = 0
+        self.nbytes = self.hits = self.loads = self.evictions = self.failed_reads = 0
 
     def __len__(self) -> int:
         return len(self._cache)
@@ -229,6 +254,7 @@ class VariantStore:
                 "hits": self.hits,
                 "loads": self.loads,
                 "evictions": self.evictions,
+                "failed_reads": self.failed_reads,
             }
 
     def expect(self, version: str, nbytes: int) -> None:
@@ -273,13 +299,19 @@ class VariantStore:
                 self._cache.move_to_end(version)
                 self.hits += 1
                 return cached
-        variant = load_variant(self.models_root, version, base=self.base, device=self.device)
-        if variant.nbytes > self.budget_bytes:
-            raise VariantError(
-                f"variant {version} takes {variant.nbytes} bytes, more than the budget of "
-                f"{self.budget_bytes}; raise the variant memory budget"
-            )
+        stamp = _stamp(variant_files(self.models_root, version, self.base))
+        refused = self._refused(version, stamp)
+        if refused is not None:
+            raise VariantError(refused)
+        try:
+            variant = self._read(version)
+        except VariantError as exc:
+            with self._lock:
+                self._failed[version] = (stamp, str(exc), time.monotonic())
+                self.failed_reads += 1
+            raise
         with self._lock:
+            self._failed.pop(version, None)
             cached = self._cache.get(version)
             if cached is not None:  # read by another caller meanwhile: theirs is kept
                 self._cache.move_to_end(version)
@@ -290,6 +322,25 @@ class VariantStore:
             self.nbytes += variant.nbytes
             self._evict()
             return variant
+
+    def _refused(self, version: str, stamp: _Stamp) -> str | None:
+        """Why `version`'s last read failed, where its files are as they were then and
+        `retry_failed_s` have not passed since; else None."""
+        with self._lock:
+            failed = self._failed.get(version)
+        if failed is None:
+            return None
+        was, why, at = failed
+        return why if was == stamp and time.monotonic() - at < self.retry_failed_s else None
+
+    def _read(self, version: str) -> PackedVariant:
+        variant = load_variant(self.models_root, version, base=self.base, device=self.device)
+        if variant.nbytes > self.budget_bytes:
+            raise VariantError(
+                f"variant {version} takes {variant.nbytes} bytes, more than the budget of "
+                f"{self.budget_bytes}; raise the variant memory budget"
+            )
+        return variant
 
     def _evict(self) -> None:
         """Drop the least recently used variants that are not pinned until the rest fit."""

@@ -28,6 +28,7 @@ import httpx
 import pytest
 import torch
 from processes import stop
+from prometheus_client.parser import text_string_to_metric_families
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from zoo_gym.coordinator.registry import ModelRegistry
@@ -57,6 +58,16 @@ class Server:
 
     def client(self, key: str = KEY) -> Any:
         return openai.OpenAI(base_url=f"{self.url}/v1", api_key=key, max_retries=0, timeout=120)
+
+    def metrics(self) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+        """Each sample of `/metrics` by (name, sorted labels)."""
+        reply = httpx.get(f"{self.url}/metrics", headers={"Authorization": f"Bearer {KEY}"})
+        reply.raise_for_status()
+        return {
+            (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+            for family in text_string_to_metric_families(reply.text)
+            for sample in family.samples
+        }
 
     def stats(self) -> dict[str, Any]:
         reply = httpx.get(f"{self.url}/stats", headers={"Authorization": f"Bearer {KEY}"})
@@ -355,6 +366,36 @@ def test_a_variant_and_its_parent_share_one_forward_pass(server: Server) -> None
     variants = server.stats()["variants"]["v0000"]  # read once at the start, then kept
     assert (variants["loaded"], variants["loads"], variants["evictions"]) == (1, 1, 0)
     assert variants["hits"] > 0 and 0 < variants["bytes"] <= variants["budget_bytes"]
+
+
+def test_metrics_count_a_request_and_time_its_forward_passes(server: Server) -> None:
+    """One greedy request alone: its tokens, its end, one prefill, a decode pass per token
+    after the first, and one time to first token, as Prometheus scrapes them."""
+    before = server.metrics()
+    done = server.client().completions.create(
+        model="v0001-from-v0000", prompt="7", max_tokens=6, temperature=0
+    )
+    after = server.metrics()
+
+    def added(name: str, **labels: str) -> float:
+        key = (name, tuple(sorted(labels.items())))
+        return after[key] - before.get(key, 0.0)
+
+    usage, reason = done.usage, done.choices[0].finish_reason
+    assert usage is not None
+    assert added("zoo_gym_serve_requests_total") == 1
+    assert added("zoo_gym_serve_requests_finished_total", reason=reason) == 1
+    assert added("zoo_gym_serve_prompt_tokens_total") == usage.prompt_tokens
+    assert added("zoo_gym_serve_completion_tokens_total") == usage.completion_tokens
+    assert added("zoo_gym_serve_forward_seconds_count", phase="prefill") == 1
+    decodes = added("zoo_gym_serve_forward_seconds_count", phase="decode")
+    assert decodes == usage.completion_tokens - 1  # the first token comes from the prefill
+    assert added("zoo_gym_serve_time_to_first_token_seconds_count") == 1
+    assert 0 < added("zoo_gym_serve_time_to_first_token_seconds_sum") < 60
+    assert added("zoo_gym_serve_variant_hits_total", version="v0000") >= 1 + decodes
+    assert after[("zoo_gym_serve_variants_pinned", (("version", "v0000"),))] == 0
+    assert after[("zoo_gym_serve_requests_running", ())] == 0
+    assert httpx.get(f"{server.url}/metrics").status_code == 401  # no key
 
 
 # --- refusals -----------------------------------------------------------------------------------

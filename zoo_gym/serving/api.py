@@ -4,6 +4,8 @@
 - ``POST /v1/chat/completions``: the messages rendered with the model's chat template.
 - ``POST /v1/completions``: a text prompt (or token ids) continued as it is.
 - ``GET /stats``: the engine's counters (requests, forward passes by rows, queue).
+- ``GET /metrics``: the same and the time of each forward pass and to each first token, for
+  Prometheus (`zoo_gym.serving.metrics`).
 - ``GET /health``: open, for probes.
 
 With ``"stream": true`` an answer is a stream of server-sent events, ``data: {chunk}`` each,
@@ -26,7 +28,8 @@ from typing import Annotated, Any
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 
 from zoo_gym.core.chat import encode_prompt
@@ -44,6 +47,7 @@ from zoo_gym.serving.engine import (
     UnknownModel,
 )
 from zoo_gym.serving.engine_models import ServedModel
+from zoo_gym.serving.metrics import ServingMetrics
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
@@ -306,6 +310,7 @@ def create_app(
         redoc_url=None,
     )
     routes = Routes(engine)
+    metrics = ServingMetrics(engine)
     app.state.keys = keys
 
     @app.get("/health")
@@ -323,6 +328,10 @@ def create_app(
     @app.get("/stats")
     def stats(key: KeyDep) -> dict[str, object]:
         return engine.snapshot()
+
+    @app.get("/metrics", response_class=Response)
+    def prometheus(key: KeyDep) -> Response:
+        return Response(metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
 
     @app.post("/v1/chat/completions", response_model=None)
     async def chat(key: KeyDep, body: schemas.ChatRequest) -> Any:

@@ -115,6 +115,7 @@ class Generation:
     prompt: list[int]
     sampling: Sampling
     sink: Callable[[Event], None]
+    queued_at: float = field(default_factory=time.monotonic)
     cancelled: bool = False
     ended: bool = False
     pinned: bool = False  # its variant is pinned in its weights' store for it
@@ -170,15 +171,33 @@ class Row:
 
 @dataclass
 class EngineStats:
+    """The engine's counters, and what it tells `observe_forward` (phase, seconds of each
+    forward pass) and `observe_first_token` (seconds from a request's queueing to its first
+    token) where they are set (`zoo_gym.serving.metrics`)."""
+
     requests: int = 0
+    prompt_tokens: int = 0  # of the requests finished
     completion_tokens: int = 0
     forwards: int = 0
     rows_per_forward: Counter[int] = field(default_factory=Counter)
+    finished: Counter[str] = field(default_factory=Counter)  # finish reason, or "failed"
+    observe_forward: Callable[[str, float], None] | None = None
+    observe_first_token: Callable[[float], None] | None = None
+
+    def count(self, event: Event) -> None:
+        """Count a request's last event."""
+        if isinstance(event, Done):
+            self.finished[event.finish_reason] += 1
+            self.prompt_tokens += event.prompt_tokens
+        elif isinstance(event, Failed):
+            self.finished["failed"] += 1
 
     def snapshot(self, *, running: int, waiting: int) -> dict[str, object]:
         return {
             "requests": self.requests,
+            "prompt_tokens": self.prompt_tokens,
             "completion_tokens": self.completion_tokens,
+            "finished": dict(sorted(self.finished.items())),
             "forwards": self.forwards,
             "max_rows": max(self.rows_per_forward, default=0),
             "rows_per_forward": {str(k): v for k, v in sorted(self.rows_per_forward.items())},
@@ -227,6 +246,7 @@ class Lane:
 
     def _forward(
         self,
+        phase: str,
         gens: Sequence[Generation],
         ids: Tensor,
         mask: Tensor,
@@ -238,6 +258,7 @@ class Lane:
         device = self.weights.device
         self.stats.forwards += 1
         self.stats.rows_per_forward[ids.shape[0]] += 1
+        began = time.monotonic()
         with self.weights.assign([g.model.variant for g in gens]):
             out = self.weights.model(
                 input_ids=ids.to(device),
@@ -248,6 +269,8 @@ class Lane:
                 **{self.cache_argument: cache},
             )
         logits: Tensor = out.logits[:, -1].float().cpu()
+        if self.stats.observe_forward is not None:  # the logits on the CPU: the pass is over
+            self.stats.observe_forward(phase, time.monotonic() - began)
         return logits
 
     def admit(self, gens: Sequence[Generation]) -> list[Row]:
@@ -256,7 +279,7 @@ class Lane:
         ids, mask = left_pad([g.prompt for g in gens], pad_id_of(tokenizer))
         positions = (mask.cumsum(dim=1) - 1).clamp(min=0)
         cache = DynamicCache()
-        logits = self._forward(gens, ids, mask, positions, cache)
+        logits = self._forward("prefill", gens, ids, mask, positions, cache)
         rows = [
             Row(
                 g,
@@ -268,6 +291,10 @@ class Lane:
         ]
         self._join(rows, cache, ids.shape[1])
         self._sample(rows, logits)
+        if self.stats.observe_first_token is not None:
+            now = time.monotonic()
+            for g in gens:
+                self.stats.observe_first_token(now - g.queued_at)
         return rows
 
     def _join(self, rows: list[Row], cache: DynamicCache, width: int) -> None:
@@ -289,7 +316,8 @@ class Lane:
         lengths = torch.tensor([r.length for r in self.rows])
         ids = torch.tensor([[r.token] for r in self.rows])
         mask = _positions(lengths + 1, self.width + 1)
-        logits = self._forward([r.gen for r in self.rows], ids, mask, lengths[:, None], self.cache)
+        gens = [r.gen for r in self.rows]
+        logits = self._forward("decode", gens, ids, mask, lengths[:, None], self.cache)
         self.width += 1
         for row in self.rows:
             row.length += 1
@@ -415,7 +443,14 @@ class Engine:
         sink: Callable[[Event], None],
     ) -> Generation:
         """Queue a checked request (`check`); QueueFull or EngineStopped when it cannot wait."""
-        gen = Generation(next(self._ids), model, prompt, sampling, sink)
+        stats = self.stats
+
+        def counted(event: Event) -> None:
+            if not isinstance(event, Delta):
+                stats.count(event)
+            sink(event)
+
+        gen = Generation(next(self._ids), model, prompt, sampling, counted)
         with self._cond:
             if not self._running:
                 raise EngineStopped("the server is stopping; retry against a running one")

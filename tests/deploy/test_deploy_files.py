@@ -353,7 +353,7 @@ def _unit(path: Path) -> dict[str, dict[str, str]]:
 @pytest.mark.parametrize("unit", UNITS, ids=lambda p: p.name)
 def test_unit_is_hardened(unit: Path) -> None:
     service = _unit(unit)["Service"]
-    scripts = {"gym-coordinator", "gym-client"}
+    scripts = {"gym-coordinator", "gym-client", "gym-serve"}
 
     assert service["NoNewPrivileges"] == "yes" and service["ProtectSystem"] == "strict"
     assert service["Restart"] == "on-failure" and service["ReadWritePaths"]
@@ -369,7 +369,7 @@ def test_unit_is_hardened(unit: Path) -> None:
 def test_systemd_analyze_verify(tmp_path: Path) -> None:
     # the units name /opt/zoo-gym/bin/...; verify them against this tree's installed scripts
     bin_dir = Path(sys.executable).parent
-    for name in ("gym-coordinator", "gym-client"):
+    for name in ("gym-coordinator", "gym-client", "gym-serve"):
         assert (bin_dir / name).exists(), f"{name} is not installed in {bin_dir}"
     for unit in UNITS:
         (tmp_path / unit.name).write_text(

@@ -352,8 +352,7 @@ class Lane:
 
     def fail(self, message: str) -> None:
         for row in self.rows:
-            row.gen.emit(Failed(message))
-            row.gen.release()  # a cancelled row ends without its event
+            row.gen.emit(Failed(message))  # unpins its variant, or did at its end already
         self.rows, self.cache, self.width = [], None, 0
 
 

@@ -32,11 +32,13 @@ from prometheus_client.parser import text_string_to_metric_families
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from zoo_gym.coordinator.registry import ModelRegistry
+from zoo_gym.coordinator.tls import write_tls_material
 from zoo_gym.coordinator.variants import apply_variant, variant_paths, write_variant
 from zoo_gym.core.identity import Identity
 from zoo_gym.core.tiny import build_tiny_model
 from zoo_gym.core.weights import load_weights
 from zoo_gym.serving.api_guard import key_digest
+from zoo_gym.serving.server import ServeSettings, check_tls
 from zoo_gym.simulation.demo import free_port
 
 openai = pytest.importorskip("openai")
@@ -55,9 +57,13 @@ class Server:
     root: Path
     proc: subprocess.Popen[bytes]
     log: Path
+    ca: Path | None = None  # the CA of its certificate, where it serves HTTPS
 
     def client(self, key: str = KEY) -> Any:
-        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=key, max_retries=0, timeout=120)
+        http = httpx.Client(verify=str(self.ca)) if self.ca else None
+        return openai.OpenAI(
+            base_url=f"{self.url}/v1", api_key=key, max_retries=0, timeout=120, http_client=http
+        )
 
     def metrics(self) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
         """Each sample of `/metrics` by (name, sorted labels)."""
@@ -97,9 +103,12 @@ LIMIT_FILES = (
 """`python -c LIMIT_FILES N ...`: gym-serve with at most N open descriptors (RLIMIT_NOFILE)."""
 
 
-def start(root: Path, signer: Identity, *args: str, files: int = 0) -> Server:
+def start(
+    root: Path, signer: Identity, *args: str, files: int = 0, ca: Path | None = None
+) -> Server:
     """`gym-serve` on a free loopback port, once it answers /health (else its log); with
-    `files`, allowed that many open descriptors."""
+    `files`, allowed that many open descriptors; with `ca`, over HTTPS (`args` give its
+    certificate)."""
     port = free_port()
     keys = root.parent / "keys.txt"
     keys.write_text(f"# test key\n{key_digest(KEY)}\n")
@@ -109,11 +118,13 @@ def start(root: Path, signer: Identity, *args: str, files: int = 0) -> Server:
     argv += ["--api-key-file", str(keys), "--coordinator-key", signer.public_key.hex(), *args]
     with log.open("wb") as out:
         proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-    server = Server(f"http://127.0.0.1:{port}", root, proc, log)
+    scheme = "https" if ca else "http"
+    server = Server(f"{scheme}://127.0.0.1:{port}", root, proc, log, ca)
+    verify = str(ca) if ca else True
     deadline = time.monotonic() + 120
     while True:
         try:
-            if httpx.get(f"{server.url}/health", timeout=1).status_code == 200:
+            if httpx.get(f"{server.url}/health", timeout=1, verify=verify).status_code == 200:
                 return server
         except httpx.HTTPError:
             pass
@@ -483,6 +494,79 @@ def test_no_key_on_a_public_address_refuses_to_start(tiny_home_template: Path) -
 
     assert done.returncode == 1
     assert done.stderr.startswith("error: no API key configured")
+    assert len(done.stderr.strip().splitlines()) == 1
+
+
+# --- TLS -----------------------------------------------------------------------------------------
+
+
+def test_tls_serves_https_with_the_coordinators_certificate(
+    tiny_home_template: Path, tmp_path: Path
+) -> None:
+    """A certificate made as `gym-coordinator init --tls` makes one: clients that trust its CA
+    are answered, plain HTTP and clients that do not trust it are not."""
+    root = tmp_path / "models"
+    shutil.copytree(tiny_home_template / "models", root)
+    tls = write_tls_material(tmp_path / "tls", ["127.0.0.1"])
+    signer = Identity.load(tiny_home_template / "coordinator.key")
+    pair = ("--tls-cert", str(tls.server_cert), "--tls-key", str(tls.server_key))
+    served = start(root, signer, "--no-variants", *pair, ca=tls.ca_cert)
+    try:
+        done = served.client().completions.create(
+            model="v0000", prompt="7", max_tokens=3, temperature=0
+        )
+        with pytest.raises(httpx.ConnectError, match="CERTIFICATE_VERIFY_FAILED"):
+            httpx.get(f"{served.url}/health")  # the system's CAs do not know it
+        with pytest.raises(httpx.HTTPError):
+            httpx.get(served.url.replace("https://", "http://") + "/health")
+    finally:
+        stop(served.proc)
+
+    assert done.choices[0].finish_reason in ("stop", "length")
+    assert "on https://127.0.0.1:" in served.log.read_text()
+
+
+def test_plain_http_beyond_loopback_is_said_at_the_start(caplog: pytest.LogCaptureFixture) -> None:
+    assert check_tls(ServeSettings(models=Path("models"), host="0.0.0.0")) is False
+    assert "over plain HTTP: API keys and prompts travel in clear" in caplog.text
+    caplog.clear()
+    assert check_tls(ServeSettings(models=Path("models"))) is False  # 127.0.0.1
+    assert caplog.text == ""
+
+
+@pytest.mark.parametrize(
+    ("pair", "message"),
+    [
+        (("cert",), "error: --tls-cert and --tls-key go together; give both (PEM files)"),
+        (("cert", "other"), "cannot serve TLS (the key is not the certificate's); give a"),
+        (("key", "key"), "cannot serve TLS (not a PEM certificate and key: "),
+        (("missing", "key"), "cannot serve TLS (No such file or directory); give a PEM"),
+    ],
+)
+def test_a_tls_pair_that_cannot_serve_refuses_to_start_in_one_line(
+    tiny_home_template: Path, tmp_path: Path, pair: tuple[str, ...], message: str
+) -> None:
+    ours = write_tls_material(tmp_path / "ours", ["127.0.0.1"])
+    theirs = write_tls_material(tmp_path / "theirs", ["127.0.0.1"])
+    files = {
+        "cert": ours.server_cert,
+        "key": ours.server_key,
+        "other": theirs.server_key,
+        "missing": tmp_path / "missing.pem",
+    }
+    args = ["--tls-cert", str(files[pair[0]])]
+    if len(pair) > 1:
+        args += ["--tls-key", str(files[pair[1]])]
+    models = str(tiny_home_template / "models")
+    done = subprocess.run(
+        [sys.executable, "-m", "zoo_gym.cli.serve", "--models", models, *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+    assert done.returncode == 1
+    assert message in done.stderr and done.stderr.startswith("error: ")
     assert len(done.stderr.strip().splitlines()) == 1
 
 

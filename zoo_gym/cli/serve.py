@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
 from zoo_gym.cli.common import console, err_console, friendly, setup_logging
+
+if TYPE_CHECKING:
+    from zoo_gym.serving.server import ServeSettings
 
 app = typer.Typer(
     help="Serve published versions over an OpenAI-compatible API.",
@@ -29,6 +32,13 @@ KeyFileOption = Annotated[
 KeyOption = Annotated[
     str | None,
     typer.Option(help="an accepted key (visible to other local users; prefer ZOO_SERVE_API_KEY)"),
+]
+TlsCertOption = Annotated[
+    Path | None,
+    typer.Option(help="PEM certificate to serve HTTPS with (the coordinator's tls/server.pem)"),
+]
+TlsKeyOption = Annotated[
+    Path | None, typer.Option(help="the certificate's PEM private key (tls/server.key)")
 ]
 CoordinatorKeyOption = Annotated[
     str | None,
@@ -86,6 +96,8 @@ def serve(
     port: PortOption = 8000,
     api_key_file: KeyFileOption = None,
     api_key: KeyOption = None,
+    tls_cert: TlsCertOption = None,
+    tls_key: TlsKeyOption = None,
     coordinator_key: CoordinatorKeyOption = None,
     device: DeviceOption = "cpu",
     version: VersionOption = None,
@@ -107,9 +119,7 @@ def serve(
     """
     setup_logging(verbose)
     from zoo_gym.serving.engine import EngineLimits
-    from zoo_gym.serving.engine_models import ServingError
     from zoo_gym.serving.server import ServeSettings
-    from zoo_gym.serving.server import serve as run_server
 
     settings = ServeSettings(
         models=models,
@@ -117,6 +127,8 @@ def serve(
         port=port,
         api_key_file=api_key_file,
         api_key=api_key,
+        tls_cert=tls_cert,
+        tls_key=tls_key,
         coordinator_key=coordinator_key,
         device=device,
         versions=tuple(version or ()),
@@ -133,6 +145,14 @@ def serve(
         read_timeout_s=read_timeout_s,
         max_connections_per_address=max_connections_per_address,
     )
+    _run(settings)
+
+
+def _run(settings: ServeSettings) -> None:
+    """Serve until interrupted; a setting that cannot serve is one line and exit status 1."""
+    from zoo_gym.serving.engine_models import ServingError
+    from zoo_gym.serving.server import serve as run_server
+
     try:
         run_server(settings, say=lambda line: console.print(line, markup=False, soft_wrap=True))
     except ServingError as exc:

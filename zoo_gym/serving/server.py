@@ -5,6 +5,12 @@ address (127.0.0.1, ::1, localhost); anywhere else it needs keys (`--api-key-fil
 `--api-key` or the environment variable `ZOO_SERVE_API_KEY`). That is checked before any
 model is loaded, so a wrong start costs nothing.
 
+With `--tls-cert` and `--tls-key` (PEM; the coordinator's `tls/server.pem` and `server.key`
+serve where the certificate names this host) it serves HTTPS; the pair is checked before any
+model loads too. Without them, on an address that is not loopback, keys and prompts travel in
+clear: the server says so at its start (a reverse proxy may add TLS in front of it). A renewed
+certificate is served from the next start.
+
 A client has `read_timeout_s` to send a request's head (else the connection is closed, as the
 coordinator's REST API does: `transport.heads`) and again its body (else 408: `api_guard`), so
 clients trickling bytes cannot hold the server's connections; and one address holds at most
@@ -15,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import os
+import ssl
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -41,6 +48,8 @@ class ServeSettings:
     port: int = 8000
     api_key_file: Path | None = None
     api_key: str | None = None
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
     coordinator_key: str | None = None  # hex Ed25519 public key that signed the versions
     device: str = "cpu"
     versions: tuple[str, ...] = ()  # every published version when empty
@@ -78,6 +87,39 @@ def key_check(settings: ServeSettings) -> KeyCheck:
     return KeyCheck(digests)
 
 
+def check_tls(settings: ServeSettings) -> bool:
+    """Whether the server serves HTTPS; ServingError where the certificate and key are not
+    both given or do not load as a pair."""
+    cert, key = settings.tls_cert, settings.tls_key
+    if cert is None and key is None:
+        if not is_loopback_host(settings.host):
+            log.warning(
+                "serving %s over plain HTTP: API keys and prompts travel in clear; give "
+                "--tls-cert and --tls-key, or put TLS in front of it",
+                settings.host,
+            )
+        return False
+    if cert is None or key is None:
+        raise ServingError("--tls-cert and --tls-key go together; give both (PEM files)")
+    try:
+        ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(cert, key)
+    except (OSError, ssl.SSLError) as exc:
+        raise ServingError(
+            f"--tls-cert {cert} and --tls-key {key} cannot serve TLS ({_tls_reason(exc)}); "
+            "give a PEM certificate and its own private key"
+        ) from None
+    return True
+
+
+def _tls_reason(exc: OSError) -> str:
+    """What was wrong with a certificate and key, in a few words."""
+    if not isinstance(exc, ssl.SSLError):
+        return exc.strerror or str(exc)
+    if exc.reason == "KEY_VALUES_MISMATCH":
+        return "the key is not the certificate's"
+    return f"not a PEM certificate and key: {exc.reason or exc}"
+
+
 def coordinator_key_bytes(hex_key: str | None) -> bytes | None:
     if hex_key is None:
         return None
@@ -108,6 +150,7 @@ def serve(settings: ServeSettings, *, say: Callable[[str], None] = log.info) -> 
     """Check the settings, load the models, and serve until interrupted (SIGINT / SIGTERM);
     `say` hears what is served where."""
     keys = key_check(settings)
+    tls = check_tls(settings)
     engine = build_engine(settings)
     app = create_app(
         engine,
@@ -124,11 +167,14 @@ def serve(settings: ServeSettings, *, say: Callable[[str], None] = log.info) -> 
         # and connections per address
         http=guarded_h11(settings.read_timeout_s, settings.max_connections_per_address),
         h11_max_incomplete_event_size=MAX_HEADER_BYTES,
+        ssl_certfile=str(settings.tls_cert) if tls else None,
+        ssl_keyfile=str(settings.tls_key) if tls else None,
     )
     engine.start()
     access = "API key required" if keys.required else "no API key: loopback only"
     say(
-        f"serving {', '.join(engine.models)} on http://{settings.host}:{settings.port}/v1 "
+        f"serving {', '.join(engine.models)} on "
+        f"{'https' if tls else 'http'}://{settings.host}:{settings.port}/v1 "
         f"({access})"
     )
     try:

@@ -363,6 +363,23 @@ def test_unit_is_hardened(unit: Path) -> None:
     assert program.parent == Path("/opt/zoo-gym/bin") and program.name in scripts
 
 
+def test_the_serving_unit_sees_nothing_secret_of_the_coordinator() -> None:
+    """gym-serve faces the internet: of the coordinator's state it sees the models and the
+    served certificate, read only; not the signing key, the CA's key or the ledger."""
+    service = _unit(DEPLOY / "systemd" / "gym-serve.service")["Service"]
+    home = "/var/lib/zoo-gym/coordinator"
+
+    assert service["TemporaryFileSystem"] == "/var/lib/zoo-gym:ro"  # hides all of it
+    assert service["BindReadOnlyPaths"].split() == [
+        f"{home}/models",
+        f"{home}/tls/server.pem",
+        f"{home}/tls/server.key",
+    ]
+    assert service["ReadWritePaths"] == "/var/lib/zoo-gym-serve"
+    assert "ReadOnlyPaths" not in service and "BindPaths" not in service
+    assert f"--models {home}/models" in service["ExecStart"]
+
+
 @pytest.mark.skipif(
     shutil.which("systemd-analyze") is None, reason="systemd-analyze is not installed"
 )

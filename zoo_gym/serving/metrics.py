@@ -44,8 +44,12 @@ FINISH_REASONS = ("stop", "length", "failed")
 # seconds: a tiny model's step on a GPU to a long prefill on a CPU
 BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
-_VARIANT_GAUGES = {"loaded": "variants_loaded", "pinned": "variants_pinned"}
-_VARIANT_BYTES = {"bytes": "variant_bytes", "budget_bytes": "variant_budget_bytes"}
+_VARIANT_GAUGES = {
+    "loaded": "variants_loaded",
+    "pinned": "variants_pinned",
+    "bytes": "variant_bytes",
+    "budget_bytes": "variant_budget_bytes",
+}
 _VARIANT_COUNTERS = {
     "hits": "variant_hits",
     "loads": "variant_reads",
@@ -94,7 +98,7 @@ class _EngineCollector(Collector):
         stats = self.engine.stats
         for name, value, about in (
             ("requests", figures["requests"], "Requests queued"),
-            ("prompt_tokens", stats.prompt_tokens, "Prompt tokens of the finished requests"),
+            ("prompt_tokens", figures["prompt_tokens"], "Prompt tokens of the finished requests"),
             ("completion_tokens", figures["completion_tokens"], "Tokens sampled"),
             ("forward_passes", figures["forwards"], "Forward passes of a batch"),
         ):
@@ -117,12 +121,13 @@ class _EngineCollector(Collector):
 def _variant_metrics(stores: Any) -> Iterator[Metric]:
     """Each served version's variant memory, from its store's snapshot."""
     families: list[tuple[GaugeMetricFamily | CounterMetricFamily, str]] = []
-    for key, name in (*_VARIANT_GAUGES.items(), *_VARIANT_BYTES.items()):
-        about = f"Variants of the served version: {key.replace('_', ' ')}"
-        families.append((GaugeMetricFamily(f"{PREFIX}_{name}", about, labels=["version"]), key))
-    for key, name in _VARIANT_COUNTERS.items():
-        about = f"Variants of the served version: {key.replace('_', ' ')}"
-        families.append((CounterMetricFamily(f"{PREFIX}_{name}", about, labels=["version"]), key))
+    for kind, names in (
+        (GaugeMetricFamily, _VARIANT_GAUGES),
+        (CounterMetricFamily, _VARIANT_COUNTERS),
+    ):
+        for key, name in names.items():
+            about = f"Variants of the served version: {key.replace('_', ' ')}"
+            families.append((kind(f"{PREFIX}_{name}", about, labels=["version"]), key))
     for version, snapshot in sorted(stores.items()):
         for family, key in families:
             family.add_metric([version], snapshot[key])
